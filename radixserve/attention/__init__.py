@@ -1,0 +1,29 @@
+"""Attention backend registry: the one place a backend name becomes a class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.attention.base import AttnBackend
+    from radixserve.cache.pool import KVPool
+
+_BACKENDS = {"torch": "radixserve.attention.torch_ref:TorchRefBackend"}
+CHOICES = ("auto", *_BACKENDS)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name == "auto":
+        # The Triton backend (CUDA) lands with the kernels; until then torch everywhere.
+        return "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend: {name!r} is not available; choose from: {', '.join(CHOICES)}")
+    return name
+
+
+def create_backend(name: str, pool: KVPool, device: torch.device) -> AttnBackend:
+    module, cls = _BACKENDS[resolve_backend_name(name, device)].split(":")
+    return getattr(importlib.import_module(module), cls)(pool)

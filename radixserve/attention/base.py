@@ -1,0 +1,33 @@
+"""The attention backend contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixserve.batch import ForwardBatch
+from radixserve.cache.pool import KVPool
+
+
+class AttnBackend(ABC):
+    """Attention over the KV pool.
+
+    - `prepare(batch)` runs once per ForwardBatch, before the model; it may store whatever
+      it needs in `batch.attn_meta` (index tensors, masks) for all layers to reuse.
+    - `forward(q, k, v, layer, batch)`: q (T, heads, D), k/v (T, kv_heads, D) for the T
+      flat rows. Writes k/v into the pool at `batch.out_slots`, then lets each sequence's
+      rows attend causally to its slots (prefix + itself). Returns (T, heads, D).
+    - The model knows nothing of slots; the backend never frees or allocates them.
+    """
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...

@@ -1,0 +1,71 @@
+"""Reference attention in plain torch: runs anywhere, and is the oracle for the others.
+
+Decode rows (one query each) run as one padded batch; each extend sequence (a prefill
+chunk over its cached prefix) runs on its own. GQA never copies K/V per query head: the
+`group` query heads sharing a KV head are folded into the query-length dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.attention.base import AttnBackend
+from radixserve.batch import ForwardBatch
+
+
+class TorchRefBackend(AttnBackend):
+    def prepare(self, batch: ForwardBatch) -> None:
+        dev = batch.input_ids.device
+        dec = [s for s in batch.seqs if s.q_len == 1]
+        meta = batch.attn_meta
+        meta["extend"] = [s for s in batch.seqs if s.q_len > 1]
+        if dec:
+            width = max(s.kv_len for s in dec)
+            idx = torch.zeros(len(dec), width, dtype=torch.int64)
+            for i, s in enumerate(dec):
+                idx[i, : s.kv_len] = torch.tensor(s.slots, dtype=torch.int64)
+            lens = torch.tensor([s.kv_len for s in dec])
+            meta["dec_rows"] = torch.tensor([s.q_start for s in dec], device=dev)
+            meta["dec_idx"] = idx.to(dev)
+            meta["dec_mask"] = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :].to(dev)
+        for s in meta["extend"]:
+            meta[("slots", s.q_start)] = torch.tensor(s.slots, dtype=torch.int64, device=dev)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.pool.store(layer, batch.out_slots, k, v)
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        group = heads // kv_heads
+        meta = batch.attn_meta
+        out = torch.empty_like(q)
+        if "dec_rows" in meta:
+            rows = meta["dec_rows"]
+            b = rows.shape[0]
+            qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
+            kd = kp[meta["dec_idx"]].transpose(1, 2)  # (b, kv_heads, L, dim)
+            vd = vp[meta["dec_idx"]].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta["dec_mask"])
+            out.index_copy_(0, rows, od.reshape(b, heads, dim))
+        for s in meta["extend"]:
+            n = s.q_len
+            slots = meta[("slots", s.q_start)]
+            qe = q[s.q_start : s.q_start + n].view(n, kv_heads, group, dim).permute(1, 0, 2, 3)
+            qe = qe.reshape(kv_heads, n * group, dim)
+            ke = kp.index_select(0, slots).transpose(0, 1)  # (kv_heads, L, dim)
+            ve = vp.index_select(0, slots).transpose(0, 1)
+            mask = _causal_mask(meta, s.prefix_len, n, group, q.device)
+            oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask)
+            out[s.q_start : s.q_start + n] = oe.view(kv_heads, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
+        return out
+
+
+def _causal_mask(meta: dict, prefix: int, n: int, group: int, device: torch.device) -> torch.Tensor:
+    """(n * group, prefix + n) bool: row i * group + g may see keys 0 .. prefix + i."""
+    key = ("mask", prefix, n, group)
+    if key not in meta:
+        qpos = torch.arange(n, device=device).repeat_interleave(group) + prefix
+        meta[key] = torch.arange(prefix + n, device=device)[None, :] <= qpos[:, None]
+    return meta[key]

@@ -1,0 +1,72 @@
+"""ForwardBatch: the one tensor-side batch, built from the scheduler's plan.
+
+Tokens of all sequences are flattened: sequence i owns rows [q_start, q_start + q_len)
+and attends to KV slots `slots` (its cached prefix, then the rows being fed now).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.request import Req
+from radixserve.sched.scheduler import SchedulePlan
+
+if TYPE_CHECKING:
+    from radixserve.attention.base import AttnBackend
+
+
+@dataclass
+class SeqView:
+    q_start: int  # first row in the flat batch
+    q_len: int  # tokens fed now
+    prefix_len: int  # KV tokens before them
+    slots: list[int]  # KV slots, len == prefix_len + q_len
+
+    @property
+    def kv_len(self) -> int:
+        return self.prefix_len + self.q_len
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_slots: torch.Tensor  # (T,) int64: where each row's new K/V is written
+    seqs: list[SeqView]
+    attn_backend: AttnBackend
+    attn_meta: dict[str, Any] = field(default_factory=dict)  # owned by the backend
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: SchedulePlan,
+        slots_of: Callable[[Req], list[int]],
+        backend: AttnBackend,
+        device: torch.device,
+    ) -> ForwardBatch:
+        ids: list[int] = []
+        pos: list[int] = []
+        out: list[int] = []
+        seqs: list[SeqView] = []
+        for it in plan.items:
+            end = it.start + it.length
+            slots = slots_of(it.req)[:end]
+            seqs.append(SeqView(len(ids), it.length, it.start, slots))
+            ids.extend(it.req.token_ids[it.start : end])
+            pos.extend(range(it.start, end))
+            out.extend(slots[it.start : end])
+
+        def as_tensor(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        batch = cls(as_tensor(ids), as_tensor(pos), as_tensor(out), seqs, backend)
+        backend.prepare(batch)
+        return batch

@@ -1,0 +1,75 @@
+"""Frozen, typed configuration, grouped by consumer.
+
+`EngineConfig.build(model, **overrides)` is the one place where flat override names
+(`kv_cache_tokens=...`, `chunked_prefill_size=...`) are routed to their group, so the CLI,
+the Engine constructor and tests share one source of defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # None: the default SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    context_length: int | None = None  # cap below the model's own window
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_cache_tokens: int | None = None  # explicit pool size in tokens (slots)
+    kv_mem_fraction: float = 0.25  # else: this fraction of available memory
+    page_size: int = 1
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    chunked_prefill_size: int = 512  # prefill tokens per iteration (decodes ride along)
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None  # cap on the KV pool, in tokens
+    schedule_policy: str = "fcfs"
+    init_new_token_ratio: float = 0.7  # share of remaining decode tokens reserved at admission
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002
+    reserve_clip_tokens: int = 4096  # per-request cap on the reservation
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    attention_backend: str = "auto"  # auto | torch | triton
+    default_max_new_tokens: int = 128
+    log_level: str = "info"
+
+    @classmethod
+    def build(cls, model: str | None = None, **overrides: Any) -> EngineConfig:
+        """Route flat field names to their group: `build(dtype="float32", kv_cache_tokens=4096)`."""
+        groups = {"model": ModelConfig, "cache": CacheConfig, "sched": SchedConfig}
+        per_group: dict[str, dict[str, Any]] = {g: {} for g in groups}
+        top: dict[str, Any] = {}
+        top_names = {f.name for f in fields(cls)} - set(groups)
+        if model is not None:
+            per_group["model"]["path"] = str(model)
+        for name, value in overrides.items():
+            owner = next((g for g, c in groups.items() if name in _field_names(c)), None)
+            if owner is not None:
+                per_group[owner][name] = value
+            elif name in top_names:
+                top[name] = value
+            else:
+                known = sorted(top_names.union(*(_field_names(c) for c in groups.values())))
+                raise TypeError(f"unknown engine option {name!r}; known options: {', '.join(known)}")
+        base = cls()
+        parts = {g: replace(getattr(base, g), **kw) for g, kw in per_group.items()}
+        return replace(base, **parts, **top)
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}

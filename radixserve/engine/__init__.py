@@ -1,0 +1,1 @@
+"""The engine: model runner, sampler, detokenizer and the Engine that composes them."""

@@ -1,0 +1,186 @@
+"""Engine: composes model, KV memory, scheduler and sampler behind a sync and an async API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from radixserve.attention import create_backend
+from radixserve.cache.allocator import SlotAllocator
+from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token
+from radixserve.cache.prefix import NullPrefixCache
+from radixserve.config import EngineConfig
+from radixserve.engine.loop import EngineLoop
+from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.runner import ModelRunner
+from radixserve.engine.sampler import Sampler
+from radixserve.models.loader import load_model
+from radixserve.request import Req, SamplingParams
+from radixserve.sched.cache_manager import CacheManager
+from radixserve.sched.policy import check_admissible
+from radixserve.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    """`Engine(model=None, **overrides)`: model None is the default SmolLM2-135M-Instruct;
+    overrides are EngineConfig field names (kv_cache_tokens, chunked_prefill_size, ...)."""
+
+    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+        self.config = cfg = EngineConfig.build(model, **overrides)
+        self.device = _device(cfg.model.device)
+        self.dtype = _dtype(cfg.model.dtype, self.device)
+        loaded = load_model(cfg.model.path, self.dtype, self.device)
+        self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)
+        self.vocab_size = min(self.arch.vocab_size, len(self.tokenizer))
+        self.eos_ids = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        a = self.arch
+        self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        self.cache = CacheManager(SlotAllocator(self.pool.num_slots), NullPrefixCache())
+        self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
+        self.sampler = Sampler(self.vocab_size, self.eos_ids)
+        backend = create_backend(cfg.attention_backend, self.pool, self.device)
+        self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
+        self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
+        self._loop.start()
+
+    def _pool_slots(self) -> int:
+        c, a = self.config, self.arch
+        per_token = kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        if c.cache.kv_cache_tokens is not None:
+            n = c.cache.kv_cache_tokens
+        else:
+            n = int(available_memory_bytes(self.device) * c.cache.kv_mem_fraction) // per_token
+        if c.sched.max_total_tokens is not None:
+            n = min(n, c.sched.max_total_tokens)
+        if n < 1:
+            raise ValueError(f"kv_cache_tokens: the KV pool would hold {n} tokens; give it at least 1")
+        return n
+
+    # -- requests ---------------------------------------------------------------------------
+    def make_req(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None, priority: int = 0) -> Req:
+        """Tokenize and validate; raises ValueError naming the bad field."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: the prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.arch.vocab_size:
+                    raise ValueError(f"input_ids: {t!r} is not a token id in [0, {self.arch.vocab_size})")
+        params.validate(self.vocab_size)
+        default_max = max(min(self.config.default_max_new_tokens, self.context_len - len(ids)), 0)
+        req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max)
+        check_admissible(req, self.context_len, self.pool.num_slots)
+        return req
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render messages with the model's own chat template, ready for generation."""
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+    def generate(
+        self, prompts: Sequence[Prompt] | str, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Output]:
+        """Run a batch to completion (offline use). One Output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        reqs = [self.make_req(p, sp) for p, sp in zip(prompts, plist)]
+        results: dict[str, Output] = {}
+        done = threading.Event()
+        guard = threading.Lock()
+
+        def sink(d: Delta) -> None:
+            if d.finished and d.output is not None:
+                with guard:
+                    results[d.rid] = d.output
+                    if len(results) == len(reqs):
+                        done.set()
+
+        for req in reqs:
+            self._loop.add(req, sink)
+        try:
+            while not done.wait(0.1):
+                if not self._loop.thread.is_alive():
+                    raise RuntimeError("the engine thread has stopped")
+        except BaseException:
+            for req in reqs:
+                self.abort(req.rid)
+            raise
+        return [results[r.rid] for r in reqs]
+
+    async def submit(
+        self, prompt: Prompt | Req, params: SamplingParams | None = None, *, rid: str | None = None, priority: int = 0
+    ) -> AsyncIterator[Delta]:
+        """Stream one request's deltas. Leaving the iteration early aborts the request."""
+        req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params, rid, priority)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Delta] = asyncio.Queue()
+        self._loop.add(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+        finished = False
+        try:
+            while not finished:
+                d = await q.get()
+                finished = d.finished
+                yield d
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._loop.abort(rid)
+
+    def stats(self) -> dict[str, Any]:
+        with self._loop.lock:
+            s, alloc = self.scheduler, self.cache.allocator
+            return {
+                "kv_total_slots": alloc.size,
+                "kv_free_slots": alloc.num_free,
+                "kv_in_use_slots": self.cache.in_use(),
+                "kv_cached_slots": self.cache.prefix.cached_tokens,
+                "running": len(s.running),
+                "waiting": len(s.waiting),
+                "steps": self._loop.steps,
+                **vars(s.counters),
+            }
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._loop.stop()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {name!r} is not supported; choose from: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]

@@ -1,0 +1,174 @@
+"""The engine thread: drain commands, schedule, run, post-process, stream deltas.
+
+The server's event loop (or a sync caller) talks to it only through `inbox` (commands in)
+and per-request sinks (deltas out), so it can move to its own process later.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.runner import ModelRunner, StepResult
+from radixserve.engine.sampler import Sampler
+from radixserve.request import FinishReason, Req
+from radixserve.sched.scheduler import SchedulePlan, Scheduler
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Delta], None]
+
+
+@dataclass
+class _Stream:
+    req: Req
+    detok: IncrementalDetokenizer
+    sink: Sink
+    sent: int = 0  # output tokens already streamed
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, tokenizer: Any) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.inbox: queue.Queue[tuple] = queue.Queue()
+        self.lock = threading.Lock()  # held while the loop mutates state; stats() reads under it
+        self.streams: dict[str, _Stream] = {}
+        self.steps = 0
+        self.thread = threading.Thread(target=self._main, name="radixserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def add(self, req: Req, sink: Sink) -> None:
+        self.inbox.put(("add", req, sink))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.inbox.put(("stop",))
+            self.thread.join()
+
+    # -- thread body ----------------------------------------------------------------------
+    def _main(self) -> None:
+        while self._drain(block=not self.scheduler.has_work):
+            try:
+                with self.lock:
+                    self._step()
+            except Exception:  # never let one bad step end the thread
+                log.exception("engine step failed")
+
+    def _drain(self, block: bool) -> bool:
+        try:
+            cmd = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            with self.lock:
+                if not self._handle(cmd):
+                    return False
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, cmd: tuple) -> bool:
+        kind = cmd[0]
+        if kind == "add":
+            _, req, sink = cmd
+            stops = req.params.stop_strs
+            detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, stops, req.params.skip_special_tokens)
+            self.streams[req.rid] = _Stream(req, detok, sink)
+            self.scheduler.add(req)
+        elif kind == "abort":
+            self.scheduler.abort(cmd[1])
+        elif kind == "stop":
+            for st in list(self.streams.values()):
+                st.req.finish(FinishReason.ABORT)
+            self._reap()
+            return False
+        self._reap()
+        return True
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan.items:
+            self.steps += 1
+            try:
+                result = self.runner.run(plan, self.scheduler.cache.slots)
+            except Exception as e:
+                log.exception("forward step failed; finishing its %d requests with an error", len(plan.items))
+                for it in plan.items:
+                    it.req.error = f"internal error in the forward step: {e!r}"
+                    it.req.finish(FinishReason.ERROR)
+            else:
+                self.scheduler.process(plan, result.tokens)
+                self._post(plan, result)
+        self._reap()
+
+    def _post(self, plan: SchedulePlan, result: StepResult) -> None:
+        for it, tok, lp in zip(plan.items, result.tokens, result.logprobs):
+            req = it.req
+            st = self.streams[req.rid]
+            try:
+                req.prompt_logprobs.extend(result.prompt_logprobs.get(req.rid, ()))
+                if tok is None or req.finish_reason is FinishReason.ABORT:
+                    continue
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                st.detok.add(tok)
+                if st.detok.stopped_on is not None:
+                    req.finish(FinishReason.STOP, st.detok.stopped_on)
+                if req.finish_reason is None:
+                    self._emit(st, finished=False)
+            except Exception as e:  # e.g. a tokenizer error: only this request fails
+                log.exception("post-processing failed for %s", req.rid)
+                req.error = f"internal error while detokenizing: {e!r}"
+                req.finish(FinishReason.ERROR)
+
+    def _emit(self, st: _Stream, finished: bool, output: Output | None = None) -> None:
+        req = st.req
+        new_ids = req.output_ids[st.sent :]
+        new_lps = req.output_logprobs[st.sent :] if req.params.return_logprob else []
+        st.sent = req.output_len
+        st.sink(Delta(req.rid, st.detok.take_delta(finished), new_ids, new_lps, finished, output))
+
+    def _reap(self) -> None:
+        for req in self.scheduler.reap():
+            st = self.streams.pop(req.rid, None)
+            self.sampler.release(req.rid)
+            if st is None:
+                continue
+            st.detok.flush()
+            out = _output(req, st.detok.text)
+            try:
+                self._emit(st, finished=True, output=out)
+            except Exception:
+                log.exception("delivering the final output of %s failed", req.rid)
+
+
+def _output(req: Req, text: str) -> Output:
+    reason = req.finish_reason or FinishReason.ABORT
+    return Output(
+        rid=req.rid,
+        text=text,
+        token_ids=req.output_ids,
+        finish_reason=reason.value,
+        prompt_tokens=req.prompt_len,
+        completion_tokens=req.output_len,
+        cached_tokens=req.cached_tokens,
+        matched_stop=req.finish_matched,
+        logprobs=req.output_logprobs if req.params.return_logprob else None,
+        prompt_logprobs=req.prompt_logprobs if req.params.logprob_start_len >= 0 else None,
+        error=req.error,
+    )

@@ -1,0 +1,84 @@
+"""ModelRunner: plan -> ForwardBatch -> forward -> logits of the rows that need them -> tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from radixserve.attention.base import AttnBackend
+from radixserve.batch import ForwardBatch
+from radixserve.engine.sampler import Sampler, logprob_entries
+from radixserve.request import Req, TokenLogprob
+from radixserve.sched.scheduler import PlanItem, SchedulePlan
+
+
+@dataclass
+class StepResult:
+    tokens: list[int | None]  # one per plan item; None where the item does not sample
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rid -> new entries
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backend: AttnBackend, sampler: Sampler, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.sampler = sampler
+        self.device = device
+        self.fault_hook: Callable[[SchedulePlan], None] | None = None  # tests inject faults here
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulePlan, slots_of: Callable[[Req], list[int]]) -> StepResult:
+        if self.fault_hook is not None:
+            self.fault_hook(plan)
+        batch = ForwardBatch.from_plan(plan, slots_of, self.backend, self.device)
+        hidden = self.model(batch)
+        rows: list[int] = []
+        sample_at: list[tuple[int, int]] = []  # (item index, index into rows)
+        prompt_at: list[tuple[Req, list[int], int]] = []  # (req, target positions, first index into rows)
+        for i, (it, seq) in enumerate(zip(plan.items, batch.seqs)):
+            targets = _prompt_targets(it)
+            if targets:
+                prompt_at.append((it.req, targets, len(rows)))
+                rows.extend(seq.q_start + t - 1 - it.start for t in targets if t > 0)
+            if it.samples and it.req.max_new_tokens > 0:
+                sample_at.append((i, len(rows)))
+                rows.append(seq.q_start + it.length - 1)
+        result = StepResult([None] * len(plan.items), [None] * len(plan.items))
+        if not rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if sample_at:
+            reqs = [plan.items[i].req for i, _ in sample_at]
+            toks, lps = self.sampler.sample(logits[torch.tensor([r for _, r in sample_at], device=self.device)], reqs)
+            for (i, _), tok, lp in zip(sample_at, toks, lps):
+                result.tokens[i], result.logprobs[i] = tok, lp
+        for req, targets, first in prompt_at:
+            result.prompt_logprobs[req.rid] = self._prompt_logprobs(req, targets, logits, first)
+        return result
+
+    def _prompt_logprobs(self, req: Req, targets: list[int], logits: torch.Tensor, first: int) -> list[TokenLogprob]:
+        out = [TokenLogprob(req.token_ids[0], None)] if targets[0] == 0 else []
+        scored = [t for t in targets if t > 0]
+        if scored:
+            n = len(scored)
+            out += logprob_entries(
+                logits[first : first + n][:, : self.sampler.vocab_size],
+                [req.token_ids[t] for t in scored],
+                [req.params.top_logprobs_num] * n,
+            )
+        return out
+
+
+def _prompt_targets(it: PlanItem) -> list[int]:
+    """Prompt positions t whose logprob this chunk yields (row t-1 lies in the chunk)."""
+    req = it.req
+    if not req.wants_prompt_logprobs:
+        return []
+    first = req.params.logprob_start_len + len(req.prompt_logprobs)
+    lo = max(first, it.start + 1 if it.start > 0 or first > 0 else 0)
+    hi = min(req.prompt_len, it.start + it.length + 1)
+    return list(range(lo, hi))

@@ -1,0 +1,120 @@
+"""Sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits), before
+penalties and temperature, as vLLM reports them. A request with a seed owns a generator,
+so its samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.request import Req, TokenLogprob
+
+
+def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprob]:
+    """One TokenLogprob per row: the chosen token's logprob and the row's top_n[i] best."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(top_n, default=0)
+    tops_v, tops_i = (lp.topk(k, dim=-1) if k else (None, None))
+    out = []
+    for i, tok in enumerate(tokens):
+        top = []
+        if top_n[i]:
+            assert tops_v is not None and tops_i is not None
+            top = list(zip(tops_v[i, : top_n[i]].tolist(), tops_i[i, : top_n[i]].tolist()))
+        out.append(TokenLogprob(int(tok), chosen[i], top))
+    return out
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_ids: set[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, rid: str) -> None:
+        self._generators.pop(rid, None)
+
+    def _generator(self, req: Req, device: torch.device) -> torch.Generator:
+        g = self._generators.get(req.rid)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
+            self._generators[req.rid] = g
+        return g
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: (len(reqs), vocab) float32; rows beyond `vocab_size` (padding) are never chosen."""
+        logits = logits[:, : self.vocab_size]
+        raw = logits
+        want_lp = [i for i, r in enumerate(reqs) if r.params.return_logprob]
+        logits = self._apply_penalties(logits.clone(), reqs)
+        tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            probs = self._probs([reqs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)])
+            for j, i in enumerate(sampled):
+                g = self._generator(reqs[i], logits.device)
+                tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+        out = tokens.tolist()
+        lps: list[TokenLogprob | None] = [None] * len(reqs)
+        if want_lp:
+            entries = logprob_entries(
+                raw[torch.tensor(want_lp, device=raw.device)],
+                [out[i] for i in want_lp],
+                [reqs[i].params.top_logprobs_num for i in want_lp],
+            )
+            for i, e in zip(want_lp, entries):
+                lps[i] = e
+        return out, lps
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        for i, r in enumerate(reqs):
+            p = r.params
+            if r.output_len < p.min_new_tokens:
+                banned = ([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids or [])
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.token_ids)), device=logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and r.output_len:
+                counts = torch.bincount(torch.tensor(r.output_ids, device=logits.device), minlength=logits.shape[1])
+                counts = counts[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def _probs(reqs: Sequence[Req], logits: torch.Tensor) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=logits.dtype)
+        logits = logits / temp[:, None]
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in reqs):
+            logits = _filter(logits, reqs)
+        return torch.softmax(logits, dim=-1)
+
+
+def _filter(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, on one descending sort of each row."""
+    dev, vocab = logits.device, logits.shape[1]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=logits.dtype)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=logits.dtype)
+    srt, idx = logits.sort(dim=-1, descending=True)
+    drop = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
+    srt = srt.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(srt, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    drop = drop | (before > top_p[:, None]) | (probs < min_p[:, None] * probs[:, :1])
+    srt = srt.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, idx, srt)

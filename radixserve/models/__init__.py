@@ -1,0 +1,30 @@
+"""Model registry: the one place an HF architecture name becomes a class (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from radixserve.models.config import ArchConfig
+
+_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
+
+
+def model_class(arch: str) -> type[nn.Module]:
+    if arch not in _REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    module, name = _REGISTRY[arch].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["ArchConfig", "SUPPORTED_ARCHITECTURES", "model_class"]

@@ -1,0 +1,131 @@
+"""The Llama family on the KV pool: Llama (SmolLM), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+The model sees flat tokens (T, hidden) with their positions; attention goes through
+`batch.attn_backend`, which owns the KV slots. Weights: fused q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radixserve.batch import ForwardBatch
+from radixserve.models.config import ArchConfig
+from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, batch)
+        return self.norm(x)
+
+
+# HF checkpoint name -> (our fused parameter, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states (T, hidden) of every fed token."""
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
+        c = self.cfg
+        if fused == "qkv_proj":
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        inter = c.intermediate_size
+        return (shard * inter, (shard + 1) * inter)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be set."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        if self.cfg.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            parts = name.split(".")
+            target, bounds = name, None
+            if len(parts) >= 2 and parts[-2] in _FUSED:
+                fused, shard = _FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                bounds = self._shard_bounds(fused, shard)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+            dst = params[target] if bounds is None else params[target][bounds[0] : bounds[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            if bounds is None or bounds[1] == params[target].shape[0]:
+                missing.discard(target)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,191 @@
+"""Per-request state: sampling parameters, the request's own progress counters, finish reasons.
+
+Token layout of a request (`token_ids` = prompt + output so far):
+
+    |<------------- token_ids ------------->|
+    |<-- prompt_len -->|<--- output_ids --->|
+    |<-- computed_len (KV stored) -->|      |  the rest is fed by the next extend
+    |<- cached_len ->|                         prefix taken from the prefix cache
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # aborted by the caller (or a vanished client)
+    ERROR = "error"  # an internal error hit this request; the engine goes on
+
+
+class ReqStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's names. `temperature=0` is greedy."""
+
+    max_new_tokens: int | None = None  # None: the engine's default
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # -1: no prompt logprobs; k: logprobs of prompt tokens k..end
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def stop_strs(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        _check_int(self, "min_new_tokens", lo=0)
+        if self.max_new_tokens is not None:
+            _check_int(self, "max_new_tokens", lo=0)
+        _check_float(self, "temperature", lo=0.0)
+        _check_float(self, "top_p", lo=0.0, lo_open=True, hi=1.0)
+        _check_int(self, "top_k", lo=-1)
+        _check_float(self, "min_p", lo=0.0, hi=1.0)
+        _check_float(self, "frequency_penalty", lo=-2.0, hi=2.0)
+        _check_float(self, "presence_penalty", lo=-2.0, hi=2.0)
+        _check_float(self, "repetition_penalty", lo=0.0, lo_open=True, hi=2.0)
+        _check_int(self, "top_logprobs_num", lo=0, hi=vocab_size)
+        _check_int(self, "logprob_start_len", lo=-1)
+        if self.seed is not None:
+            _check_int(self, "seed", lo=0, hi=2**63 - 1)
+        if self.stop is not None:
+            stops = self.stop_strs
+            if not all(isinstance(s, str) and s for s in stops):
+                raise ValueError("stop: every stop string must be a non-empty string")
+        for t in self.stop_token_ids or []:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+
+
+def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
+    v = getattr(p, name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name}: expected an integer, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name}: {v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
+
+
+def _check_float(
+    p: SamplingParams, name: str, lo: float, hi: float | None = None, lo_open: bool = False
+) -> None:
+    v = getattr(p, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v!r}")
+    if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name}: {v} is out of range {left}{lo}, {hi if hi is not None else 'inf'}]")
+
+
+@dataclass
+class TokenLogprob:
+    """One position's log-probability, with the top alternatives (logprob, token_id)."""
+
+    token_id: int
+    logprob: float | None  # None for the first prompt token, which has no context
+    top: list[tuple[float, int]] = field(default_factory=list)
+
+
+_rid_counter = itertools.count()
+
+
+def new_rid() -> str:
+    return f"req-{next(_rid_counter)}-{time.monotonic_ns() % 10**9}"
+
+
+class Req:
+    """One generation request and its progress. Mutated only on the engine thread."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        priority: int = 0,
+        max_new_tokens: int = 128,
+    ) -> None:
+        self.rid = rid or new_rid()
+        self.token_ids: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.params = params
+        self.priority = priority
+        self.max_new_tokens = params.max_new_tokens if params.max_new_tokens is not None else max_new_tokens
+        self.arrival = time.monotonic()
+        self.status = ReqStatus.WAITING
+        self.computed_len = 0  # tokens whose KV is in the pool
+        self.cached_len = 0  # of those, taken from the prefix cache at the last admission
+        self.cached_tokens = 0  # prompt tokens served from the cache at first admission (reported)
+        self.finish_reason: FinishReason | None = None
+        self.finish_matched: int | str | None = None
+        self.error: str | None = None
+        self.retractions = 0
+        self.output_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens still to be fed to the model before the next sample."""
+        return len(self.token_ids) - self.computed_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.max_new_tokens - self.output_len, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs of tokens logprob_start_len .. prompt_len-1 are still to compute."""
+        start = self.params.logprob_start_len
+        return 0 <= start < self.prompt_len and start + len(self.prompt_logprobs) < self.prompt_len
+
+    def finish(self, reason: FinishReason, matched: int | str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.finish_matched = matched
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid!r}, {self.status.value}, prompt={self.prompt_len}, out={self.output_len}/"
+            f"{self.max_new_tokens}, computed={self.computed_len}, cached={self.cached_len}, "
+            f"prio={self.priority})"
+        )

@@ -1,0 +1,1 @@
+"""Scheduling: pure Python, no torch. The scheduler emits a plan; the engine runs it."""

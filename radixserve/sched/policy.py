@@ -1,0 +1,39 @@
+"""Ordering of the waiting queue and the up-front admission checks."""
+
+from __future__ import annotations
+
+from radixserve.request import Req
+
+
+def keep_key(req: Req) -> tuple[int, float]:
+    """Most important first: higher priority, then older. Retraction takes from the end."""
+    return (-req.priority, req.arrival)
+
+
+class Policy:
+    def __init__(self, name: str = "fcfs") -> None:
+        if name != "fcfs":
+            raise ValueError(f"schedule_policy: {name!r} is not supported; choose from: fcfs")
+        self.name = name
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        return sorted(waiting, key=keep_key)
+
+
+def check_admissible(req: Req, context_len: int, pool_slots: int) -> None:
+    """Refuse up front what could never run (raises ValueError naming the parameter)."""
+    total = req.prompt_len + req.max_new_tokens
+    if req.prompt_len == 0:
+        raise ValueError("prompt: the prompt is empty")
+    if req.prompt_len > context_len:
+        raise ValueError(f"prompt: {req.prompt_len} tokens exceed the context window of {context_len}")
+    if total > context_len:
+        raise ValueError(
+            f"max_new_tokens: prompt ({req.prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = "
+            f"{total} exceeds the context window of {context_len}"
+        )
+    if total > pool_slots:
+        raise ValueError(
+            f"max_new_tokens: prompt + max_new_tokens = {total} tokens exceeds the whole KV pool "
+            f"({pool_slots} slots); raise kv_cache_tokens or lower max_new_tokens"
+        )

@@ -1,0 +1,52 @@
+"""PrefillAdder: admits prefill chunks under a per-iteration token budget and a memory
+reservation for what running requests will still need. The last request admitted is the
+one that gets chunked; the next iteration continues it before admitting anyone new."""
+
+from __future__ import annotations
+
+from radixserve.config import SchedConfig
+from radixserve.request import Req
+from radixserve.sched.cache_manager import CacheManager
+
+
+class PrefillAdder:
+    def __init__(self, cfg: SchedConfig, cache: CacheManager, running: list[Req], ratio: float) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.ratio = ratio
+        self.budget = cfg.chunked_prefill_size
+        self.headroom = cache.available() - sum(self.reservation(r) for r in running)
+        self.slots_left = cfg.max_running_requests - len(running)
+        self.idle = not running
+
+    def reservation(self, req: Req) -> int:
+        """Slots a request may still claim: its unallocated extend plus a share of its decodes."""
+        unallocated = len(req.token_ids) - self.cache.num_slots(req)
+        decode = min(req.remaining_new_tokens, self.cfg.reserve_clip_tokens)
+        return max(unallocated, 0) + int(decode * self.ratio)
+
+    def continue_chunk(self, req: Req) -> int:
+        """Next chunk of an admitted, partly prefilled request (memory was reserved at admission)."""
+        n = min(req.extend_len, self.budget)
+        if n <= 0 or not self.cache.alloc(req, n):
+            return 0
+        self.budget -= n
+        return n
+
+    def admit(self, req: Req) -> int:
+        """Admit a waiting request and allocate its first chunk; 0 means stop admitting."""
+        if self.budget <= 0 or self.slots_left <= 0:
+            return 0
+        self.cache.admit(req)
+        need = req.extend_len + int(min(req.remaining_new_tokens, self.cfg.reserve_clip_tokens) * self.ratio)
+        n = min(req.extend_len, self.budget)
+        # With nothing running, admit whatever fits at all: waiting for memory would deadlock.
+        fits = need <= self.headroom or (self.idle and req.extend_len <= self.cache.available())
+        if not fits or not self.cache.alloc(req, n):
+            self.cache.release(req)
+            return 0
+        self.budget -= n
+        self.headroom -= need
+        self.slots_left -= 1
+        self.idle = False
+        return n

@@ -1,0 +1,172 @@
+"""Continuous batching: every iteration, running decodes plus new prefill chunks.
+
+`schedule()` returns a SchedulePlan (what to run); the engine turns it into one ForwardBatch,
+runs it, and hands the sampled tokens back to `process()`. `reap()` then releases finished
+requests. Everything here runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.config import SchedConfig
+from radixserve.request import FinishReason, Req, ReqStatus
+from radixserve.sched.cache_manager import CacheManager
+from radixserve.sched.policy import Policy, keep_key
+from radixserve.sched.prefill import PrefillAdder
+
+
+@dataclass
+class PlanItem:
+    """Feed req.token_ids[start : start + length] (their KV slots are allocated)."""
+
+    req: Req
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so the next token is sampled."""
+        return self.start + self.length == len(self.req.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.length == 1 and self.start >= self.req.prompt_len
+
+
+@dataclass
+class SchedulePlan:
+    items: list[PlanItem] = field(default_factory=list)
+    retracted: list[Req] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.length for it in self.items)
+
+
+@dataclass
+class SchedCounters:
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens: int = 0
+    retractions: int = 0
+    finished: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedConfig, cache: CacheManager, eos_ids: set[int], context_len: int) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.eos_ids = eos_ids
+        self.context_len = context_len
+        self.policy = Policy(cfg.schedule_policy)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.counters = SchedCounters()
+        self.new_token_ratio = cfg.init_new_token_ratio
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+        self.counters.prompt_tokens += req.prompt_len
+
+    def abort(self, rid: str) -> Req | None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    req.finish(FinishReason.ABORT)
+                    return req
+        return None
+
+    # -- planning ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        self.new_token_ratio = max(self.new_token_ratio - self.cfg.new_token_ratio_decay, self.cfg.min_new_token_ratio)
+        self._schedule_decodes(plan)
+        adder = PrefillAdder(self.cfg, self.cache, self.running, self.new_token_ratio)
+        for req in sorted(self.running, key=keep_key):
+            if req.extend_len > 1 and (n := adder.continue_chunk(req)):
+                plan.items.append(PlanItem(req, req.computed_len, n))
+        for req in self.policy.order(self.waiting):
+            n = adder.admit(req)
+            if not n:
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = ReqStatus.RUNNING
+            plan.items.append(PlanItem(req, req.computed_len, n))
+        if not plan.items and self.running:
+            # Every running request is stuck on memory (partly prefilled, nothing decoding):
+            # free the least important one so the others can move.
+            self._retract(max(self.running, key=keep_key))
+            return self.schedule()
+        return plan
+
+    def _schedule_decodes(self, plan: SchedulePlan) -> None:
+        """One slot per decoding request; when memory runs out, retract from the least
+        important end (lowest priority, newest) until the rest fit."""
+        order = sorted(self.running, key=keep_key)
+        i = 0
+        while i < len(order):
+            req = order[i]
+            if req.extend_len != 1:
+                i += 1
+                continue
+            if self.cache.alloc(req, 1):
+                plan.items.append(PlanItem(req, req.computed_len, 1))
+                i += 1
+                continue
+            victim = order.pop()
+            self._retract(victim)
+            plan.retracted.append(victim)
+
+    def _retract(self, req: Req) -> None:
+        self.cache.release(req)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.waiting.append(req)
+        self.counters.retractions += 1
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+
+    # -- results ----------------------------------------------------------------------------
+    def process(self, plan: SchedulePlan, tokens: list[int | None]) -> None:
+        """Advance each item; append the sampled token where the item samples."""
+        for item, tok in zip(plan.items, tokens):
+            req = item.req
+            req.computed_len = item.start + item.length
+            if item.is_decode:
+                self.counters.decode_tokens += 1
+            else:
+                self.counters.prefill_tokens_computed += item.length
+            if not item.samples or req.finish_reason is not None:
+                continue
+            if req.max_new_tokens == 0:
+                req.finish(FinishReason.LENGTH)
+                continue
+            assert tok is not None
+            req.token_ids.append(tok)
+            self._check_stop(req, tok)
+
+    def _check_stop(self, req: Req, tok: int) -> None:
+        p = req.params
+        if req.output_len >= p.min_new_tokens:
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ()):
+                req.finish(FinishReason.STOP, tok)
+                return
+        if req.output_len >= req.max_new_tokens or len(req.token_ids) >= self.context_len:
+            req.finish(FinishReason.LENGTH)
+
+    def reap(self) -> list[Req]:
+        """Release every request that has a finish reason; returns them."""
+        done = [r for r in self.waiting + self.running if r.finish_reason is not None]
+        for req in done:
+            self.cache.release(req)
+            (self.running if req.status is ReqStatus.RUNNING else self.waiting).remove(req)
+            req.status = ReqStatus.FINISHED
+            self.counters.finished += 1
+        return done
