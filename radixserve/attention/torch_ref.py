@@ -1,8 +1,8 @@
 """Reference attention in plain torch: runs anywhere, and is the oracle for the others.
 
-Decode rows (one query each) run as one padded batch; each extend sequence (a prefill
-chunk over its cached prefix) runs on its own. GQA never copies K/V per query head: the
-`group` query heads sharing a KV head are folded into the query-length dimension.
+Decode rows (one query each) run as one padded batch, with the `group` query heads that
+share a KV head folded into the query-length dimension (no K/V copy per query head); each
+extend sequence (a prefill chunk over its cached prefix) runs on its own.
 """
 
 from __future__ import annotations
@@ -45,27 +45,30 @@ class TorchRefBackend(AttnBackend):
             rows = meta["dec_rows"]
             b = rows.shape[0]
             qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
-            kd = kp[meta["dec_idx"]].transpose(1, 2)  # (b, kv_heads, L, dim)
-            vd = vp[meta["dec_idx"]].transpose(1, 2)
+            idx = meta["dec_idx"]
+            kd = kp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)  # (b, kv_heads, L, dim)
+            vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta["dec_mask"])
             out.index_copy_(0, rows, od.reshape(b, heads, dim))
         for s in meta["extend"]:
-            n = s.q_len
+            rows = slice(s.q_start, s.q_start + s.q_len)
             slots = meta[("slots", s.q_start)]
-            qe = q[s.q_start : s.q_start + n].view(n, kv_heads, group, dim).permute(1, 0, 2, 3)
-            qe = qe.reshape(kv_heads, n * group, dim)
+            qe = q[rows].transpose(0, 1)  # (heads, n, dim)
             ke = kp.index_select(0, slots).transpose(0, 1)  # (kv_heads, L, dim)
             ve = vp.index_select(0, slots).transpose(0, 1)
-            mask = _causal_mask(meta, s.prefix_len, n, group, q.device)
-            oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask)
-            out[s.q_start : s.q_start + n] = oe.view(kv_heads, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
+            if s.prefix_len == 0:
+                oe = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
+            else:
+                mask = _causal_mask(meta, s.prefix_len, s.q_len, q.device)
+                oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, enable_gqa=True)
+            out[rows] = oe.transpose(0, 1)
         return out
 
 
-def _causal_mask(meta: dict, prefix: int, n: int, group: int, device: torch.device) -> torch.Tensor:
-    """(n * group, prefix + n) bool: row i * group + g may see keys 0 .. prefix + i."""
-    key = ("mask", prefix, n, group)
+def _causal_mask(meta: dict, prefix: int, n: int, device: torch.device) -> torch.Tensor:
+    """(n, prefix + n) bool: query i (at position prefix + i) may see keys 0 .. prefix + i."""
+    key = ("mask", prefix, n)
     if key not in meta:
-        qpos = torch.arange(n, device=device).repeat_interleave(group) + prefix
+        qpos = torch.arange(n, device=device) + prefix
         meta[key] = torch.arange(prefix + n, device=device)[None, :] <= qpos[:, None]
     return meta[key]

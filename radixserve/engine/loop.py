@@ -61,6 +61,7 @@ class EngineLoop:
 
     # -- thread body ----------------------------------------------------------------------
     def _main(self) -> None:
+        self.runner.on_thread_start()
         while self._drain(block=not self.scheduler.has_work):
             try:
                 with self.lock:

@@ -1,0 +1,69 @@
+"""`radixserve` command line: generate (stream one answer), bench (benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from radixserve.cli_args import add_engine_args, engine_kwargs
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="radixserve", description="LLM serving engine for agents")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream the answer to one chat-templated prompt")
+    add_engine_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("prompt")
+    b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from radixserve.bench.offline import add_args as add_offline_args
+
+    add_offline_args(bsub.add_parser("offline", help="offline throughput vs Hugging Face generate"))
+    return p
+
+
+async def _stream(engine: Any, ids: list[int], params: Any) -> None:
+    async for d in engine.submit(ids, params):
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
+        if d.finished and d.output is not None and d.output.finish_reason == "error":
+            print(f"\nerror: {d.output.error}", file=sys.stderr)
+    sys.stdout.write("\n")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from radixserve import Engine, SamplingParams
+
+    with Engine(args.model, **engine_kwargs(args)) as engine:
+        ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.chat_ids([{"role": "user", "content": args.prompt}])
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        asyncio.run(_stream(engine, ids, params))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from radixserve.models.gguf import ModelLoadError
+
+    try:
+        if args.cmd == "generate":
+            return cmd_generate(args)
+        from radixserve.bench.offline import run as run_offline
+
+        return run_offline(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Shared fixtures: tiny random-weight models of each architecture (fast), and the real
+SmolLM2 (converted once into the radixserve cache) where output meaning matters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "Agents call tools, read JSON, and branch into many parallel calls.",
+    "def add(a, b):\n    return a + b\n",
+    "A radix tree shares prefixes; an LRU policy evicts the coldest leaves first.",
+    "Ünïcödé text, emoji 🙂 and numbers 12345 must round-trip through the tokenizer.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _train_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return len(fast)
+
+
+def _config(arch: str, vocab: int, eos: int) -> dict:
+    cfg = {
+        "architectures": [arch],
+        "vocab_size": vocab,
+        "hidden_size": 96,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.2,
+        "eos_token_id": eos,
+        "bos_token_id": 1,
+        "tie_word_embeddings": arch == "LlamaForCausalLM",
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch],
+    }
+    if arch == "LlamaForCausalLM":  # 4.x dialect with llama3 scaling
+        cfg["rope_theta"] = 50000.0
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    else:  # 5.x dialect
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
+    if arch == "MistralForCausalLM":
+        cfg["sliding_window"] = None
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A folder per architecture: random weights (seeded), config.json, tokenizer, chat template."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok_dir = root / "tokenizer"
+    vocab = _train_tokenizer(tok_dir)
+    eos = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
+    out = {}
+    for i, arch in enumerate(ARCHS):
+        d = root / arch
+        cfg_dict = _config(arch, vocab, eos)
+        (d).mkdir()
+        (d / "config.json").write_text(json.dumps(cfg_dict))
+        cfg = AutoConfig.from_pretrained(str(d))
+        torch.manual_seed(1234 + i)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(str(d))
+        (d / "config.json").write_text(json.dumps(cfg_dict))  # keep the dialect we wrote
+        for f in tok_dir.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        out[arch] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["LlamaForCausalLM"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from radixserve.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_dir: Path):
+    from radixserve import Engine
+
+    with Engine(str(smollm2_dir), kv_cache_tokens=8192) as e:
+        yield e
+
+
+@pytest.fixture
+def tiny_engine(tiny_llama: Path):
+    """A fresh engine on the tiny Llama; small chunks so prefills split and mix with decodes."""
+    from radixserve import Engine
+
+    with Engine(str(tiny_llama), kv_cache_tokens=4096, chunked_prefill_size=64) as e:
+        yield e

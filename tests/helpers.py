@@ -1,0 +1,41 @@
+"""Test helpers: run our model on one sequence outside the engine, HF references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from radixserve.attention import create_backend
+from radixserve.batch import ForwardBatch
+from radixserve.cache.pool import KVPool
+from radixserve.models.loader import load_model
+from radixserve.request import Req, SamplingParams
+from radixserve.sched.scheduler import PlanItem, SchedulePlan
+
+
+@torch.inference_mode()
+def our_prompt_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """Logits (len(ids), vocab) of our model for one prompt, prefilled in one chunk."""
+    loaded = load_model(str(path), torch.float32, torch.device("cpu"))
+    a = loaded.arch
+    pool = KVPool(a.num_layers, len(ids), a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
+    backend = create_backend("torch", pool, torch.device("cpu"))
+    req = Req(ids, SamplingParams())
+    plan = SchedulePlan([PlanItem(req, 0, len(ids))])
+    batch = ForwardBatch.from_plan(plan, lambda r: list(range(len(ids))), backend, torch.device("cpu"))
+    return loaded.model.compute_logits(loaded.model(batch))
+
+
+@torch.inference_mode()
+def hf_logits_and_greedy(path: Path, ids: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    logits = model(x).logits[0].float()
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, pad_token_id=0,
+    )
+    return logits, out[0, len(ids):].tolist()

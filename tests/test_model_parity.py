@@ -1,0 +1,48 @@
+"""Our Llama-family forward against Hugging Face transformers on the same weights (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import SamplingParams
+from tests.conftest import ARCHS
+from tests.helpers import hf_logits_and_greedy, our_prompt_logits
+
+GREEDY_32 = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+
+
+def _check(path, ids, engine_factory) -> None:
+    ref_logits, ref_tokens = hf_logits_and_greedy(path, ids, 32)
+    ours = our_prompt_logits(path, ids)
+    err = (ours - ref_logits).abs().max().item()
+    assert err < 1e-3, f"prompt logits differ from transformers by {err}"
+    with engine_factory() as engine:
+        out = engine.generate([ids], GREEDY_32)[0]
+    assert out.token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_architecture_matches_transformers(arch, tiny_models):
+    from radixserve import Engine
+
+    path = tiny_models[arch]
+    ids = [5, 17, 42, 99, 123, 7, 250, 31, 64, 200, 11, 3, 77, 150, 300, 9]
+    _check(path, ids, lambda: Engine(str(path), kv_cache_tokens=1024))
+
+
+@pytest.mark.smollm2
+def test_smollm2_matches_transformers(smollm2_dir, smollm2_engine):
+    from contextlib import nullcontext
+
+    ids = smollm2_engine.chat_ids([{"role": "user", "content": "Write a haiku about the sea."}])
+    _check(smollm2_dir, ids, lambda: nullcontext(smollm2_engine))
+
+
+def test_tied_and_untied_heads_load(tiny_models):
+    from radixserve.models.loader import load_model
+
+    tied = load_model(str(tiny_models["LlamaForCausalLM"]), torch.float32, torch.device("cpu")).model
+    untied = load_model(str(tiny_models["Qwen2ForCausalLM"]), torch.float32, torch.device("cpu")).model
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight

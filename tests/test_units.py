@@ -1,0 +1,112 @@
+"""Pure-Python pieces: allocator, scheduler (with a fake model), detokenizer, cheap imports, layering."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from radixserve.cache.allocator import SlotAllocator
+from radixserve.cache.prefix import NullPrefixCache
+from radixserve.config import SchedConfig
+from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.request import FinishReason, Req, SamplingParams
+from radixserve.sched.cache_manager import CacheManager
+from radixserve.sched.scheduler import Scheduler
+
+
+def test_allocator_hands_out_each_slot_once_and_catches_double_free():
+    a = SlotAllocator(8)
+    x, y = a.alloc(5), a.alloc(3)
+    assert x is not None and y is not None and len(set(x + y)) == 8
+    assert a.alloc(1) is None and a.num_free == 0
+    a.free(x)
+    with pytest.raises(RuntimeError, match="twice"):
+        a.free(x[:1])
+    assert a.num_free == 5
+
+
+def _sched(pool: int, **kw) -> Scheduler:
+    cfg = SchedConfig(**{"chunked_prefill_size": 8, **kw})
+    return Scheduler(cfg, CacheManager(SlotAllocator(pool), NullPrefixCache()), eos_ids={0}, context_len=1000)
+
+
+def _drive(s: Scheduler, steps: int = 1000) -> int:
+    """Run the scheduler with a fake model that always emits token 9."""
+    n = 0
+    while s.has_work and n < steps:
+        plan = s.schedule()
+        s.process(plan, [9 if it.samples else None for it in plan.items])
+        s.reap()
+        n += 1
+    return n
+
+
+def test_scheduler_chunks_admits_and_finishes_without_leaking():
+    s = _sched(pool=200)
+    reqs = [Req(list(range(1, 20)), SamplingParams(), max_new_tokens=5) for _ in range(4)]
+    for r in reqs:
+        s.add(r)
+    first = s.schedule()
+    assert first.num_tokens == 8 and len(first.items) == 1  # the budget chunks the first prompt
+    s.process(first, [None])
+    _drive(s)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.output_ids == [9] * 5 for r in reqs)
+    assert s.cache.allocator.num_free == 200 and s.counters.prefill_tokens_computed == 4 * 19
+
+
+def test_scheduler_retracts_lowest_priority_newest_first_and_still_finishes():
+    s = _sched(pool=60, chunked_prefill_size=100, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    low = Req(list(range(1, 11)), SamplingParams(), priority=0, max_new_tokens=30)
+    high = Req(list(range(1, 11)), SamplingParams(), priority=1, max_new_tokens=30)
+    s.add(low)
+    s.add(high)
+    _drive(s, steps=5)
+    assert s.counters.retractions == 0
+    _drive(s)
+    assert s.counters.retractions > 0 and low.retractions > 0 and high.retractions == 0
+    assert low.output_len == high.output_len == 30
+    assert s.cache.allocator.num_free == 60
+
+
+def test_abort_of_a_waiting_request_finishes_it():
+    s = _sched(pool=50)
+    r = Req([1, 2, 3], SamplingParams())
+    s.add(r)
+    assert s.abort(r.rid) is r
+    assert s.reap() == [r] and r.finish_reason is FinishReason.ABORT
+
+
+class _CharTok:
+    """Each token id is one byte; multi-byte UTF-8 characters span tokens."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_waits_for_whole_characters_and_holds_back_stop_prefixes():
+    d = IncrementalDetokenizer(_CharTok(), [], stops=["END"])
+    out = ""
+    for b in "héllo E".encode():
+        d.add(b)
+        out += d.take_delta(finished=False)
+    assert out == "héllo "  # the "E" might start "END"
+    for b in b"ND tail":
+        d.add(b)
+    assert d.stopped_on == "END" and d.text == "héllo "
+    assert out + d.take_delta(finished=True) == "héllo "
+
+
+def test_import_radixserve_is_light():
+    code = "import sys, radixserve; print(sorted(m for m in ('torch','transformers','triton','xgrammar') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_layer_contracts_hold():
+    exe = shutil.which("lint-imports")
+    assert exe is not None, "import-linter is part of the test extras"
+    r = subprocess.run([exe], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
