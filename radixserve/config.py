@@ -29,7 +29,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedConfig:
-    chunked_prefill_size: int = 512  # prefill tokens per iteration (decodes ride along)
+    chunked_prefill_size: int = 1024  # prefill tokens per iteration (decodes ride along)
     max_running_requests: int = 64
     max_total_tokens: int | None = None  # cap on the KV pool, in tokens
     schedule_policy: str = "fcfs"
@@ -46,7 +46,6 @@ class EngineConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
     attention_backend: str = "auto"  # auto | torch | triton
     default_max_new_tokens: int = 128
-    log_level: str = "info"
 
     @classmethod
     def build(cls, model: str | None = None, **overrides: Any) -> EngineConfig:

@@ -73,7 +73,7 @@ def test_retraction_under_a_small_pool_keeps_solo_greedy_outputs(tiny_llama):
         _assert_no_leak(small)
 
 
-def test_priority_is_served_first_and_retracted_last(tiny_llama):
+def test_higher_priority_waiting_request_is_served_first(tiny_llama):
     with Engine(str(tiny_llama), kv_cache_tokens=4096, max_running_requests=1) as engine:
         order: list[str] = []
 

@@ -8,8 +8,9 @@ prefixes are never evicted; whoever locks unlocks (the cache manager, once per a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 Namespace = Hashable  # a structured key such as (tenant, cache_salt); never a joined string
 

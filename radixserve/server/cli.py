@@ -10,6 +10,7 @@ from typing import Any
 
 from radixserve.cli_args import add_engine_args, engine_kwargs
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve", description="LLM serving engine for agents")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
