@@ -13,7 +13,7 @@ from radixserve.cli_args import add_engine_args, engine_kwargs
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve", description="LLM serving engine for agents")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream the answer to one chat-templated prompt")
     add_engine_args(g)
