@@ -22,7 +22,7 @@ class TorchRefBackend(AttnBackend):
         meta["extend"] = [s for s in batch.seqs if s.q_len > 1]
         if dec:
             width = max(s.kv_len for s in dec)
-            idx = torch.zeros(len(dec), width, dtype=torch.int64)
+            idx = torch.full((len(dec), width), self.pool.pad_slot, dtype=torch.int64)
             for i, s in enumerate(dec):
                 idx[i, : s.kv_len] = torch.tensor(s.slots, dtype=torch.int64)
             lens = torch.tensor([s.kv_len for s in dec])

@@ -36,8 +36,13 @@ class KVPool:
         device: torch.device,
     ) -> None:
         self.num_slots = num_slots
-        self.k = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One extra zeroed slot, never allocated, that padded gathers point at. The rest is
+        # left uninitialized (no multi-GB memset at start): a slot is read only once written.
+        self.pad_slot = num_slots
+        self.k = [torch.empty(num_slots + 1, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(num_slots + 1, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in self.k + self.v:
+            t[self.pad_slot].zero_()
         nbytes = 2 * num_layers * self.k[0].numel() * self.k[0].element_size()
         log.info("KV pool: %d slots x %d layers, %.1f MiB (%s)", num_slots, num_layers, nbytes / 2**20, dtype)
 
