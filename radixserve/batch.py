@@ -40,10 +40,6 @@ class ForwardBatch:
     attn_backend: AttnBackend
     attn_meta: dict[str, Any] = field(default_factory=dict)  # owned by the backend
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
     @classmethod
     def from_plan(
         cls,

@@ -8,26 +8,26 @@ from typing import Any
 
 from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig
 
-# CLI flag -> (config group, field); defaults are read from the dataclasses.
-_ENGINE_FLAGS: dict[str, tuple[type, str, type]] = {
-    "--dtype": (ModelConfig, "dtype", str),
-    "--device": (ModelConfig, "device", str),
-    "--context-length": (ModelConfig, "context_length", int),
-    "--kv-cache-tokens": (CacheConfig, "kv_cache_tokens", int),
-    "--kv-mem-fraction": (CacheConfig, "kv_mem_fraction", float),
-    "--chunked-prefill-size": (SchedConfig, "chunked_prefill_size", int),
-    "--max-running-requests": (SchedConfig, "max_running_requests", int),
-    "--max-total-tokens": (SchedConfig, "max_total_tokens", int),
-    "--attention-backend": (EngineConfig, "attention_backend", str),
+# Config field -> (its group, the CLI value type); the flag is `--field-name`.
+_ENGINE_FLAGS: dict[str, tuple[type, type]] = {
+    "dtype": (ModelConfig, str),
+    "device": (ModelConfig, str),
+    "context_length": (ModelConfig, int),
+    "kv_cache_tokens": (CacheConfig, int),
+    "kv_mem_fraction": (CacheConfig, float),
+    "chunked_prefill_size": (SchedConfig, int),
+    "max_running_requests": (SchedConfig, int),
+    "max_total_tokens": (SchedConfig, int),
+    "attention_backend": (EngineConfig, str),
 }
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    for flag, (cls, name, typ) in _ENGINE_FLAGS.items():
-        default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
-        p.add_argument(flag, dest=name, type=typ, default=default, help=f"(default: {default})")
+    for name, (cls, typ) in _ENGINE_FLAGS.items():
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=default, help=f"(default: {default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for _, name, _ in _ENGINE_FLAGS.values()}
+    return {name: getattr(args, name) for name in _ENGINE_FLAGS}

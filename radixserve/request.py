@@ -169,10 +169,6 @@ class Req:
         return max(self.max_new_tokens - self.output_len, 0)
 
     @property
-    def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
-
-    @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs of tokens logprob_start_len .. prompt_len-1 are still to compute."""
         start = self.params.logprob_start_len

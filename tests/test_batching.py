@@ -77,14 +77,15 @@ def test_higher_priority_waiting_request_is_served_first(tiny_llama):
     with Engine(str(tiny_llama), kv_cache_tokens=4096, max_running_requests=1) as engine:
         order: list[str] = []
 
-        async def one(prio: int, name: str) -> None:
-            req = engine.make_req([5, 6, 7, 8], SamplingParams(temperature=0, max_new_tokens=4), rid=name, priority=prio)
+        async def one(prio: int, name: str, n: int = 4) -> None:
+            params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+            req = engine.make_req([5, 6, 7, 8], params, rid=name, priority=prio)
             async for d in engine.submit(req):
                 if d.finished:
                     order.append(name)
 
         async def main() -> None:
-            blocker = asyncio.create_task(one(0, "first"))
+            blocker = asyncio.create_task(one(0, "first", n=300))
             await asyncio.sleep(0)
             await asyncio.gather(blocker, one(0, "low"), one(5, "high"))
 

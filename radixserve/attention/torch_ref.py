@@ -19,7 +19,9 @@ class TorchRefBackend(AttnBackend):
         dev = batch.input_ids.device
         dec = [s for s in batch.seqs if s.q_len == 1]
         meta = batch.attn_meta
-        meta["extend"] = [s for s in batch.seqs if s.q_len > 1]
+        meta["extend"] = [
+            (s, torch.tensor(s.slots, dtype=torch.int64, device=dev)) for s in batch.seqs if s.q_len > 1
+        ]
         if dec:
             width = max(s.kv_len for s in dec)
             idx = torch.full((len(dec), width), self.pool.pad_slot, dtype=torch.int64)
@@ -29,8 +31,6 @@ class TorchRefBackend(AttnBackend):
             meta["dec_rows"] = torch.tensor([s.q_start for s in dec], device=dev)
             meta["dec_idx"] = idx.to(dev)
             meta["dec_mask"] = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :].to(dev)
-        for s in meta["extend"]:
-            meta[("slots", s.q_start)] = torch.tensor(s.slots, dtype=torch.int64, device=dev)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -50,9 +50,8 @@ class TorchRefBackend(AttnBackend):
             vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta["dec_mask"])
             out.index_copy_(0, rows, od.reshape(b, heads, dim))
-        for s in meta["extend"]:
+        for s, slots in meta["extend"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            slots = meta[("slots", s.q_start)]
             qe = q[rows].transpose(0, 1)  # (heads, n, dim)
             ke = kp.index_select(0, slots).transpose(0, 1)  # (kv_heads, L, dim)
             ve = vp.index_select(0, slots).transpose(0, 1)

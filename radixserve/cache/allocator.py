@@ -43,9 +43,3 @@ class SlotAllocator:
                 raise RuntimeError(f"slot {s} freed twice")
             used[s] = 0
         self._free.extend(reversed(slots))
-
-    def is_used(self, slot: int) -> bool:
-        return bool(self._used[slot])
-
-    def reset(self) -> None:
-        self.__init__(self.size)  # type: ignore[misc]

@@ -22,8 +22,10 @@ class PrefillAdder:
     def reservation(self, req: Req) -> int:
         """Slots a request may still claim: its unallocated extend plus a share of its decodes."""
         unallocated = len(req.token_ids) - self.cache.num_slots(req)
-        decode = min(req.remaining_new_tokens, self.cfg.reserve_clip_tokens)
-        return max(unallocated, 0) + int(decode * self.ratio)
+        return max(unallocated, 0) + self._decode_share(req)
+
+    def _decode_share(self, req: Req) -> int:
+        return int(min(req.remaining_new_tokens, self.cfg.reserve_clip_tokens) * self.ratio)
 
     def continue_chunk(self, req: Req) -> int:
         """Next chunk of an admitted, partly prefilled request (memory was reserved at admission)."""
@@ -38,7 +40,7 @@ class PrefillAdder:
         if self.budget <= 0 or self.slots_left <= 0:
             return 0
         self.cache.admit(req)
-        need = req.extend_len + int(min(req.remaining_new_tokens, self.cfg.reserve_clip_tokens) * self.ratio)
+        need = req.extend_len + self._decode_share(req)
         n = min(req.extend_len, self.budget)
         # With nothing running, admit whatever fits at all: waiting for memory would deadlock.
         fits = need <= self.headroom or (self.idle and req.extend_len <= self.cache.available())

@@ -37,7 +37,6 @@ class PlanItem:
 @dataclass
 class SchedulePlan:
     items: list[PlanItem] = field(default_factory=list)
-    retracted: list[Req] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +121,6 @@ class Scheduler:
                 continue
             victim = order.pop()
             self._retract(victim)
-            plan.retracted.append(victim)
 
     def _retract(self, req: Req) -> None:
         self.cache.release(req)
