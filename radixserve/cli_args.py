@@ -15,6 +15,10 @@ _ENGINE_FLAGS: dict[str, tuple[type, type]] = {
     "context_length": (ModelConfig, int),
     "kv_cache_tokens": (CacheConfig, int),
     "kv_mem_fraction": (CacheConfig, float),
+    "page_size": (CacheConfig, int),
+    "disable_radix_cache": (CacheConfig, bool),
+    "radix_eviction_policy": (CacheConfig, str),
+    "schedule_policy": (SchedConfig, str),
     "chunked_prefill_size": (SchedConfig, int),
     "max_running_requests": (SchedConfig, int),
     "max_total_tokens": (SchedConfig, int),
@@ -26,7 +30,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     for name, (cls, typ) in _ENGINE_FLAGS.items():
         default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=default, help=f"(default: {default})")
+        flag = "--" + name.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, dest=name, action="store_true", default=default)
+        else:
+            p.add_argument(flag, dest=name, type=typ, default=default, help=f"(default: {default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the Engine constructor and tests share one source of defaults.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -24,7 +25,10 @@ class ModelConfig:
 class CacheConfig:
     kv_cache_tokens: int | None = None  # explicit pool size in tokens (slots)
     kv_mem_fraction: float = 0.25  # else: this fraction of available memory
-    page_size: int = 1
+    page_size: int = 1  # tokens per KV page; the prefix cache shares whole pages only
+    disable_radix_cache: bool = False  # True: no prefix sharing (for A/B runs)
+    radix_eviction_policy: str = "lru"  # lru | priority (lowest request priority first, then LRU)
+    tenant_max_cached_tokens: Mapping[str, int] = field(default_factory=dict)  # tenant -> quota
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class SchedConfig:
     chunked_prefill_size: int = 1024  # prefill tokens per iteration (decodes ride along)
     max_running_requests: int = 64
     max_total_tokens: int | None = None  # cap on the KV pool, in tokens
-    schedule_policy: str = "fcfs"
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first)
+    lpm_queue_cap: int = 128  # above this many waiting requests lpm falls back to fcfs
     init_new_token_ratio: float = 0.7  # share of remaining decode tokens reserved at admission
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002

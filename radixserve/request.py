@@ -5,7 +5,10 @@ Token layout of a request (`token_ids` = prompt + output so far):
     |<------------- token_ids ------------->|
     |<-- prompt_len -->|<--- output_ids --->|
     |<-- computed_len (KV stored) -->|      |  the rest is fed by the next extend
-    |<- cached_len ->|                         prefix taken from the prefix cache
+    |<- cached_len ->|                         prefix held (locked) in the prefix cache
+
+The prefix cache key is the namespace (tenant, cache_salt); the first public_prefix_len
+tokens are looked up in, and offered to, the shared public namespace instead.
 """
 
 from __future__ import annotations
@@ -132,17 +135,23 @@ class Req:
         rid: str | None = None,
         priority: int = 0,
         max_new_tokens: int = 128,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        public_prefix_len: int = 0,
     ) -> None:
         self.rid = rid or new_rid()
         self.token_ids: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.params = params
         self.priority = priority
+        self.tenant = tenant  # None: the default tenant
+        self.cache_salt = cache_salt
+        self.public_prefix_len = public_prefix_len
         self.max_new_tokens = params.max_new_tokens if params.max_new_tokens is not None else max_new_tokens
         self.arrival = time.monotonic()
         self.status = ReqStatus.WAITING
         self.computed_len = 0  # tokens whose KV is in the pool
-        self.cached_len = 0  # of those, taken from the prefix cache at the last admission
+        self.cached_len = 0  # of those, held in the prefix cache (matched at admission or adopted since)
         self.cached_tokens = 0  # prompt tokens served from the cache at first admission (reported)
         self.finish_reason: FinishReason | None = None
         self.finish_matched: int | str | None = None

@@ -25,7 +25,7 @@ def _assert_no_leak(engine: Engine) -> None:
         time.sleep(0.01)
     s = engine.stats()
     assert s["kv_in_use_slots"] == 0, s
-    assert s["kv_free_slots"] + s["kv_cached_slots"] == s["kv_total_slots"], s
+    assert s["kv_free_slots"] + s["kv_cached_tokens"] == s["kv_total_slots"], s
 
 
 def test_greedy_output_is_identical_alone_and_in_a_mixed_batch(tiny_engine):

@@ -1,18 +1,32 @@
 """The prefix-cache contract the cache manager talks to, and the null cache that shares nothing.
 
-Units: token ids in, slot indices out. Ownership: slots handed to `insert` beyond the
-returned count belong to the cache from then on; the caller frees the rest. Locked
-prefixes are never evicted; whoever locks unlocks (the cache manager, once per admission).
+Units: token ids in, slot indices out. Lengths are whole pages: a cache with page size N
+matches, inserts and evicts multiples of N tokens, and callers pass page-aligned lengths to
+`insert`. Ownership: slots handed to `insert` beyond the returned count belong to the cache
+from then on; the caller frees the rest. Locked prefixes are never evicted; whoever locks
+unlocks (the cache manager, once per admission or per adopted chunk).
+
+Namespaces are structured keys, never joined strings: `Namespace(tenant, cache_salt)`.
+Different namespaces never share a node. `public_len` marks the first tokens of a sequence
+as living in the one shared PUBLIC namespace (an opt-in public prefix); the rest stays in
+the caller's namespace.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-Namespace = Hashable  # a structured key such as (tenant, cache_salt); never a joined string
+DEFAULT_TENANT = "default"
+
+
+class Namespace(NamedTuple):
+    tenant: str | None  # None only for PUBLIC; a request without a tenant uses DEFAULT_TENANT
+    cache_salt: str | None = None
+
+
+PUBLIC = Namespace(None, None)
 
 
 @dataclass(frozen=True)
@@ -23,18 +37,26 @@ class PrefixMatch:
 
 
 class PrefixCache(ABC):
-    @abstractmethod
-    def match(self, ns: Namespace, tokens: list[int]) -> PrefixMatch:
-        """Longest cached prefix of `tokens` in namespace `ns`."""
+    page_size: int = 1
+    shares: bool = True  # False: never holds anything (the cache manager skips mid-request inserts)
+
+    def aligned(self, n: int) -> int:
+        return n - n % self.page_size
 
     @abstractmethod
-    def insert(self, ns: Namespace, tokens: list[int], slots: list[int]) -> int:
-        """Offer `tokens` with their KV `slots`. Returns n: the first n slots duplicate what
-        the cache already holds (or were refused) and stay the caller's to free; the cache
-        owns slots[n:] from now on."""
+    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0) -> PrefixMatch:
+        """Longest cached prefix of `tokens` (page-aligned) in namespace `ns`, the first
+        `public_len` tokens looked up in PUBLIC. Marks the matched path as recently used."""
 
     @abstractmethod
-    def lock(self, handle: Any) -> None: ...
+    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0) -> int:
+        """Offer `tokens` (a whole number of pages) with their KV `slots`. Returns n: the first
+        n slots duplicate what the cache already holds and stay the caller's to free; the
+        cache owns slots[n:] from now on. `priority` feeds the priority eviction policy."""
+
+    @abstractmethod
+    def lock(self, handle: Any) -> None:
+        """Pin the path from the root to `handle` (a match's handle) against eviction."""
 
     @abstractmethod
     def unlock(self, handle: Any) -> None: ...
@@ -42,6 +64,14 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, n: int) -> list[int]:
         """Free at least n unlocked cached slots if possible; returns them for the allocator."""
+
+    @abstractmethod
+    def reset(self) -> list[int]:
+        """Drop everything (refused while anything is locked); returns the slots to free."""
+
+    @abstractmethod
+    def check_integrity(self) -> list[int]:
+        """Verify the internal invariants (raises RuntimeError); returns every slot held."""
 
     @property
     @abstractmethod
@@ -51,14 +81,27 @@ class PrefixCache(ABC):
     @abstractmethod
     def evictable_tokens(self) -> int: ...
 
+    @property
+    def locked_tokens(self) -> int:
+        return self.cached_tokens - self.evictable_tokens
+
+    @property
+    def evicted_tokens(self) -> int:
+        return 0
+
 
 class NullPrefixCache(PrefixCache):
     """Shares nothing: every match is empty and every insert is refused."""
 
-    def match(self, ns: Namespace, tokens: list[int]) -> PrefixMatch:
+    shares = False
+
+    def __init__(self, page_size: int = 1) -> None:
+        self.page_size = page_size
+
+    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0) -> PrefixMatch:
         return PrefixMatch(0, [])
 
-    def insert(self, ns: Namespace, tokens: list[int], slots: list[int]) -> int:
+    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0) -> int:
         return len(slots)
 
     def lock(self, handle: Any) -> None:
@@ -70,6 +113,12 @@ class NullPrefixCache(PrefixCache):
     def evict(self, n: int) -> list[int]:
         return []
 
+    def reset(self) -> list[int]:
+        return []
+
+    def check_integrity(self) -> list[int]:
+        return []
+
     @property
     def cached_tokens(self) -> int:
         return 0
@@ -77,3 +126,16 @@ class NullPrefixCache(PrefixCache):
     @property
     def evictable_tokens(self) -> int:
         return 0
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (slice comparisons run at C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, step = 0, 64
+    while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
+        lo += step
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo

@@ -13,7 +13,8 @@ import torch
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token
-from radixserve.cache.prefix import NullPrefixCache
+from radixserve.cache.prefix import NullPrefixCache, PrefixCache
+from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.loop import EngineLoop
 from radixserve.engine.outputs import Delta, Output
@@ -49,13 +50,19 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         a = self.arch
         self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device)
-        self.cache = CacheManager(SlotAllocator(self.pool.num_slots), NullPrefixCache())
+        self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
         self.sampler = Sampler(self.vocab_size, self.eos_ids)
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
         self._loop.start()
+
+    def _prefix_cache(self) -> PrefixCache:
+        c = self.config.cache
+        if c.disable_radix_cache:
+            return NullPrefixCache(c.page_size)
+        return RadixCache(c.page_size, c.radix_eviction_policy, c.tenant_max_cached_tokens)
 
     def _pool_slots(self) -> int:
         c, a = self.config, self.arch
@@ -66,13 +73,30 @@ class Engine:
             n = int(available_memory_bytes(self.device) * c.cache.kv_mem_fraction) // per_token
         if c.sched.max_total_tokens is not None:
             n = min(n, c.sched.max_total_tokens)
+        if c.cache.page_size < 1:
+            raise ValueError(f"page_size: must be at least 1, got {c.cache.page_size}")
+        n -= n % c.cache.page_size
         if n < 1:
-            raise ValueError(f"kv_cache_tokens: the KV pool would hold {n} tokens; give it at least 1")
+            raise ValueError(f"kv_cache_tokens: the KV pool would hold {n} tokens; give it at least one page")
         return n
 
     # -- requests ---------------------------------------------------------------------------
-    def make_req(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None, priority: int = 0) -> Req:
-        """Tokenize and validate; raises ValueError naming the bad field."""
+    def make_req(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        priority: int = 0,
+        *,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        public_prefix_len: int | None = None,
+    ) -> Req:
+        """Tokenize and validate; raises ValueError naming the bad field.
+
+        The prefix-cache namespace is (tenant, cache_salt): requests share cached prefixes
+        only within one. `public_prefix_len=k` opts in to the shared public namespace for the
+        first k prompt tokens (hit by, and offered to, every request that opts in too)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -84,8 +108,10 @@ class Engine:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.arch.vocab_size:
                     raise ValueError(f"input_ids: {t!r} is not a token id in [0, {self.arch.vocab_size})")
         params.validate(self.vocab_size)
+        _check_namespace(tenant, cache_salt, public_prefix_len, len(ids))
         default_max = max(min(self.config.default_max_new_tokens, self.context_len - len(ids)), 0)
-        req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max)
+        req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max, tenant=tenant,
+                  cache_salt=cache_salt, public_prefix_len=public_prefix_len or 0)
         check_admissible(req, self.context_len, self.pool.num_slots)
         return req
 
@@ -94,15 +120,23 @@ class Engine:
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
 
     def generate(
-        self, prompts: Sequence[Prompt] | str, params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        public_prefix_len: int | None = None,
     ) -> list[Output]:
-        """Run a batch to completion (offline use). One Output per prompt, in order."""
+        """Run a batch to completion (offline use). One Output per prompt, in order. All
+        prompts are submitted together: those sharing a prefix compute it once."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        reqs = [self.make_req(p, sp) for p, sp in zip(prompts, plist)]
+        ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
+        reqs = [self.make_req(p, sp, **ns) for p, sp in zip(prompts, plist)]
         results: dict[str, Output] = {}
         done = threading.Event()
         guard = threading.Lock()
@@ -127,10 +161,22 @@ class Engine:
         return [results[r.rid] for r in reqs]
 
     async def submit(
-        self, prompt: Prompt | Req, params: SamplingParams | None = None, *, rid: str | None = None, priority: int = 0
+        self,
+        prompt: Prompt | Req,
+        params: SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        public_prefix_len: int | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream one request's deltas. Leaving the iteration early aborts the request."""
-        req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params, rid, priority)
+        if isinstance(prompt, Req):
+            req = prompt
+        else:
+            ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
+            req = self.make_req(prompt, params, rid, priority, **ns)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
         self._loop.add(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
@@ -148,18 +194,40 @@ class Engine:
         self._loop.abort(rid)
 
     def stats(self) -> dict[str, Any]:
+        """KV accounting (in tokens: free + cached + in use = total) and scheduler counters."""
         with self._loop.lock:
-            s, alloc = self.scheduler, self.cache.allocator
+            s, alloc, prefix = self.scheduler, self.cache.allocator, self.cache.prefix
+            c = s.counters
             return {
                 "kv_total_slots": alloc.size,
                 "kv_free_slots": alloc.num_free,
                 "kv_in_use_slots": self.cache.in_use(),
-                "kv_cached_slots": self.cache.prefix.cached_tokens,
+                "kv_cached_tokens": prefix.cached_tokens,
+                "kv_evictable_tokens": prefix.evictable_tokens,
+                "kv_locked_tokens": prefix.locked_tokens,
+                "evicted_tokens": prefix.evicted_tokens,
+                "cache_hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
                 "running": len(s.running),
                 "waiting": len(s.waiting),
                 "steps": self._loop.steps,
-                **vars(s.counters),
+                **vars(c),
             }
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix; returns the tokens dropped. Raises RuntimeError while
+        requests are running or waiting (their prefixes are locked or about to be)."""
+        with self._loop.lock:
+            if self.scheduler.has_work:
+                s = self.scheduler
+                raise RuntimeError(
+                    f"flush_cache: refused while {len(s.running)} requests are running and {len(s.waiting)} waiting; retry when idle"
+                )
+            return self.cache.flush()
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless every KV page is free, cached or owned by one request."""
+        with self._loop.lock:
+            self.cache.check_integrity()
 
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -170,6 +238,15 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_namespace(tenant: str | None, cache_salt: str | None, public_prefix_len: int | None, prompt_len: int) -> None:
+    for name, v in (("tenant", tenant), ("cache_salt", cache_salt)):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"{name}: expected a non-empty string or None, got {v!r}")
+    k = public_prefix_len
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= prompt_len):
+        raise ValueError(f"public_prefix_len: {k!r} is not an integer in [0, {prompt_len}] (the prompt length)")
 
 
 def _device(name: str) -> torch.device:

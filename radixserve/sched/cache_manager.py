@@ -1,87 +1,167 @@
 """The only glue between requests and KV memory (allocator + prefix cache).
 
-Slots of one request, as held in the request-to-slots table:
+Slots of one request, as held in its table entry:
 
-    |<--------------------- table[rid] ---------------------->|
-    |<- cached_len: owned by the ->|<- owned by the request ->|
-    |   prefix cache, locked       |   (computed + allocated) |
+    |<------------------------- entry.slots -------------------------->|
+    |<- cached_len: owned by the prefix ->|<- owned by the request ---->|
+    |   cache, locked (entry.handle)      |   (computed + allocated)    |
 
-At release the computed part is offered to the prefix cache; whatever it does not
-adopt, and every allocated-but-not-computed slot, goes back to the allocator.
+After each prefill chunk the computed whole pages are offered to the prefix cache: the
+request then holds the cache's slots for them (its own duplicates are freed) and locks the
+longer path. At release the computed part is offered once more; whatever the cache does not
+adopt, and every allocated-but-not-computed slot, goes back to the allocator. With pages,
+the request's slots after cached_len fill its pages in order, so len(slots) % page_size
+tells how much of its last page is still unused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.allocator import SlotAllocator
-from radixserve.cache.prefix import Namespace, PrefixCache
+from radixserve.cache.prefix import DEFAULT_TENANT, Namespace, PrefixCache
 from radixserve.request import Req
+
+
+@dataclass
+class _Entry:
+    slots: list[int]
+    handle: Any  # the locked prefix-cache path
+    cached: int  # == req.cached_len
 
 
 class CacheManager:
     def __init__(self, allocator: SlotAllocator, prefix: PrefixCache) -> None:
+        if allocator.page_size != prefix.page_size:
+            raise ValueError(f"page_size: allocator {allocator.page_size} != prefix cache {prefix.page_size}")
         self.allocator = allocator
         self.prefix = prefix
-        self._table: dict[str, list[int]] = {}
-        self._locks: dict[str, Any] = {}
+        self.page_size = allocator.page_size
+        self._table: dict[str, _Entry] = {}
 
-    # -- queries ----------------------------------------------------------------------
+    # -- queries ----------------------------------------------------------------------------
     def slots(self, req: Req) -> list[int]:
-        return self._table[req.rid]
+        return self._table[req.rid].slots
 
     def num_slots(self, req: Req) -> int:
-        table = self._table.get(req.rid)
-        return len(table) if table is not None else 0
+        entry = self._table.get(req.rid)
+        return len(entry.slots) if entry is not None else 0
 
     def available(self) -> int:
         """Slots that could be had now: free plus evictable."""
         return self.allocator.num_free + self.prefix.evictable_tokens
 
+    def in_use(self) -> int:
+        """Slots held by requests (not by the prefix cache)."""
+        return self.allocator.num_used - self.prefix.cached_tokens
+
     @staticmethod
     def namespace(req: Req) -> Namespace:
-        return getattr(req, "namespace", None)
+        return Namespace(req.tenant or DEFAULT_TENANT, req.cache_salt)
 
-    # -- lifecycle ----------------------------------------------------------------------
-    def admit(self, req: Req) -> None:
-        """Match and lock the cached prefix; the request then feeds only the rest."""
+    def _match_limit(self, req: Req) -> int:
         limit = len(req.token_ids) - 1  # at least one token must be fed to get logits
         if req.wants_prompt_logprobs:
             limit = min(limit, max(req.params.logprob_start_len - 1, 0))
-        m = self.prefix.match(self.namespace(req), req.token_ids[: max(limit, 0)])
+        return max(limit, 0)
+
+    def match_len(self, req: Req) -> int:
+        """Cached prefix length the request would get if admitted now (nothing is locked)."""
+        return self.prefix.match(self.namespace(req), req.token_ids[: self._match_limit(req)], req.public_prefix_len).length
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def admit(self, req: Req) -> None:
+        """Match and lock the cached prefix; the request then feeds only the rest."""
+        m = self.prefix.match(self.namespace(req), req.token_ids[: self._match_limit(req)], req.public_prefix_len)
         self.prefix.lock(m.handle)
-        self._locks[req.rid] = m.handle
-        self._table[req.rid] = list(m.slots)
+        self._table[req.rid] = _Entry(list(m.slots), m.handle, m.length)
         req.cached_len = req.computed_len = m.length
         if req.retractions == 0:
             req.cached_tokens = m.length  # what the caller is told; re-admissions don't count
 
     def alloc(self, req: Req, n: int) -> bool:
-        """Append n fresh slots to the request's table, evicting cached leaves if needed."""
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            short = n - self.allocator.num_free
-            freed = self.prefix.evict(short)
-            if freed:
-                self.allocator.free(freed)
-            slots = self.allocator.alloc(n)
-            if slots is None:
-                return False
-        self._table[req.rid].extend(slots)
+        """Append n slots to the request's table (the rest of its last page first), evicting
+        unlocked cached leaves when free pages run short."""
+        slots = self._table[req.rid].slots
+        spare = min((-len(slots)) % self.page_size, n)
+        fresh: list[int] = []
+        if n > spare:
+            got = self.allocator.alloc(n - spare)
+            if got is None:
+                need = -(-(n - spare) // self.page_size) * self.page_size - self.allocator.num_free
+                freed = self.prefix.evict(need)
+                if freed:
+                    self.allocator.free(freed)
+                got = self.allocator.alloc(n - spare)
+                if got is None:
+                    return False
+            fresh = got[: n - spare]
+        if spare:
+            slots.extend(range(slots[-1] + 1, slots[-1] + 1 + spare))
+        slots.extend(fresh)
         return True
+
+    def cache_prefix(self, req: Req) -> None:
+        """After a prefill chunk: hand the computed whole pages to the prefix cache, so other
+        requests (siblings waiting for this prompt) can hit them before this one finishes."""
+        entry = self._table.get(req.rid)
+        done = self.prefix.aligned(req.computed_len)
+        if not self.prefix.shares or entry is None or done <= entry.cached:
+            return
+        ns = self.namespace(req)
+        tokens = req.token_ids[:done]
+        dup = self.prefix.insert(ns, tokens, entry.slots[:done], req.public_prefix_len, req.priority)
+        if dup > entry.cached:
+            self.allocator.free(entry.slots[entry.cached : dup])  # ours duplicated someone else's
+        m = self.prefix.match(ns, tokens, req.public_prefix_len)
+        if m.length != done:
+            raise RuntimeError(f"prefix cache lost {req.rid}'s tokens: matched {m.length} of {done} just inserted")
+        entry.slots[:done] = m.slots
+        self.prefix.lock(m.handle)
+        self.prefix.unlock(entry.handle)
+        entry.handle, entry.cached = m.handle, done
+        req.cached_len = done
 
     def release(self, req: Req) -> None:
         """Give back everything the request holds. Safe to call for a never-admitted request."""
-        table = self._table.pop(req.rid, None)
-        if table is None:
+        entry = self._table.pop(req.rid, None)
+        if entry is None:
             return
-        done = min(req.computed_len, len(table))
-        dup = self.prefix.insert(self.namespace(req), req.token_ids[:done], table[:done])
-        own = table[req.cached_len : max(dup, req.cached_len)] + table[done:]
+        slots, cached = entry.slots, entry.cached
+        done = max(self.prefix.aligned(min(req.computed_len, len(slots))), cached)
+        dup = self.prefix.insert(self.namespace(req), req.token_ids[:done], slots[:done], req.public_prefix_len, req.priority)
+        own = slots[cached : max(dup, cached)] + slots[done:]
         if own:
             self.allocator.free(own)
-        self.prefix.unlock(self._locks.pop(req.rid))
-        req.computed_len = 0
+        self.prefix.unlock(entry.handle)
+        req.computed_len = req.cached_len = 0
 
-    def in_use(self) -> int:
-        return self.allocator.num_used - self.prefix.cached_tokens
+    def flush(self) -> int:
+        """Empty the prefix cache; refused while any request holds KV. Returns tokens dropped."""
+        if self._table:
+            raise RuntimeError(f"flush_cache: refused while {len(self._table)} requests hold KV memory; retry when idle")
+        slots = self.prefix.reset()
+        if slots:
+            self.allocator.free(slots)
+        return len(slots)
+
+    def check_integrity(self) -> None:
+        """Every page is exactly one of: free, held by the prefix cache, owned by one request;
+        each request's cached part is what the cache holds for its tokens."""
+        ps = self.page_size
+        owner: dict[int, str] = {}
+
+        def claim(pages: set[int], who: str) -> None:
+            for p in pages:
+                if p in owner:
+                    raise RuntimeError(f"KV integrity: page {p} is owned by both {owner[p]} and {who}")
+                owner[p] = who
+
+        claim(self.allocator.free_pages(), "the free list")
+        claim({s // ps for s in self.prefix.check_integrity()}, "the prefix cache")
+        for rid, entry in self._table.items():
+            claim({s // ps for s in entry.slots[entry.cached :]}, rid)
+        total = self.allocator.size // ps
+        if len(owner) != total:
+            raise RuntimeError(f"KV integrity: {total - len(owner)} of {total} pages are owned by nobody (leaked)")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixserve.request import Req
+
+POLICIES = ("fcfs", "lpm")
 
 
 def keep_key(req: Req) -> tuple[int, float]:
@@ -11,12 +15,20 @@ def keep_key(req: Req) -> tuple[int, float]:
 
 
 class Policy:
-    def __init__(self, name: str = "fcfs") -> None:
-        if name != "fcfs":
-            raise ValueError(f"schedule_policy: {name!r} is not supported; choose from: fcfs")
-        self.name = name
+    """fcfs: priority, then arrival. lpm: priority, then longest cached prefix, then arrival;
+    matching costs O(queue) tree walks, so above `lpm_queue_cap` waiting requests it falls
+    back to fcfs."""
 
-    def order(self, waiting: list[Req]) -> list[Req]:
+    def __init__(self, name: str = "fcfs", lpm_queue_cap: int = 128) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"schedule_policy: {name!r} is not supported; choose from: {', '.join(POLICIES)}")
+        self.name = name
+        self.lpm_queue_cap = lpm_queue_cap
+
+    def order(self, waiting: list[Req], cached_len: Callable[[Req], int]) -> list[Req]:
+        if self.name == "lpm" and 1 < len(waiting) <= self.lpm_queue_cap:
+            hits = {r.rid: cached_len(r) for r in waiting}
+            return sorted(waiting, key=lambda r: (-r.priority, -hits[r.rid], r.arrival))
         return sorted(waiting, key=keep_key)
 
 

@@ -19,6 +19,10 @@ class PrefillAdder:
         self.slots_left = cfg.max_running_requests - len(running)
         self.idle = not running
 
+    @property
+    def can_admit(self) -> bool:
+        return self.budget > 0 and self.slots_left > 0
+
     def reservation(self, req: Req) -> int:
         """Slots a request may still claim: its unallocated extend plus a share of its decodes."""
         unallocated = len(req.token_ids) - self.cache.num_slots(req)
@@ -37,7 +41,7 @@ class PrefillAdder:
 
     def admit(self, req: Req) -> int:
         """Admit a waiting request and allocate its first chunk; 0 means stop admitting."""
-        if self.budget <= 0 or self.slots_left <= 0:
+        if not self.can_admit:
             return 0
         self.cache.admit(req)
         need = req.extend_len + self._decode_share(req)

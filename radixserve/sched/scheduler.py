@@ -14,6 +14,7 @@ from radixserve.request import FinishReason, Req, ReqStatus
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.policy import Policy, keep_key
 from radixserve.sched.prefill import PrefillAdder
+from radixserve.sched.siblings import SiblingGate
 
 
 @dataclass
@@ -45,7 +46,8 @@ class SchedulePlan:
 
 @dataclass
 class SchedCounters:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # of admitted requests (counted at first admission)
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
     prefill_tokens_computed: int = 0
     decode_tokens: int = 0
     retractions: int = 0
@@ -58,7 +60,7 @@ class Scheduler:
         self.cache = cache
         self.eos_ids = eos_ids
         self.context_len = context_len
-        self.policy = Policy(cfg.schedule_policy)
+        self.policy = Policy(cfg.schedule_policy, cfg.lpm_queue_cap)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.counters = SchedCounters()
@@ -71,7 +73,6 @@ class Scheduler:
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
-        self.counters.prompt_tokens += req.prompt_len
 
     def abort(self, rid: str) -> Req | None:
         for queue in (self.waiting, self.running):
@@ -90,7 +91,22 @@ class Scheduler:
         for req in sorted(self.running, key=keep_key):
             if req.extend_len > 1 and (n := adder.continue_chunk(req)):
                 plan.items.append(PlanItem(req, req.computed_len, n))
-        for req in self.policy.order(self.waiting):
+        if self.waiting and adder.can_admit:
+            self._admit(plan, adder)
+        if not plan.items and self.running:
+            # Every running request is stuck on memory (partly prefilled, nothing decoding):
+            # free the least important one so the others can move.
+            self._retract(max(self.running, key=keep_key))
+            return self.schedule()
+        return plan
+
+    def _admit(self, plan: SchedulePlan, adder: PrefillAdder) -> None:
+        """Admit waiting requests in policy order until the budget or memory runs out,
+        skipping siblings that will hit a prefix being computed right now."""
+        gate = SiblingGate(self.cache, self.running)
+        for req in self.policy.order(self.waiting, self.cache.match_len):
+            if gate.holds(req):
+                continue
             n = adder.admit(req)
             if not n:
                 break
@@ -98,12 +114,10 @@ class Scheduler:
             self.running.append(req)
             req.status = ReqStatus.RUNNING
             plan.items.append(PlanItem(req, req.computed_len, n))
-        if not plan.items and self.running:
-            # Every running request is stuck on memory (partly prefilled, nothing decoding):
-            # free the least important one so the others can move.
-            self._retract(max(self.running, key=keep_key))
-            return self.schedule()
-        return plan
+            gate.add_leader(req)
+            if req.retractions == 0:
+                self.counters.prompt_tokens += req.prompt_len
+                self.counters.cached_prompt_tokens += req.cached_tokens
 
     def _schedule_decodes(self, plan: SchedulePlan) -> None:
         """One slot per decoding request; when memory runs out, retract from the least
@@ -141,6 +155,8 @@ class Scheduler:
                 self.counters.decode_tokens += 1
             else:
                 self.counters.prefill_tokens_computed += item.length
+                if req.finish_reason is None:
+                    self.cache.cache_prefix(req)  # reusable before the request finishes
             if not item.samples or req.finish_reason is not None:
                 continue
             if req.max_new_tokens == 0:

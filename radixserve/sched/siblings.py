@@ -1,0 +1,42 @@
+"""Sibling deduplication: when waiting requests share a prompt prefix that is not cached yet
+but that a request admitted before them is prefilling right now, hold them back until it is
+computed (the cache manager inserts it after each chunk) and let them hit it instead of
+computing it again. 16 branches sent at the same instant then compute the shared prompt once.
+
+A held request waits only while its leader is still prefilling the shared part; a leader that
+finishes its prompt, or is retracted, stops holding anyone.
+"""
+
+from __future__ import annotations
+
+from radixserve.cache.prefix import common_prefix_len
+from radixserve.request import Req
+from radixserve.sched.cache_manager import CacheManager
+
+HOLD_MIN_TOKENS = 32  # waiting for fewer shared tokens than this is not worth an iteration
+
+
+class SiblingGate:
+    def __init__(self, cache: CacheManager, running: list[Req]) -> None:
+        self.cache = cache
+        self.min_gain = max(HOLD_MIN_TOKENS, cache.page_size)
+        self.leaders = [r for r in running if r.computed_len < r.prompt_len]
+
+    def add_leader(self, req: Req) -> None:
+        self.leaders.append(req)
+
+    def holds(self, req: Req) -> bool:
+        """True when a leader is computing a prefix this request could reuse, at least
+        `min_gain` tokens longer than what the cache already gives it."""
+        if not self.leaders:
+            return False
+        cached = self.cache.match_len(req)
+        return any(self._reusable(req, leader) - cached >= self.min_gain for leader in self.leaders)
+
+    def _reusable(self, req: Req, leader: Req) -> int:
+        """Tokens of req's prompt that leader's prefill will put in the cache where req can hit them."""
+        shared = common_prefix_len(req.token_ids[: req.prompt_len - 1], leader.token_ids[: leader.prompt_len])
+        pa, pb = req.public_prefix_len, leader.public_prefix_len
+        if self.cache.namespace(req) == self.cache.namespace(leader) and pa == pb:
+            return shared
+        return min(shared, pa, pb)  # only the public part is shared (0 unless both opted in)
