@@ -54,7 +54,7 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
         "num_attention_heads": 6,
         "num_key_value_heads": 2,
         "head_dim": 16,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
         "initializer_range": 0.2,
         "eos_token_id": eos,

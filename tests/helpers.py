@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,3 +41,18 @@ def hf_logits_and_greedy(path: Path, ids: list[int], new_tokens: int) -> tuple[t
         do_sample=False, pad_token_id=0,
     )
     return logits, out[0, len(ids):].tolist()
+
+
+def assert_no_leak(engine: Any) -> None:
+    """Once idle: no request holds KV, every slot is free or cached, and the page ownership
+    and radix-tree invariants hold."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["running"] == 0 and s["waiting"] == 0:
+            break
+        time.sleep(0.01)
+    s = engine.stats()
+    assert s["kv_in_use_slots"] == 0, s
+    assert s["kv_free_slots"] + s["kv_cached_tokens"] == s["kv_total_slots"], s
+    engine.check_integrity()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
+
+from helpers import assert_no_leak as _assert_no_leak
 
 from radixserve import Engine, SamplingParams
 
@@ -16,16 +17,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 380) for _ in range(rng.randint(3, 150))] for _ in range(n)]
 
 
-def _assert_no_leak(engine: Engine) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["running"] == 0 and s["waiting"] == 0:
-            break
-        time.sleep(0.01)
-    s = engine.stats()
-    assert s["kv_in_use_slots"] == 0, s
-    assert s["kv_free_slots"] + s["kv_cached_tokens"] == s["kv_total_slots"], s
 
 
 def test_greedy_output_is_identical_alone_and_in_a_mixed_batch(tiny_engine):

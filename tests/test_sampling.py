@@ -91,7 +91,7 @@ def test_penalties_and_filters_in_the_sampler():
         ([], SamplingParams(), "prompt"),
         ([1, 2, 10**9], SamplingParams(), "input_ids"),
         ([1, -1], SamplingParams(), "input_ids"),
-        (list(range(3, 300)) * 2, SamplingParams(), "prompt"),
+        (list(range(3, 300)) * 8, SamplingParams(), "prompt"),  # past the 2,048-token window
         ([1, 2], SamplingParams(max_new_tokens=100000), "max_new_tokens"),
         ([1, 2], SamplingParams(max_new_tokens=-1), "max_new_tokens"),
         ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),

@@ -1,0 +1,142 @@
+"""The scheduler with the radix cache and a fake model (pure Python, fast): sibling
+deduplication, mid-prompt reuse, lpm ordering, eviction before retraction, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.cache.allocator import SlotAllocator
+from radixserve.cache.prefix import NullPrefixCache
+from radixserve.cache.radix import RadixCache
+from radixserve.config import SchedConfig
+from radixserve.request import Req, SamplingParams
+from radixserve.sched.cache_manager import CacheManager
+from radixserve.sched.scheduler import Scheduler
+
+
+def _sched(pool: int, page_size: int = 1, cache: bool = True, **kw) -> Scheduler:
+    cfg = SchedConfig(**{"chunked_prefill_size": 256, **kw})
+    prefix = RadixCache(page_size) if cache else NullPrefixCache(page_size)
+    return Scheduler(cfg, CacheManager(SlotAllocator(pool, page_size), prefix), eos_ids={0}, context_len=10_000)
+
+
+def _step(s: Scheduler) -> None:
+    """One iteration with a fake model that always emits token 9."""
+    plan = s.schedule()
+    s.process(plan, [9 if it.samples else None for it in plan.items])
+    s.reap()
+    s.cache.check_integrity()
+
+
+def _drive(s: Scheduler, steps: int = 5000) -> None:
+    n = 0
+    while s.has_work and n < steps:
+        _step(s)
+        n += 1
+    assert not s.has_work, "the scheduler did not finish its work"
+
+
+def _fork(n: int, prefix_len: int, seed: int = 0) -> tuple[list[int], list[Req]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 300) for _ in range(prefix_len)]
+    reqs = [Req(prefix + [rng.randrange(1, 300) for _ in range(rng.randint(5, 20))], SamplingParams(), max_new_tokens=8)
+            for _ in range(n)]
+    return prefix, reqs
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_sixteen_siblings_sent_together_compute_the_shared_prompt_once(page_size):
+    s = _sched(pool=8192, page_size=page_size)
+    prefix, reqs = _fork(16, 1000)
+    for r in reqs:
+        s.add(r)
+    _drive(s)
+    suffixes = sum(r.prompt_len - len(prefix) for r in reqs)
+    assert s.counters.prefill_tokens_computed <= len(prefix) + suffixes + 16 * page_size
+    assert all(r.output_len == 8 for r in reqs)
+    assert sum(r.cached_tokens > 0 for r in reqs) == 15  # every sibling but the leader hit
+    assert s.cache.in_use() == 0
+
+
+def test_without_a_cache_every_sibling_computes_the_prompt():
+    s = _sched(pool=8192, cache=False)
+    prefix, reqs = _fork(16, 1000)
+    for r in reqs:
+        s.add(r)
+    _drive(s)
+    assert s.counters.prefill_tokens_computed == sum(r.prompt_len for r in reqs)
+
+
+def test_a_chunked_prompt_is_reusable_before_its_request_finishes():
+    s = _sched(pool=8192, chunked_prefill_size=100)
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 300) for _ in range(350)]
+    first = Req(prompt, SamplingParams(), max_new_tokens=50)
+    s.add(first)
+    for _ in range(2):  # two chunks of 100 computed, the prompt is not done
+        _step(s)
+    assert s.cache.prefix.cached_tokens == 200
+    late = Req(prompt[:300] + [7, 7], SamplingParams(), max_new_tokens=4)
+    s.add(late)
+    _drive(s)
+    assert late.cached_tokens == 300  # it waited for the leader's third chunk, then hit all 300
+    assert s.counters.prefill_tokens_computed == 350 + 2
+
+
+def test_lpm_admits_the_request_with_the_longest_cached_prefix_first():
+    s = _sched(pool=8192, schedule_policy="lpm", max_running_requests=1)
+    rng = random.Random(5)
+    warm = [rng.randrange(1, 300) for _ in range(200)]
+    s.add(Req(warm, SamplingParams(), max_new_tokens=1))
+    _drive(s)
+    cold = Req([rng.randrange(1, 300) for _ in range(50)], SamplingParams(), max_new_tokens=1)
+    hit = Req(warm + [5], SamplingParams(), max_new_tokens=1)
+    s.add(cold)  # arrives first
+    s.add(hit)
+    _step(s)
+    assert s.running == [hit] or hit.finish_reason is not None
+    assert cold.cached_tokens == 0 and hit.cached_tokens == 200
+    fcfs = _sched(pool=8192, max_running_requests=1)
+    a, b = Req([1] * 5, SamplingParams()), Req([2] * 5, SamplingParams())
+    fcfs.add(a)
+    fcfs.add(b)
+    fcfs.schedule()
+    assert fcfs.running == [a]
+
+
+def test_cached_leaves_are_evicted_before_any_running_request_is_retracted():
+    s = _sched(pool=300, chunked_prefill_size=512)
+    rng = random.Random(7)
+    for _ in range(3):  # fill the cache with finished prompts
+        s.add(Req([rng.randrange(1, 300) for _ in range(80)], SamplingParams(), max_new_tokens=1))
+        _drive(s)
+    assert s.cache.prefix.cached_tokens >= 240
+    big = Req([rng.randrange(1, 300) for _ in range(150)], SamplingParams(), max_new_tokens=100)
+    s.add(big)
+    _drive(s)
+    assert s.counters.retractions == 0 and big.output_len == 100
+    assert s.cache.prefix.evicted_tokens > 0
+
+
+def test_random_forks_under_memory_pressure_finish_without_leaks():
+    s = _sched(pool=600, chunked_prefill_size=64, page_size=2)
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(1, 300) for _ in range(rng.randint(20, 120))] for _ in range(4)]
+    reqs = []
+    for _ in range(60):
+        p = rng.choice(prefixes) + [rng.randrange(1, 300) for _ in range(rng.randint(1, 30))]
+        r = Req(p, SamplingParams(), priority=rng.randint(0, 2), max_new_tokens=rng.randint(1, 40),
+                tenant=rng.choice([None, "t1"]), public_prefix_len=rng.choice([0, 0, 16]))
+        reqs.append(r)
+    for r in reqs[:30]:
+        s.add(r)
+    for _ in range(20):
+        _step(s)
+    for r in reqs[30:]:
+        s.add(r)
+    _drive(s)
+    assert all(r.output_len == r.max_new_tokens for r in reqs)
+    assert s.cache.in_use() == 0
+    assert s.counters.cached_prompt_tokens > 0
