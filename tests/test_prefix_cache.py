@@ -140,3 +140,18 @@ def test_namespace_arguments_are_validated(engines):
         on.make_req([5, 6, 7], tenant="")
     with pytest.raises(ValueError, match="cache_salt"):
         on.make_req([5, 6, 7], cache_salt=3)  # type: ignore[arg-type]
+
+
+def test_a_paged_cache_shares_whole_pages_and_keeps_greedy_outputs(engines, tiny_llama):
+    _, off = engines
+    system = _ids(203, seed=12)
+    prompts = [system + _ids(3 + i, seed=200 + i) for i in range(5)]
+    want = [o.token_ids for o in off.generate(prompts, GREEDY)]
+    with Engine(str(tiny_llama), kv_cache_tokens=4096, chunked_prefill_size=64, page_size=4) as paged:
+        before = paged.stats()["prefill_tokens_computed"]
+        outs = paged.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == want
+        assert all(o.cached_tokens % 4 == 0 for o in outs) and sum(o.cached_tokens == 200 for o in outs) == 4  # 203 shared: 50 whole pages
+        computed = paged.stats()["prefill_tokens_computed"] - before
+        assert computed <= 203 + sum(len(p) - 203 for p in prompts) + 5 * 4
+        assert_no_leak(paged)

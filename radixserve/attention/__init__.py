@@ -11,7 +11,10 @@ if TYPE_CHECKING:
     from radixserve.attention.base import AttnBackend
     from radixserve.cache.pool import KVPool
 
-_BACKENDS = {"torch": "radixserve.attention.torch_ref:TorchRefBackend"}
+_BACKENDS = {
+    "torch": "radixserve.attention.torch_flash:TorchFlashBackend",  # fused attention, shared-prefix decode
+    "torch_ref": "radixserve.attention.torch_ref:TorchRefBackend",  # the simple oracle
+}
 CHOICES = ("auto", *_BACKENDS)
 
 

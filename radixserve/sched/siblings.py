@@ -13,25 +13,24 @@ from radixserve.cache.prefix import common_prefix_len
 from radixserve.request import Req
 from radixserve.sched.cache_manager import CacheManager
 
-HOLD_MIN_TOKENS = 32  # waiting for fewer shared tokens than this is not worth an iteration
-
 
 class SiblingGate:
     def __init__(self, cache: CacheManager, running: list[Req]) -> None:
         self.cache = cache
-        self.min_gain = max(HOLD_MIN_TOKENS, cache.page_size)
         self.leaders = [r for r in running if r.computed_len < r.prompt_len]
 
     def add_leader(self, req: Req) -> None:
         self.leaders.append(req)
 
     def holds(self, req: Req) -> bool:
-        """True when a leader is computing a prefix this request could reuse, at least
-        `min_gain` tokens longer than what the cache already gives it."""
+        """True when a leader is computing a prefix this request could reuse that is at least
+        one whole page longer than what the cache already gives it. The wait is one iteration
+        per chunk the leader still needs for the shared part."""
         if not self.leaders:
             return False
         cached = self.cache.match_len(req)
-        return any(self._reusable(req, leader) - cached >= self.min_gain for leader in self.leaders)
+        aligned = self.cache.prefix.aligned
+        return any(aligned(self._reusable(req, leader)) > cached for leader in self.leaders)
 
     def _reusable(self, req: Req, leader: Req) -> int:
         """Tokens of req's prompt that leader's prefill will put in the cache where req can hit them."""

@@ -23,9 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from radixserve.bench.offline import add_args as add_offline_args
+    from radixserve.bench import offline, prefix
 
-    add_offline_args(bsub.add_parser("offline", help="offline throughput vs Hugging Face generate"))
+    offline.add_args(bsub.add_parser("offline", help="offline throughput vs Hugging Face generate"))
+    prefix.add_args(bsub.add_parser("prefix", help="16 calls forked off a long system prompt; multi-turn history reuse"))
     return p
 
 
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "generate":
             return cmd_generate(args)
-        from radixserve.bench.offline import run as run_offline
+        from radixserve.bench import offline, prefix
 
-        return run_offline(args)
+        return {"offline": offline.run, "prefix": prefix.run}[args.bench](args)
     except (ModelLoadError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
