@@ -11,7 +11,8 @@ lint:
 	.venv/bin/lint-imports
 
 bench:
-	.venv/bin/radixserve bench offline --json bench_offline.json
+	.venv/bin/radixserve bench offline --kv-cache-tokens 20000 --json bench_offline.json
+	.venv/bin/radixserve bench prefix --kv-cache-tokens 40000 --json bench_prefix.json
 
 generate:
 	.venv/bin/radixserve generate "What is the capital of France?"

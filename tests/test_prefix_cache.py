@@ -151,7 +151,8 @@ def test_a_paged_cache_shares_whole_pages_and_keeps_greedy_outputs(engines, tiny
         before = paged.stats()["prefill_tokens_computed"]
         outs = paged.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == want
-        assert all(o.cached_tokens % 4 == 0 for o in outs) and sum(o.cached_tokens == 200 for o in outs) == 4  # 203 shared: 50 whole pages
+        assert all(o.cached_tokens % 4 == 0 for o in outs)
+        assert sum(o.cached_tokens == 200 for o in outs) == 4  # 203 tokens shared: 50 whole pages
         computed = paged.stats()["prefill_tokens_computed"] - before
         assert computed <= 203 + sum(len(p) - 203 for p in prompts) + 5 * 4
         assert_no_leak(paged)
