@@ -14,6 +14,7 @@ from radixserve.config import SchedConfig
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.siblings import SiblingGate
 
 
 def _sched(pool: int, page_size: int = 1, cache: bool = True, **kw) -> Scheduler:
@@ -67,6 +68,17 @@ def test_without_a_cache_every_sibling_computes_the_prompt():
         s.add(r)
     _drive(s)
     assert s.counters.prefill_tokens_computed == sum(r.prompt_len for r in reqs)
+
+
+def test_siblings_are_held_only_when_a_cache_can_serve_them():
+    for cache in (True, False):
+        s = _sched(pool=8192, cache=cache)
+        _, reqs = _fork(3, 1000)
+        for r in reqs:
+            s.add(r)
+        _step(s)  # the first request takes the whole 256-token budget
+        gate = SiblingGate(s.cache, s.running)
+        assert gate.holds(reqs[1]) is cache
 
 
 def test_a_chunked_prompt_is_reusable_before_its_request_finishes():

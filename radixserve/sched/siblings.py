@@ -17,10 +17,12 @@ from radixserve.sched.cache_manager import CacheManager
 class SiblingGate:
     def __init__(self, cache: CacheManager, running: list[Req]) -> None:
         self.cache = cache
-        self.leaders = [r for r in running if r.computed_len < r.prompt_len]
+        shares = cache.prefix.shares  # without a prefix cache nobody can hit anything: hold no one
+        self.leaders = [r for r in running if r.computed_len < r.prompt_len] if shares else []
 
     def add_leader(self, req: Req) -> None:
-        self.leaders.append(req)
+        if self.cache.prefix.shares:
+            self.leaders.append(req)
 
     def holds(self, req: Req) -> bool:
         """True when a leader is computing a prefix this request could reuse that is at least
