@@ -235,3 +235,13 @@ TestRadixAgainstReference = RadixMachine.TestCase
 TestRadixAgainstReference.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPagedRadixAgainstReference = PagedRadixMachine.TestCase
 TestPagedRadixAgainstReference.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_public_tokens_count_against_the_quota_of_the_tenant_that_inserted_them():
+    c = RadixCache(quotas={"a": 10})
+    fill(c, B, list(range(50)), 0)  # b's hot prompt, within its (absent) quota
+    for i in range(5):
+        fill(c, A, [100 + i] * 20, 100 + 20 * i, public_len=20)  # a floods the public namespace
+    assert c.tenant_tokens["a"] == 100
+    freed = c.evict(20)
+    assert all(s >= 100 for s in freed) and c.match(B, list(range(50))).length == 50

@@ -152,3 +152,44 @@ def test_random_forks_under_memory_pressure_finish_without_leaks():
     assert all(r.output_len == r.max_new_tokens for r in reqs)
     assert s.cache.in_use() == 0
     assert s.counters.cached_prompt_tokens > 0
+
+
+def test_a_request_wanting_prompt_logprobs_is_not_held_for_a_prefix_it_cannot_use():
+    s = _sched(pool=8192, chunked_prefill_size=64)
+    _, reqs = _fork(2, 500)
+    s.add(reqs[0])
+    _step(s)  # the leader is prefilling the shared prompt
+    wants_logprobs = Req(reqs[1].token_ids, SamplingParams(logprob_start_len=0), max_new_tokens=2)
+    gate = SiblingGate(s.cache, s.running)
+    assert gate.holds(reqs[1]) and not gate.holds(wants_logprobs)
+
+
+def test_admission_counts_the_prefix_it_locks_as_used_memory():
+    s = _sched(pool=200, chunked_prefill_size=512)
+    rng = random.Random(13)
+    prefix = [rng.randrange(1, 300) for _ in range(101)]
+    s.add(Req(prefix + [1], SamplingParams(), max_new_tokens=1))
+    _drive(s)
+    a = Req(prefix + [rng.randrange(1, 300) for _ in range(10)], SamplingParams(), max_new_tokens=70)
+    b = Req([rng.randrange(1, 300) for _ in range(60)], SamplingParams(), max_new_tokens=20)
+    s.add(a)
+    s.add(b)
+    _drive(s)
+    assert s.counters.retractions == 0 and a.output_len == 70 and b.output_len == 20
+
+
+def test_a_request_rolled_back_at_admission_reports_no_cached_tokens():
+    s = _sched(pool=120, chunked_prefill_size=512, init_new_token_ratio=1.0)
+    prompt = list(range(1, 41))
+    s.add(Req(prompt, SamplingParams(), max_new_tokens=1))
+    _drive(s)  # prompt cached
+    hog = Req(list(range(100, 160)), SamplingParams(), max_new_tokens=50)
+    s.add(hog)
+    _step(s)
+    late = Req(prompt + [7], SamplingParams(), max_new_tokens=60)
+    s.add(late)
+    _step(s)  # matched 40 cached tokens, but does not fit beside the hog: rolled back
+    assert late in s.waiting
+    s.abort(late.rid)
+    s.reap()
+    assert late.cached_tokens == 0

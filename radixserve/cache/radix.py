@@ -28,10 +28,11 @@ from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch,
 
 
 class Node:
-    __slots__ = ("ns", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority")
+    __slots__ = ("ns", "owner", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority")
 
-    def __init__(self, ns: Namespace | None, key: list[int], slots: list[int], parent: Node | None) -> None:
+    def __init__(self, ns: Namespace | None, key: list[int], slots: list[int], parent: Node | None, owner: str | None = None) -> None:
         self.ns = ns
+        self.owner = owner  # the tenant charged for these tokens (for PUBLIC nodes: whoever inserted them)
         self.key = key
         self.slots = slots
         self.parent = parent
@@ -39,10 +40,6 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.priority = 0
-
-    @property
-    def tenant(self) -> str | None:
-        return self.ns.tenant if self.ns is not None else None
 
     def __repr__(self) -> str:
         return f"Node({self.ns}, len={len(self.key)}, lock={self.lock_ref}, t={self.last_access})"
@@ -107,7 +104,7 @@ class RadixCache(PrefixCache):
         """Cut `child`'s edge after n tokens; the new upper node takes the first n."""
         parent = child.parent
         assert parent is not None
-        upper = Node(child.ns, child.key[:n], child.slots[:n], parent)
+        upper = Node(child.ns, child.key[:n], child.slots[:n], parent, child.owner)
         upper.lock_ref, upper.last_access, upper.priority = child.lock_ref, child.last_access, child.priority
         parent.children[(child.ns, self._child_key(child.key, 0))] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
@@ -129,7 +126,7 @@ class RadixCache(PrefixCache):
         i = dup
         while i < total:  # the rest is new: one node for the public part, one for the private
             cur, end = (PUBLIC, plen) if i < plen else (ns, total)
-            child = Node(cur, tokens[i:end], slots[i:end], node)
+            child = Node(cur, tokens[i:end], slots[i:end], node, ns.tenant)
             child.last_access, child.priority = self._tick, priority
             node.children[(cur, self._child_key(tokens, i))] = child
             self._account(child, +1)
@@ -140,7 +137,7 @@ class RadixCache(PrefixCache):
         n = sign * len(node.key)
         self._cached += n
         self._evictable += n  # new and removed nodes are unlocked
-        self.tenant_tokens[node.tenant] += n
+        self.tenant_tokens[node.owner] += n
 
     # -- locks ------------------------------------------------------------------------------
     def lock(self, handle: Any) -> None:
@@ -170,7 +167,7 @@ class RadixCache(PrefixCache):
         """Tenants over their quota lose their leaves first, then everyone in policy order."""
         freed: list[int] = []
         if any(self._over_quota(t) for t in self.quotas):
-            self._evict_from(n, freed, lambda node: self._over_quota(node.tenant))
+            self._evict_from(n, freed, lambda node: self._over_quota(node.owner))
         if len(freed) < n:
             self._evict_from(n, freed, lambda node: True)
         return freed
@@ -242,7 +239,7 @@ class RadixCache(PrefixCache):
             slots.extend(node.slots)
             cached += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
-            tenants[node.tenant] += len(node.key)
+            tenants[node.owner] += len(node.key)
         _check(len(set(slots)) == len(slots), "a slot is held by two cached tokens")
         _check(cached == self._cached, f"cached count {self._cached} != {cached} in the tree")
         _check(evictable == self._evictable, f"evictable count {self._evictable} != {evictable} in the tree")

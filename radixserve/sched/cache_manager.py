@@ -60,25 +60,25 @@ class CacheManager:
     def namespace(req: Req) -> Namespace:
         return Namespace(req.tenant or DEFAULT_TENANT, req.cache_salt)
 
-    def _match_limit(self, req: Req) -> int:
-        limit = len(req.token_ids) - 1  # at least one token must be fed to get logits
+    def match_limit(self, req: Req) -> int:
+        """How much of the request's tokens may come from the cache (at least one must be fed,
+        and prompt logprobs need their positions computed)."""
+        limit = len(req.token_ids) - 1
         if req.wants_prompt_logprobs:
             limit = min(limit, max(req.params.logprob_start_len - 1, 0))
         return max(limit, 0)
 
     def match_len(self, req: Req) -> int:
         """Cached prefix length the request would get if admitted now (nothing is locked)."""
-        return self.prefix.match(self.namespace(req), req.token_ids[: self._match_limit(req)], req.public_prefix_len).length
+        return self.prefix.match(self.namespace(req), req.token_ids[: self.match_limit(req)], req.public_prefix_len).length
 
     # -- lifecycle --------------------------------------------------------------------------
     def admit(self, req: Req) -> None:
         """Match and lock the cached prefix; the request then feeds only the rest."""
-        m = self.prefix.match(self.namespace(req), req.token_ids[: self._match_limit(req)], req.public_prefix_len)
+        m = self.prefix.match(self.namespace(req), req.token_ids[: self.match_limit(req)], req.public_prefix_len)
         self.prefix.lock(m.handle)
         self._table[req.rid] = _Entry(list(m.slots), m.handle, m.length)
         req.cached_len = req.computed_len = m.length
-        if req.retractions == 0:
-            req.cached_tokens = m.length  # what the caller is told; re-admissions don't count
 
     def alloc(self, req: Req, n: int) -> bool:
         """Append n slots to the request's table (the rest of its last page first), evicting

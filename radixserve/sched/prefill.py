@@ -43,8 +43,10 @@ class PrefillAdder:
         """Admit a waiting request and allocate its first chunk; 0 means stop admitting."""
         if not self.can_admit:
             return 0
+        before = self.cache.available()
         self.cache.admit(req)
-        need = req.extend_len + self._decode_share(req)
+        pinned = before - self.cache.available()  # cached tokens this admission locked: no longer evictable
+        need = req.extend_len + self._decode_share(req) + pinned
         n = min(req.extend_len, self.budget)
         # With nothing running, admit whatever fits at all: waiting for memory would deadlock.
         fits = need <= self.headroom or (self.idle and req.extend_len <= self.cache.available())

@@ -115,7 +115,8 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             plan.items.append(PlanItem(req, req.computed_len, n))
             gate.add_leader(req)
-            if req.retractions == 0:
+            if req.retractions == 0:  # what the caller is told; re-admissions don't count
+                req.cached_tokens = req.cached_len
                 self.counters.prompt_tokens += req.prompt_len
                 self.counters.cached_prompt_tokens += req.cached_tokens
 

@@ -36,7 +36,8 @@ class SiblingGate:
 
     def _reusable(self, req: Req, leader: Req) -> int:
         """Tokens of req's prompt that leader's prefill will put in the cache where req can hit them."""
-        shared = common_prefix_len(req.token_ids[: req.prompt_len - 1], leader.token_ids[: leader.prompt_len])
+        mine = req.token_ids[: min(req.prompt_len, self.cache.match_limit(req))]
+        shared = common_prefix_len(mine, leader.token_ids[: leader.prompt_len])
         pa, pb = req.public_prefix_len, leader.public_prefix_len
         if self.cache.namespace(req) == self.cache.namespace(leader) and pa == pb:
             return shared
