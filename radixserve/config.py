@@ -45,6 +45,20 @@ class SchedConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    tenants: str | None = None  # TOML or JSON file: api key -> tenant
+    served_model_name: str | None = None  # default: the model's name
+    max_queued_requests: int = 256  # accepted requests without a first token yet; over it: 503
+    max_request_bytes: int = 8 << 20  # larger bodies: 413
+    slo_ttft_ms: float = 2000.0  # goodput counts requests within both SLOs
+    slo_tpot_ms: float = 200.0
+    drain_timeout: float = 30.0  # seconds running requests may take to finish on SIGTERM
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

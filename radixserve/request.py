@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens reached
     ABORT = "abort"  # aborted by the caller (or a vanished client)
     ERROR = "error"  # an internal error hit this request; the engine goes on
 
 
-class ReqStatus(str, enum.Enum):
+class ReqStatus(enum.StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -56,6 +56,8 @@ class Engine:
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
+        self._snapshot = self._stats()
+        self._loop.on_change = self._publish
         self._loop.start()
 
     def _prefix_cache(self) -> PrefixCache:
@@ -194,24 +196,35 @@ class Engine:
         self._loop.abort(rid)
 
     def stats(self) -> dict[str, Any]:
-        """KV accounting (in tokens: free + cached + in use = total) and scheduler counters."""
+        """KV accounting (in tokens: free + cached + in use = total) and scheduler counters.
+        Waits for the current step to end; `snapshot()` does not wait."""
         with self._loop.lock:
-            s, alloc, prefix = self.scheduler, self.cache.allocator, self.cache.prefix
-            c = s.counters
-            return {
-                "kv_total_slots": alloc.size,
-                "kv_free_slots": alloc.num_free,
-                "kv_in_use_slots": self.cache.in_use(),
-                "kv_cached_tokens": prefix.cached_tokens,
-                "kv_evictable_tokens": prefix.evictable_tokens,
-                "kv_locked_tokens": prefix.locked_tokens,
-                "evicted_tokens": prefix.evicted_tokens,
-                "cache_hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-                "running": len(s.running),
-                "waiting": len(s.waiting),
-                "steps": self._loop.steps,
-                **vars(c),
-            }
+            return self._stats()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The stats as of the end of the last step or command; never blocks (event loops use this)."""
+        return self._snapshot
+
+    def _publish(self) -> None:
+        self._snapshot = self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        s, alloc, prefix = self.scheduler, self.cache.allocator, self.cache.prefix
+        c = s.counters
+        return {
+            "kv_total_slots": alloc.size,
+            "kv_free_slots": alloc.num_free,
+            "kv_in_use_slots": self.cache.in_use(),
+            "kv_cached_tokens": prefix.cached_tokens,
+            "kv_evictable_tokens": prefix.evictable_tokens,
+            "kv_locked_tokens": prefix.locked_tokens,
+            "evicted_tokens": prefix.evicted_tokens,
+            "cache_hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "steps": self._loop.steps,
+            **vars(c),
+        }
 
     def flush_cache(self) -> int:
         """Drop every cached prefix; returns the tokens dropped. Raises RuntimeError while

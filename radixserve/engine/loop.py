@@ -43,6 +43,7 @@ class EngineLoop:
         self.lock = threading.Lock()  # held while the loop mutates state; stats() reads under it
         self.streams: dict[str, _Stream] = {}
         self.steps = 0
+        self.on_change: Callable[[], None] | None = None  # called under the lock after each step or command
         self.thread = threading.Thread(target=self._main, name="radixserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -66,6 +67,7 @@ class EngineLoop:
             try:
                 with self.lock:
                     self._step()
+                    self._changed()
             except Exception:  # never let one bad step end the thread
                 log.exception("engine step failed")
 
@@ -78,6 +80,7 @@ class EngineLoop:
             with self.lock:
                 if not self._handle(cmd):
                     return False
+                self._changed()
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
@@ -100,6 +103,10 @@ class EngineLoop:
             return False
         self._reap()
         return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _step(self) -> None:
         plan = self.scheduler.schedule()

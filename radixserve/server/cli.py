@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("prompt")
+    from radixserve.server import serve
+
+    serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from radixserve.bench import offline, prefix
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "generate":
             return cmd_generate(args)
+        if args.cmd == "serve":
+            from radixserve.server import serve
+
+            return serve.run(args)
         from radixserve.bench import offline, prefix
 
         return {"offline": offline.run, "prefix": prefix.run}[args.bench](args)

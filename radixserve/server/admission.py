@@ -1,0 +1,55 @@
+"""Admission control: a request counts as queued from acceptance until its first token; the
+global queue and each tenant's share are capped. Rejections are decided at once, before any
+tokenization or engine work, so overload costs the client one round trip."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from radixserve.server.auth import Tenant
+from radixserve.server.errors import ApiError
+
+
+@dataclass
+class Ticket:
+    tenant: str
+    queued: bool = True
+
+
+class Admission:
+    def __init__(self, max_queued: int, retry_after_s: int = 1) -> None:
+        self.max_queued = max_queued
+        self.retry_after = str(retry_after_s)
+        self.queued = 0
+        self.in_flight = 0
+        self.by_tenant: Counter[str] = Counter()
+        self.draining = False
+
+    def enter(self, tenant: Tenant, n: int = 1) -> list[Ticket]:
+        """n tickets (n > 1 for siblings of one call), or an ApiError: 503 draining or globally
+        full, 429 over the tenant's share."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": self.retry_after})
+        if self.queued + n > self.max_queued:
+            raise ApiError(503, f"overloaded: {self.queued} requests are queued (max {self.max_queued}); retry later",
+                           code="overloaded", headers={"Retry-After": self.retry_after})
+        cap = tenant.max_queued_requests
+        if cap is not None and self.by_tenant[tenant.id] + n > cap:
+            raise ApiError(429, f"tenant {tenant.id!r} has {self.by_tenant[tenant.id]} requests queued (max {cap})",
+                           code="tenant_queue_full", headers={"Retry-After": self.retry_after})
+        self.queued += n
+        self.in_flight += n
+        self.by_tenant[tenant.id] += n
+        return [Ticket(tenant.id) for _ in range(n)]
+
+    def started(self, t: Ticket) -> None:
+        """The request produced its first token: it no longer counts as queued."""
+        if t.queued:
+            t.queued = False
+            self.queued -= 1
+            self.by_tenant[t.tenant] -= 1
+
+    def leave(self, t: Ticket) -> None:
+        self.started(t)
+        self.in_flight -= 1

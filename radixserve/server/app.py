@@ -1,0 +1,119 @@
+"""build_app: routes, JSON errors for everything (never an HTML page or a bare 500), and the
+small endpoints (health, server_info, flush_cache, abort_request, metrics, openapi.json)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from radixserve.server import native, openai
+from radixserve.server.errors import ApiError, decode_body
+from radixserve.server.openapi import openapi_document
+from radixserve.server.protocol import AbortRequest
+from radixserve.server.state import ServerState
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    try:
+        return await handler(request)
+    except ApiError as e:
+        err = e
+    except web.HTTPRequestEntityTooLarge:
+        limit = state.config.max_request_bytes
+        err = ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
+    except (ConnectionResetError, ConnectionError):
+        raise  # the client left mid-stream; its request was aborted on the way out
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        err = ApiError(500, "internal server error", code="internal_error")
+    state.metrics.rejected.labels(err.code or str(err.status)).inc()
+    return err.response()
+
+
+async def health(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    if state.admission.draining:
+        return _json({"status": "draining"}, 503)
+    return _json({"status": "ok"})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    state.authenticate(request)
+    e, c = state.engine, state.config
+    return _json({
+        "model": state.model_name,
+        "model_path": str(e.model_path),
+        "max_context_len": e.context_len,
+        "chat_template": getattr(e.tokenizer, "chat_template", None),
+        "vocab_size": e.vocab_size,
+        "max_queued_requests": c.max_queued_requests,
+        "max_request_bytes": c.max_request_bytes,
+        "max_running_requests": e.config.sched.max_running_requests,
+        "page_size": e.config.cache.page_size,
+        "radix_cache": not e.config.cache.disable_radix_cache,
+        "queued": state.admission.queued,
+        "kv": e.snapshot(),
+    })
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    state.authenticate(request)
+    try:
+        dropped = await state.off_loop(state.engine.flush_cache)
+    except RuntimeError as e:
+        raise ApiError(400, str(e), code="busy") from None
+    return _json({"flushed_tokens": dropped})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    tenant = state.authenticate(request)
+    body = decode_body(await request.read(), AbortRequest)
+    req = state.active.get(body.rid)
+    if req is None or (req.tenant or "default") != tenant.id:  # another tenant's rid is as good as unknown
+        raise ApiError(404, f"rid: no request {body.rid!r} is in flight", param="rid")
+    state.engine.abort(body.rid)
+    return _json({"aborted": body.rid})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return _json(openapi_document(request.app["state"].model_name))
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=state.config.max_request_bytes)
+    app["state"] = state
+    app.router.add_post("/generate", native.generate)
+    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_get("/v1/models", openai.models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    return app

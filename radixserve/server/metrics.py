@@ -1,0 +1,74 @@
+"""Prometheus metrics (prometheus_client): latency histograms per request, counters, and
+gauges read from the engine's published stats at scrape time (never blocking on a step)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int]) -> None:
+        self.snapshot = snapshot
+        self.queued = queued
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot()
+        gauges = {
+            "radixserve_queued_requests": ("requests accepted that have no first token yet", self.queued()),
+            "radixserve_running_requests": ("requests the scheduler is running", s.get("running", 0)),
+            "radixserve_waiting_requests": ("requests waiting in the scheduler", s.get("waiting", 0)),
+            "radixserve_kv_total_tokens": ("KV pool size in tokens", s.get("kv_total_slots", 0)),
+            "radixserve_kv_in_use_tokens": ("KV tokens held by requests", s.get("kv_in_use_slots", 0)),
+            "radixserve_kv_cached_tokens": ("KV tokens held by the prefix cache", s.get("kv_cached_tokens", 0)),
+            "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.get("cache_hit_rate", 0.0)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "radixserve_prefill_tokens_computed": ("prompt tokens run through the model", "prefill_tokens_computed"),
+            "radixserve_prompt_tokens_cached": ("prompt tokens served from the prefix cache", "cached_prompt_tokens"),
+            "radixserve_prompt_tokens": ("prompt tokens of admitted requests", "prompt_tokens"),
+            "radixserve_generation_tokens": ("tokens decoded", "decode_tokens"),
+            "radixserve_retractions": ("requests retracted under memory pressure", "retractions"),
+            "radixserve_evicted_tokens": ("prefix-cache tokens evicted", "evicted_tokens"),
+        }
+        for name, (doc, key) in counters.items():
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+
+
+class Metrics:
+    def __init__(
+        self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float
+    ) -> None:
+        self.registry = r = CollectorRegistry()
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.ttft = Histogram("radixserve_time_to_first_token_seconds", "TTFT", registry=r, buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("radixserve_time_per_output_token_seconds", "TPOT", registry=r, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram("radixserve_e2e_request_latency_seconds", "end-to-end latency", registry=r, buckets=LATENCY_BUCKETS)
+        self.finished = Counter("radixserve_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
+        self.goodput = Counter("radixserve_goodput_requests", "finished requests within the TTFT and TPOT SLOs", registry=r)
+        self.rejected = Counter("radixserve_rejected_requests", "requests rejected by reason", ["reason"], registry=r)
+        r.register(_EngineCollector(snapshot, queued))
+
+    def observe(self, ttft: float | None, e2e: float, completion_tokens: int, finish_reason: str) -> None:
+        self.finished.labels(finish_reason).inc()
+        self.e2e.observe(e2e)
+        if ttft is None:
+            return
+        self.ttft.observe(ttft)
+        tpot = (e2e - ttft) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
+        if completion_tokens > 1:
+            self.tpot.observe(tpot)
+        if finish_reason in ("stop", "length") and ttft <= self.slo_ttft_s and tpot <= self.slo_tpot_s:
+            self.goodput.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

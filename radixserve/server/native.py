@@ -1,0 +1,78 @@
+"""SGLang-style native API: POST /generate (text or input_ids, single or batched, streaming)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from radixserve.engine.outputs import Output
+from radixserve.request import FinishReason, SamplingParams
+from radixserve.server.errors import ApiError, decode_body, prompt_batch
+from radixserve.server.protocol import GenerateRequest, GenerateResponse, MetaInfo, NativeFinishReason, NativeSamplingParams
+from radixserve.server.sse import SSEWriter
+from radixserve.server.state import RequestOptions, ServerState
+
+NOT_YET = "is not supported yet (constrained decoding lands in step 4)"
+
+
+def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:
+    """The prompts and whether the request was a batch."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "text, input_ids: give exactly one of them", param="text")
+    if body.text is not None:
+        return ([body.text], False) if isinstance(body.text, str) else (list(body.text), True)
+    return prompt_batch(body.input_ids or [], "input_ids", texts_ok=False)
+
+
+def _params(body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
+    for name in ("json_schema", "regex", "ebnf"):
+        if getattr(sp, name) is not None:
+            raise ApiError(400, f"sampling_params.{name}: {NOT_YET}", param=f"sampling_params.{name}")
+    fields = {f: getattr(sp, f) for f in sp.__struct_fields__ if f not in ("json_schema", "regex", "ebnf")}
+    return SamplingParams(**fields, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+                          logprob_start_len=body.logprob_start_len)
+
+
+def _finish(out: Output) -> NativeFinishReason:
+    if out.finish_reason == FinishReason.ERROR.value:
+        return NativeFinishReason("error", message=out.error)
+    return NativeFinishReason(out.finish_reason, matched=out.matched_stop)
+
+
+def _response(state: ServerState, out: Output, text: str, ids: list[int], arrival: float, final: bool) -> GenerateResponse:
+    tokens, top = state.triples(out.logprobs)
+    ptokens, ptop = state.triples(out.prompt_logprobs)
+    meta = MetaInfo(out.rid, out.prompt_tokens, len(ids), out.cached_tokens, _finish(out) if final else None,
+                    time.monotonic() - arrival, tokens, top, ptokens, ptop)
+    return GenerateResponse(text, ids, meta)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    arrival = time.monotonic()
+    tenant = state.authenticate(request)
+    body = decode_body(await request.read(), GenerateRequest)
+    prompts, batched = _prompts(body)
+    if batched and body.stream:
+        raise ApiError(400, "stream: streaming a batch of prompts is not supported; send them as separate requests",
+                       param="stream")
+    params = _params(body, body.sampling_params or NativeSamplingParams())
+    opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
+                          rename={"prompt": "text", "input_ids": "input_ids"})
+    reqs, tickets = await state.prepare(tenant, prompts, [params] * len(prompts), opts)
+    if not body.stream:
+        outs = await state.collect(reqs, tickets, arrival)
+        resp = [_response(state, o, o.text, o.token_ids, arrival, True) for o in outs]
+        return web.Response(body=msgspec.json.encode(resp if batched else resp[0]), content_type="application/json")
+    sse = await SSEWriter.open(request)
+    req, text, ids, lps = reqs[0], "", [], []
+    async for _, d in state.merged(reqs, tickets, arrival):
+        text, ids, lps = text + d.text, ids + d.token_ids, lps + d.logprobs
+        out = d.output or Output(req.rid, "", [], "", req.prompt_len, len(ids), req.cached_tokens,
+                                 logprobs=lps if params.return_logprob else None)
+        await sse.send(_response(state, out, text, ids, arrival, d.finished))
+    await sse.done()
+    return sse.response

@@ -1,0 +1,273 @@
+"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from radixserve.engine.outputs import Output
+from radixserve.request import SamplingParams, TokenLogprob
+from radixserve.server.errors import ApiError, decode_body, prompt_batch
+from radixserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprobOut,
+    TopLogprob,
+    Usage,
+    _OpenAISampling,
+)
+from radixserve.server.sse import SSEWriter
+from radixserve.server.state import RequestOptions, ServerState
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+NOT_YET = "is not supported yet (constrained decoding and tools land in step 4)"
+RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
+          "prompt": "messages"}
+
+
+def _check_common(b: _OpenAISampling) -> None:
+    if not 1 <= b.n <= MAX_N:
+        raise ApiError(400, f"n: {b.n} is out of range [1, {MAX_N}]", param="n")
+    if b.logit_bias:
+        raise ApiError(400, "logit_bias: is not supported", param="logit_bias")
+    for name in ("regex", "ebnf"):
+        if getattr(b, name) is not None:
+            raise ApiError(400, f"{name}: {NOT_YET}", param=name)
+    if b.stream_options is not None and not b.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
+
+
+def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool) -> SamplingParams:
+    def opt(v: Any, default: Any) -> Any:
+        return default if v is None else v
+
+    return SamplingParams(
+        max_new_tokens=max_tokens, min_new_tokens=b.min_tokens, temperature=opt(b.temperature, 1.0), top_p=opt(b.top_p, 1.0),
+        top_k=opt(b.top_k, -1), min_p=opt(b.min_p, 0.0), frequency_penalty=opt(b.frequency_penalty, 0.0),
+        presence_penalty=opt(b.presence_penalty, 0.0), repetition_penalty=opt(b.repetition_penalty, 1.0), stop=b.stop,
+        stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
+        seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
+    )
+
+
+def _opts(b: _OpenAISampling) -> RequestOptions:
+    return RequestOptions(b.rid, b.priority, b.cache_salt, b.public_prefix_len, rename=RENAME)
+
+
+def _usage(outs: list[Output], prompts: int = 1) -> Usage:
+    """Each prompt counts once, however many choices share it (they share its KV too)."""
+    firsts = outs[:: max(len(outs) // prompts, 1)]
+    p = sum(o.prompt_tokens for o in firsts)
+    c = sum(o.completion_tokens for o in outs)
+    return Usage(p, c, p + c, PromptTokensDetails(sum(o.cached_tokens for o in firsts)))
+
+
+def _finish_reason(out: Output) -> str:
+    if out.finish_reason == "error":
+        raise ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
+    return out.finish_reason
+
+
+# -- chat ------------------------------------------------------------------------------------
+def _messages(b: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not b.messages:
+        raise ApiError(400, "messages: must contain at least one message", param="messages")
+    out = []
+    for i, m in enumerate(b.messages):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role: {m.role!r} is not one of system, user, assistant, tool",
+                           param=f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
+                                   param=f"messages[{i}].content[{j}].type")
+            content = "".join(p.text or "" for p in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def _render(state: ServerState, messages: list[dict[str, Any]]) -> Callable[[], list[int]]:
+    def render() -> list[int]:
+        try:
+            return state.engine.chat_ids(messages)
+        except Exception as e:  # the template's own checks (e.g. role order)
+            raise ApiError(400, f"messages: the model's chat template rejected them: {e}", param="messages") from None
+
+    return render
+
+
+def _pair(text_bytes: tuple[str, list[int]], logprob: float) -> tuple[str, float, list[int]]:
+    return text_bytes[0], logprob, text_bytes[1]
+
+
+def _chat_logprobs(state: ServerState, lps: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    if lps is None:
+        return None
+
+    def tok(t: int) -> tuple[str, list[int]]:
+        s = state.token_text(t)
+        return s, list(s.encode())
+
+    content = []
+    for lp in lps:
+        s, by = tok(lp.token_id)
+        top = [TopLogprob(*_pair(tok(t), v)) for v, t in lp.top]
+        content.append(TokenLogprobOut(s, lp.logprob if lp.logprob is not None else 0.0, by, top))
+    return ChoiceLogprobs(content)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    arrival = time.monotonic()
+    tenant = state.authenticate(request)
+    b = decode_body(await request.read(), ChatCompletionRequest)
+    state.check_model(b.model)
+    _check_common(b)
+    if b.tools:
+        raise ApiError(400, f"tools: {NOT_YET}", param="tools")
+    if b.response_format is not None and b.response_format.get("type") != "text":
+        raise ApiError(400, f"response_format: {NOT_YET}", param="response_format")
+    if b.top_logprobs is not None and not b.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    top = b.top_logprobs or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    render = _render(state, _messages(b))
+    params = [_params(b, max_tokens, i, top, b.logprobs) for i in range(b.n)]
+    reqs, tickets = await state.prepare(tenant, [render] * b.n, params, _opts(b))
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if not b.stream:
+        outs = await state.collect(reqs, tickets, arrival)
+        choices = [ChatChoice(i, AssistantMessage(content=o.text), _finish_reason(o), _chat_logprobs(state, o.logprobs))
+                   for i, o in enumerate(outs)]
+        resp = ChatCompletionResponse(cid, created, state.model_name, choices, _usage(outs))
+        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+    sse = await SSEWriter.open(request)
+    include_usage = b.stream_options is not None and b.stream_options.include_usage
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(cid, created, state.model_name, choices, usage)
+
+    for i in range(b.n):
+        await sse.send(chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
+    outs: list[Output | None] = [None] * b.n
+    async for i, d in state.merged(reqs, tickets, arrival):
+        lps = _chat_logprobs(state, d.logprobs) if b.logprobs and d.logprobs else None
+        reason = None
+        if d.finished and d.output is not None:
+            outs[i] = d.output
+            if d.output.finish_reason == "error":
+                await sse.send({"error": {"message": f"internal error while generating: {d.output.error}",
+                                          "type": "internal_server_error", "param": None, "code": "internal_error"}})
+                continue
+            reason = d.output.finish_reason
+        if d.text or lps or reason:
+            await sse.send(chunk([ChatChunkChoice(i, ChatDelta(content=d.text or None), reason, lps)]))
+    if include_usage:
+        await sse.send(chunk([], _usage([o for o in outs if o is not None])))
+    await sse.done()
+    return sse.response
+
+
+# -- completions -----------------------------------------------------------------------------
+def _completion_prompts(b: CompletionRequest) -> list[str | list[int]]:
+    prompts = [b.prompt] if isinstance(b.prompt, str) else prompt_batch(b.prompt, "prompt", texts_ok=True)[0]
+    if any(len(x) == 0 for x in prompts):
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    return prompts
+
+
+def _completion_logprobs(state: ServerState, lps: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+    if lps is None:
+        return None
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        s = state.token_text(lp.token_id)
+        tokens.append(s)
+        offset += len(s)
+    tops = [{state.token_text(t): v for v, t in lp.top} for lp in lps]
+    return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    arrival = time.monotonic()
+    tenant = state.authenticate(request)
+    b = decode_body(await request.read(), CompletionRequest)
+    state.check_model(b.model)
+    _check_common(b)
+    if b.suffix:
+        raise ApiError(400, "suffix: is not supported", param="suffix")
+    if b.best_of is not None and b.best_of != b.n:
+        raise ApiError(400, "best_of: only best_of == n is supported", param="best_of")
+    top = b.logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    if b.echo and top is not None:
+        raise ApiError(400, "echo: echo together with logprobs is not supported", param="echo")
+    prompts = _completion_prompts(b)
+    max_tokens = 16 if b.max_tokens is None else b.max_tokens  # OpenAI's default for completions
+    flat = [p for p in prompts for _ in range(b.n)]
+    params = [_params(b, max_tokens, i % b.n, top or 0, top is not None) for i in range(len(flat))]
+    opts = _opts(b)
+    opts.rename = {**RENAME, "prompt": "prompt", "input_ids": "prompt"}
+    reqs, tickets = await state.prepare(tenant, flat, params, opts)
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def echo(i: int) -> str:
+        p = flat[i]
+        return (p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if b.echo else ""
+
+    if not b.stream:
+        outs = await state.collect(reqs, tickets, arrival)
+        choices = [CompletionChoice(i, echo(i) + o.text, _finish_reason(o), _completion_logprobs(state, o.logprobs, 0))
+                   for i, o in enumerate(outs)]
+        resp = CompletionResponse(cid, created, state.model_name, choices, _usage(outs, len(prompts)))
+        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+    sse = await SSEWriter.open(request)
+    outs: list[Output | None] = [None] * len(flat)
+    started = [False] * len(flat)
+    async for i, d in state.merged(reqs, tickets, arrival):
+        reason = None
+        if d.finished and d.output is not None:
+            outs[i] = d.output
+            reason = _finish_reason(d.output) if d.output.finish_reason != "error" else "error"
+        text = (echo(i) if not started[i] else "") + d.text
+        started[i] = True
+        lps = _completion_logprobs(state, d.logprobs, 0) if top is not None and d.logprobs else None
+        if text or reason or lps:
+            await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
+    if b.stream_options is not None and b.stream_options.include_usage:
+        await sse.send(CompletionResponse(cid, created, state.model_name, [], _usage([o for o in outs if o], len(prompts))))
+    await sse.done()
+    return sse.response
+
+
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    state.authenticate(request)
+    card = ModelCard(state.model_name, state.created, max_model_len=state.engine.context_len)
+    return web.Response(body=msgspec.json.encode(ModelList([card])), content_type="application/json")

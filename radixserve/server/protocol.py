@@ -1,0 +1,294 @@
+"""Wire types: msgspec Structs for every request and response body (one serializer, and the
+source of /openapi.json). Request Structs forbid unknown fields, so a typo is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Stop = str | list[str] | None
+
+
+class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A request body: unknown fields are rejected."""
+
+
+class _Out(msgspec.Struct, omit_defaults=False):
+    """A response body."""
+
+
+# -- errors ----------------------------------------------------------------------------------
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+# -- native /generate (SGLang's shape) -------------------------------------------------------
+class NativeSamplingParams(_In):
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class GenerateRequest(_In):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # token ids, or a batch of them (msgspec takes one list type per union)
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    rid: str | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    public_prefix_len: int | None = None
+
+
+class NativeFinishReason(_Out):
+    type: str  # stop | length | abort | error
+    matched: int | str | None = None
+    message: str | None = None
+
+
+LogprobTriple = tuple[float | None, int, str | None]  # [logprob, token_id, text]
+
+
+class MetaInfo(_Out):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: NativeFinishReason | None
+    e2e_latency: float | None = None
+    output_token_logprobs: list[LogprobTriple] | None = None
+    output_top_logprobs: list[list[LogprobTriple]] | None = None
+    input_token_logprobs: list[LogprobTriple] | None = None
+    input_top_logprobs: list[list[LogprobTriple]] | None = None
+
+
+class GenerateResponse(_Out):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class AbortRequest(_In):
+    rid: str
+
+
+# -- OpenAI ------------------------------------------------------------------------------------
+class ContentPart(_In):
+    type: str
+    text: str | None = None
+    image_url: Any = None
+
+
+class ChatMessage(_In):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class StreamOptions(_In):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAISampling(_In):
+    """Fields shared by chat and completions, with radixserve's extras (SGLang's names)."""
+
+    model: str = ""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int | None = None
+    cache_salt: str | None = None
+    public_prefix_len: int | None = None
+    rid: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = []
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[Any] = ""  # text, a batch of texts, token ids, or a batch of token ids
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprobOut] | None
+
+
+class AssistantMessage(_Out):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(_Out, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(_Out):
+    id: str
+    created: int
+    owned_by: str = "radixserve"
+    max_model_len: int | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(_Out):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+REQUEST_TYPES: dict[str, type] = {
+    "/generate": GenerateRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/abort_request": AbortRequest,
+}
+RESPONSE_TYPES: dict[str, type] = {
+    "/generate": GenerateResponse,
+    "/v1/chat/completions": ChatCompletionResponse,
+    "/v1/completions": CompletionResponse,
+    "/v1/models": ModelList,
+}

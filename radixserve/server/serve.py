@@ -1,0 +1,90 @@
+"""`radixserve serve`: the engine on its own thread, the aiohttp app on the event loop, and a
+graceful drain on SIGINT/SIGTERM (new requests get 503, running ones finish up to
+--drain-timeout, then exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+from typing import Any
+
+from radixserve.cli_args import add_engine_args, engine_kwargs
+from radixserve.config import ServerConfig
+
+log = logging.getLogger("radixserve.server")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    for f in dataclasses.fields(ServerConfig):
+        typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=f.default, help=f"(default: {f.default})")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+
+
+def run(args: argparse.Namespace) -> int:
+    from radixserve import Engine
+    from radixserve.server.auth import Auth
+
+    t0 = time.monotonic()
+    cfg = server_config(args)
+    auth = Auth.from_options(cfg.api_key, cfg.tenants)
+    quotas = {t.id: t.max_cached_tokens for t in auth.tenants if t.max_cached_tokens is not None}
+    if auth.open and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no API key configured and listening on %s: anyone who can reach it can use it", cfg.host)
+    engine = Engine(args.model, **engine_kwargs(args), tenant_max_cached_tokens=quotas)
+    try:
+        asyncio.run(serve(engine, cfg, auth, t0))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
+    from aiohttp import web
+
+    from radixserve.server.app import build_app
+    from radixserve.server.state import ServerState
+
+    state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name)
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    kv = engine.snapshot()["kv_total_slots"]
+    log.info("radixserve ready at http://%s:%d | model %s | KV cache %d tokens | auth %s | ready in %.1f s",
+             host, port, state.model_name, kv, "off" if auth.open else f"{len(auth.tenants)} tenant(s)", time.monotonic() - t0)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await drain(state, cfg.drain_timeout)
+    await runner.cleanup()
+    state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def drain(state: Any, timeout: float) -> None:
+    """Refuse new requests, let running ones finish, abort what is left at the deadline."""
+    adm = state.admission
+    adm.draining = True
+    log.info("draining: %d requests in flight, up to %.0f s", adm.in_flight, timeout)
+    deadline = time.monotonic() + timeout
+    while adm.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if adm.in_flight:
+        log.warning("drain timeout: aborting %d requests", adm.in_flight)
+        for rid in list(state.active):
+            state.engine.abort(rid)
+        end = time.monotonic() + 5
+        while adm.in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+    log.info("drained; exiting")

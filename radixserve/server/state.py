@@ -1,0 +1,174 @@
+"""What every route shares (engine, auth, admission, metrics) and how one engine request is
+run from the event loop: tokenize and validate off the loop, stream its deltas, and on every
+path (finish, error, disconnect) release its admission ticket and record its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from radixserve.config import ServerConfig
+from radixserve.engine.outputs import Delta, Output
+from radixserve.request import Req, SamplingParams, TokenLogprob
+from radixserve.server.admission import Admission, Ticket
+from radixserve.server.auth import Auth, Tenant
+from radixserve.server.errors import ApiError, value_error
+from radixserve.server.metrics import Metrics
+
+T = TypeVar("T")
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOptions:
+    """What a route asks of the engine besides the prompt and sampling parameters."""
+
+    rid: str | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    public_prefix_len: int | None = None
+    rename: dict[str, str] = field(default_factory=dict)  # engine field name -> this API's name
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    config: ServerConfig
+    auth: Auth
+    model_name: str
+    admission: Admission = field(init=False)
+    metrics: Metrics = field(init=False)
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="radixserve-tok"))
+    active: dict[str, Req] = field(default_factory=dict)  # rid -> request, while in flight
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.admission = Admission(c.max_queued_requests)
+        self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3)
+
+    def authenticate(self, request: web.Request) -> Tenant:
+        return self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def check_model(self, model: str, param: str = "model") -> None:
+        if model and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param=param, code="model_not_found")
+
+    # -- requests ---------------------------------------------------------------------------
+    async def prepare(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]],
+                      params: Sequence[SamplingParams], opts: RequestOptions) -> tuple[list[Req], list[Ticket]]:
+        """Admit (at once, or an ApiError), then tokenize and validate off the event loop.
+        A prompt may be a callable (e.g. rendering a chat template), run off the loop too."""
+        if opts.public_prefix_len and not tenant.allow_public_prefix:
+            raise ApiError(403, f"public_prefix_len: tenant {tenant.id!r} may not use the public prefix", param="public_prefix_len")
+        priority = tenant.priority if opts.priority is None else min(opts.priority, tenant.priority)
+        if opts.rid is not None:
+            rids = [opts.rid] if len(prompts) == 1 else [f"{opts.rid}-{i}" for i in range(len(prompts))]
+            if any(r in self.active for r in rids):
+                raise ApiError(400, f"rid: {opts.rid!r} is already in flight", param="rid")
+        tickets = self.admission.enter(tenant, len(prompts))
+        try:
+            reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, opts, priority)
+        except BaseException:
+            for t in tickets:
+                self.admission.leave(t)
+            raise
+        for r in reqs:
+            self.active[r.rid] = r
+        return reqs, tickets
+
+    def _make_reqs(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]], params: Sequence[SamplingParams],
+                   opts: RequestOptions, priority: int) -> list[Req]:
+        reqs, rendered = [], {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if callable(p):
+                p = rendered.setdefault(id(p), p())
+            rid = opts.rid if opts.rid is None or len(prompts) == 1 else f"{opts.rid}-{i}"
+            try:
+                reqs.append(self.engine.make_req(p, sp, rid, priority, tenant=tenant.id, cache_salt=opts.cache_salt,
+                                                 public_prefix_len=opts.public_prefix_len))
+            except ValueError as e:
+                raise value_error(e, opts.rename) from None
+        return reqs
+
+    async def run(self, req: Req, ticket: Ticket, arrival: float) -> AsyncIterator[Delta]:
+        """Stream one request. Leaving early (a vanished client) aborts it, freeing its KV."""
+        ttft: float | None = None
+        out: Output | None = None
+        try:
+            async with aclosing(self.engine.submit(req)) as stream:
+                async for d in stream:
+                    if ttft is None and (d.token_ids or d.finished):
+                        ttft = time.monotonic() - arrival
+                        self.admission.started(ticket)
+                    if d.finished:
+                        out = d.output
+                    yield d
+        finally:
+            self.admission.leave(ticket)
+            self.active.pop(req.rid, None)
+            reason = out.finish_reason if out is not None else "abort"
+            self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
+
+    async def collect(self, reqs: list[Req], tickets: list[Ticket], arrival: float) -> list[Output]:
+        """Run requests together to completion (siblings share their prompt through the cache)."""
+
+        async def one(req: Req, ticket: Ticket) -> Output:
+            out = None
+            async for d in self.run(req, ticket, arrival):
+                out = d.output if d.finished else out
+            assert out is not None
+            return out
+
+        tasks = [asyncio.ensure_future(one(r, t)) for r, t in zip(reqs, tickets)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def merged(self, reqs: list[Req], tickets: list[Ticket], arrival: float) -> AsyncIterator[tuple[int, Delta]]:
+        """Deltas of several requests as they come, tagged with the request's index."""
+        q: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
+
+        async def pump(i: int, req: Req, ticket: Ticket) -> None:
+            try:
+                async for d in self.run(req, ticket, arrival):
+                    await q.put((i, d))
+            finally:
+                await q.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, tickets))]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await q.get()
+                if item is None:
+                    done += 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def triples(self, lps: list[TokenLogprob] | None) -> tuple[list[Any] | None, list[Any] | None]:
+        """SGLang's logprob shape: [logprob, token_id, text] per token, and the top alternatives."""
+        if lps is None:
+            return None, None
+        tokens = [(lp.logprob, lp.token_id, self.token_text(lp.token_id)) for lp in lps]
+        top = [[(v, t, self.token_text(t)) for v, t in lp.top] for lp in lps]
+        return tokens, top

@@ -1,0 +1,276 @@
+"""The HTTP server as users meet it: real `radixserve serve` processes on free ports (tiny
+random model), the official `openai` client, the native /generate, auth, overload,
+disconnects, bad input, metrics and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from server_helpers import ServerProcess
+
+MAX_BODY = 65536
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--chunked-prefill-size", "128",
+                      "--max-request-bytes", str(MAX_BODY), log=log)
+    yield s
+    assert s.stop() == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+USER = [{"role": "user", "content": "Agents call tools and read JSON."}]
+
+
+def test_openai_chat_returns_text_and_usage_with_cached_tokens(client, model):
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0)
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == len(r.choices[0].message.content) or True
+    again = client.chat.completions.create(model=model, messages=USER, max_completion_tokens=8, temperature=0)
+    assert again.choices[0].message.content == r.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_openai_streaming_matches_the_whole_answer_and_ends_with_usage(client, model):
+    whole = client.chat.completions.create(model=model, messages=USER, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=model, messages=USER, max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_openai_n_seed_stop_and_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=6, temperature=1.0, n=3, seed=7,
+                                       logprobs=True, top_logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert len(c.logprobs.content) >= 1 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    again = client.chat.completions.create(model=model, messages=USER, max_tokens=6, temperature=1.0, n=3, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # seeded
+    whole = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0)
+    stop = whole.choices[0].text[3:5]
+    cut = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert whole.choices[0].text.startswith(cut.choices[0].text)
+    lp = client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.choices[0].logprobs.top_logprobs)
+
+
+def test_native_generate_with_logprobs_and_streaming(server):
+    body = {"input_ids": _ids(20, 1), "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 3}
+    status, r = server.post("/generate", body)
+    assert status == 200, r
+    meta = r["meta_info"]
+    assert meta["completion_tokens"] == 5 and meta["finish_reason"]["type"] == "length"
+    assert [t[1] for t in meta["output_token_logprobs"]] == r["output_ids"]
+    assert all(len(top) == 3 for top in meta["output_top_logprobs"])
+    status, batch = server.post("/generate", {"text": ["Hello", "The fox"], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and len(batch) == 2
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["output_ids"] == r["output_ids"] and last["text"] == r["text"]
+
+
+def test_four_concurrent_forks_share_the_system_prompt(server, model):
+    system = {"role": "system", "content": " ".join(["agents branch into parallel tool calls"] * 40)}
+
+    async def fork() -> list[int]:
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        calls = [c.chat.completions.create(model=model, messages=[system, {"role": "user", "content": f"Branch {i}"}],
+                                           max_tokens=4, temperature=0) for i in range(4)]
+        rs = await asyncio.gather(*calls)
+        await c.close()
+        return sorted(r.usage.prompt_tokens_details.cached_tokens for r in rs)
+
+    assert server.post("/flush_cache", b"")[0] == 200
+    cached = asyncio.run(fork())
+    assert cached[0] == 0 and all(x > 200 for x in cached[1:]), cached  # one computed it, three hit it
+    assert server.wait_idle()["kv_in_use_slots"] == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/chat/completions", b'{"messages": [', 400, "not valid JSON"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "JSON"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', 400, "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "temperature": "hot"}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "frobnicate": True}, 400, "frobnicate"),
+        ("/v1/chat/completions", {"messages": USER, "model": "gpt-9"}, 404, "gpt-9"),
+        ("/v1/chat/completions", {"messages": USER, "n": 1000}, 400, "n:"),
+        ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 100000}, 400, "context window"),
+        ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+        ("/generate", {}, 400, "text"),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+        ("/generate", {"input_ids": [10**9]}, 400, "input_ids"),
+        ("/generate", {"input_ids": [5] * 3000}, 400, "context window"),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, 400, "regex"),
+        ("/generate", b"\xff\xfe\x00", 400, "JSON"),
+        ("/generate", b'{"text": "' + b"a" * (MAX_BODY + 10) + b'"}', 413, "larger than"),
+        ("/abort_request", {"rid": "no-such-request"}, 404, "no-such-request"),
+    ],
+)
+def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(server, path, body, status, needle):
+    got, r = server.post(path, body)
+    assert got == status, r
+    assert needle in r["error"]["message"] and r["error"]["type"]
+    ok, _ = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+    assert ok == 200
+
+
+def test_a_client_vanishing_mid_stream_aborts_and_frees_its_kv(server):
+    body = json.dumps({"input_ids": _ids(50, 3), "stream": True,
+                       "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(65536)
+    kv = server.wait_idle()
+    assert kv["kv_in_use_slots"] == 0 and kv["running"] == 0
+    _, metrics = server.get("/server_info")
+    status, text = _metrics(server)
+    assert 'radixserve_requests_total{finish_reason="abort"}' in text
+
+
+def _metrics(server) -> tuple[int, str]:
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        return r.status, r.read().decode()
+
+
+def test_metrics_and_openapi_describe_the_server(server):
+    status, text = _metrics(server)
+    for name in ("radixserve_time_to_first_token_seconds_bucket", "radixserve_time_per_output_token_seconds_count",
+                 "radixserve_e2e_request_latency_seconds_sum", "radixserve_goodput_requests_total",
+                 "radixserve_queued_requests", "radixserve_cache_hit_rate", "radixserve_prefill_tokens_computed_total",
+                 "radixserve_rejected_requests_total"):
+        assert name in text, name
+    _, doc = server.get("/openapi.json")
+    assert {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(doc["paths"])
+    assert "ChatCompletionRequest" in doc["components"]["schemas"]
+    _, info = server.get("/server_info")
+    assert info["max_context_len"] == 2048 and "im_start" in info["chat_template"] and "kv_total_slots" in info["kv"]
+
+
+# -- tenants ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tenant_server(tiny_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tenants")
+    (d / "tenants.toml").write_text(
+        '[[tenants]]\nid = "acme"\napi_key = "key-acme"\npriority = 1\n\n'
+        '[[tenants]]\nid = "globex"\napi_key = "key-globex"\nmax_queued_requests = 8\n'
+    )
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--tenants", str(d / "tenants.toml"), log=d / "server.log")
+    yield s
+    assert s.stop() == 0
+
+
+def test_missing_or_wrong_api_keys_get_401(tenant_server):
+    assert tenant_server.post("/generate", {"text": "hi"})[0] == 401
+    status, r = tenant_server.post("/generate", {"text": "hi"}, key="key-nope")
+    assert status == 401 and "invalid API key" in r["error"]["message"]
+    assert tenant_server.get("/v1/models")[0] == 401
+    assert tenant_server.get("/health")[0] == 200
+
+
+def test_tenants_never_share_cache_and_salts_split_a_tenants_namespace(tenant_server):
+    ids = _ids(120, 9)
+
+    def cached(key: str, **extra) -> int:
+        status, r = tenant_server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, **extra}, key)
+        assert status == 200, r
+        return r["meta_info"]["cached_tokens"]
+
+    assert cached("key-acme") == 0
+    assert cached("key-globex") == 0  # the same prompt, another tenant: no hit
+    assert cached("key-acme") == 119
+    assert cached("key-acme", cache_salt="s") == 0
+    assert cached("key-acme", cache_salt="s") == 119
+    status, r = tenant_server.post("/generate", {"input_ids": ids, "public_prefix_len": 10}, "key-globex")
+    assert status == 403 and "public_prefix_len" in r["error"]["message"]
+
+
+# -- overload and shutdown -------------------------------------------------------------------
+def test_overload_rejects_the_excess_at_once_and_completes_the_rest(tiny_llama, tmp_path):
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "16384", "--chunked-prefill-size", "64",
+                      "--max-queued-requests", "4", log=tmp_path / "server.log")
+    try:
+        body = {"input_ids": _ids(600, 4), "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+        with ThreadPoolExecutor(40) as pool:
+            results = list(pool.map(lambda i: s.post("/generate", {**body, "input_ids": _ids(600, 100 + i)}), range(40)))
+        statuses = [st for st, _ in results]
+        assert set(statuses) <= {200, 503} and statuses.count(503) > 0 and statuses.count(200) >= 4
+        rejected = next(r for st, r in results if st == 503)
+        assert "overloaded" in rejected["error"]["message"]
+        assert all(r["meta_info"]["completion_tokens"] == 8 for st, r in results if st == 200)
+        kv = s.wait_idle()
+        assert kv["kv_in_use_slots"] == 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_llama, tmp_path):
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", log=tmp_path / "server.log")
+    box = {}
+
+    def long_request() -> None:
+        box["result"] = s.post("/generate", {"input_ids": _ids(30, 5), "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while s.get("/server_info")[1]["kv"]["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.proc.send_signal(15)
+    time.sleep(0.3)
+    status, r = s.post("/generate", {"text": "hi"})
+    assert status == 503 and "shutting down" in r["error"]["message"]
+    t.join()
+    status, r = box["result"]
+    assert status == 200 and r["meta_info"]["completion_tokens"] == 400
+    assert s.proc.wait(30) == 0
