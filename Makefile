@@ -1,4 +1,4 @@
-.PHONY: setup test lint bench generate
+.PHONY: setup test lint bench generate serve
 
 setup:
 	bash scripts/setup.sh
@@ -16,3 +16,6 @@ bench:
 
 generate:
 	.venv/bin/radixserve generate "What is the capital of France?"
+
+serve:
+	.venv/bin/radixserve serve

@@ -1,4 +1,5 @@
-"""Engine flags shared by every command; defaults are read from the config dataclasses."""
+"""Engine flags shared by every command: one `--field-name` per scalar EngineConfig field,
+with its default read from the config dataclasses (one source of truth)."""
 
 from __future__ import annotations
 
@@ -8,28 +9,32 @@ from typing import Any
 
 from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig
 
-# Config field -> (its group, the CLI value type); the flag is `--field-name`.
-_ENGINE_FLAGS: dict[str, tuple[type, type]] = {
-    "dtype": (ModelConfig, str),
-    "device": (ModelConfig, str),
-    "context_length": (ModelConfig, int),
-    "kv_cache_tokens": (CacheConfig, int),
-    "kv_mem_fraction": (CacheConfig, float),
-    "page_size": (CacheConfig, int),
-    "disable_radix_cache": (CacheConfig, bool),
-    "radix_eviction_policy": (CacheConfig, str),
-    "schedule_policy": (SchedConfig, str),
-    "chunked_prefill_size": (SchedConfig, int),
-    "max_running_requests": (SchedConfig, int),
-    "max_total_tokens": (SchedConfig, int),
-    "attention_backend": (EngineConfig, str),
-}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_NOT_FLAGS = {"path"}  # --model
+
+
+def scalar_fields(*classes: type) -> dict[str, tuple[Any, type]]:
+    """Config field -> (its default, the CLI value type), for every field of a scalar type."""
+    out: dict[str, tuple[Any, type]] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            typ = _TYPES.get(str(f.type).split(" | ")[0])
+            if typ is None or f.name in _NOT_FLAGS:
+                continue  # config groups and mappings (tenant quotas come from --tenants)
+            out[f.name] = (f.default, typ)
+    return out
+
+
+_ENGINE_FLAGS = scalar_fields(ModelConfig, CacheConfig, SchedConfig, EngineConfig)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    for name, (cls, typ) in _ENGINE_FLAGS.items():
-        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+    add_flags(p, _ENGINE_FLAGS)
+
+
+def add_flags(p: argparse.ArgumentParser, flags: dict[str, tuple[Any, type]]) -> None:
+    for name, (default, typ) in flags.items():
         flag = "--" + name.replace("_", "-")
         if typ is bool:
             p.add_argument(flag, dest=name, action="store_true", default=default)

@@ -274,3 +274,18 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_llama
     status, r = box["result"]
     assert status == 200 and r["meta_info"]["completion_tokens"] == 400
     assert s.proc.wait(30) == 0
+
+
+def test_bench_serving_sweeps_rates_and_clients_and_plots(server, tmp_path):
+    from radixserve.server.cli import main
+
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    rc = main(["bench", "serving", "--url", server.url, "--rates", "4", "--concurrency", "2", "--requests", "3",
+               "--output-len", "4", "--system-sentences", "5", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    chat = data["open_loop"]["chat"][0]
+    assert chat["completed"] == chat["requests"] == 3 and chat["ttft_p50_ms"] is not None
+    fork = data["closed_loop"]["fork"][0]
+    assert fork["completed"] == fork["requests"] == 12 and fork["output_tok_s"] > 0  # 3 agents x 4 branches
+    assert png.stat().st_size > 10_000

@@ -5,7 +5,7 @@
     [[tenants]]                       {"tenants": [{"id": "acme", "api_key": "...", ...}]}
     id = "acme"
     api_key = "sk-acme-..."
-    priority = 1                      # the tenant's class: default and highest request priority
+    priority = 1                      # the tenant's class: default and highest request priority (omit: no cap)
     max_queued_requests = 32          # its share of the queue (over it: 429)
     max_cached_tokens = 200000        # its prefix-cache quota
     allow_public_prefix = true        # may hit and offer the shared public prefix
@@ -29,13 +29,20 @@ from radixserve.server.errors import ApiError
 class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     api_key: str | None = None
-    priority: int = 0
+    priority: int | None = None  # None: requests choose freely; else their default and their cap
     max_queued_requests: int | None = None
     max_cached_tokens: int | None = None
     allow_public_prefix: bool = False
 
     def __repr__(self) -> str:  # never show the key
         return f"Tenant({self.id!r}, priority={self.priority})"
+
+
+def request_priority(tenant: Tenant, requested: int | None) -> int:
+    """A tenant's class caps its requests' priority and is their default; no class: free choice."""
+    if tenant.priority is None:
+        return requested or 0
+    return tenant.priority if requested is None else min(requested, tenant.priority)
 
 
 class _TenantsFile(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,7 +12,7 @@ import signal
 import time
 from typing import Any
 
-from radixserve.cli_args import add_engine_args, engine_kwargs
+from radixserve.cli_args import add_engine_args, add_flags, engine_kwargs, scalar_fields
 from radixserve.config import ServerConfig
 
 log = logging.getLogger("radixserve.server")
@@ -20,9 +20,7 @@ log = logging.getLogger("radixserve.server")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    for f in dataclasses.fields(ServerConfig):
-        typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=f.default, help=f"(default: {f.default})")
+    add_flags(p, scalar_fields(ServerConfig))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

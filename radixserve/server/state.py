@@ -18,7 +18,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
 from radixserve.request import Req, SamplingParams, TokenLogprob
 from radixserve.server.admission import Admission, Ticket
-from radixserve.server.auth import Auth, Tenant
+from radixserve.server.auth import Auth, Tenant, request_priority
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.metrics import Metrics
 
@@ -72,7 +72,7 @@ class ServerState:
         A prompt may be a callable (e.g. rendering a chat template), run off the loop too."""
         if opts.public_prefix_len and not tenant.allow_public_prefix:
             raise ApiError(403, f"public_prefix_len: tenant {tenant.id!r} may not use the public prefix", param="public_prefix_len")
-        priority = tenant.priority if opts.priority is None else min(opts.priority, tenant.priority)
+        priority = request_priority(tenant, opts.priority)
         if opts.rid is not None:
             rids = [opts.rid] if len(prompts) == 1 else [f"{opts.rid}-{i}" for i in range(len(prompts))]
             if any(r in self.active for r in rids):

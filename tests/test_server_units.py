@@ -1,0 +1,69 @@
+"""Server pieces without a server: auth, priorities, admission, error decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.server.admission import Admission
+from radixserve.server.auth import OPEN_TENANT, Auth, Tenant, load_tenants, request_priority
+from radixserve.server.errors import ApiError, decode_body, value_error
+from radixserve.server.protocol import ChatCompletionRequest
+
+
+def test_tenant_class_caps_request_priority_and_open_servers_do_not():
+    low = Tenant("batch", api_key="k", priority=0)
+    assert request_priority(low, 5) == 0 and request_priority(low, None) == 0 and request_priority(low, -3) == -3
+    assert request_priority(OPEN_TENANT, 5) == 5 and request_priority(OPEN_TENANT, None) == 0
+
+
+def test_tenants_load_from_toml_and_json_and_bad_files_name_the_problem(tmp_path):
+    (tmp_path / "t.toml").write_text('[[tenants]]\nid = "a"\napi_key = "ka"\nmax_queued_requests = 2\n')
+    (tmp_path / "t.json").write_text('{"tenants": [{"id": "b", "api_key": "kb", "allow_public_prefix": true}]}')
+    assert load_tenants(tmp_path / "t.toml")[0].max_queued_requests == 2
+    assert load_tenants(tmp_path / "t.json")[0].allow_public_prefix
+    (tmp_path / "bad.json").write_text('{"tenants": [{"id": "b", "api_key": "kb", "colour": 1}]}')
+    with pytest.raises(ValueError, match="colour"):
+        load_tenants(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="unique"):
+        Auth([Tenant("a", api_key="k"), Tenant("b", api_key="k")])
+
+
+def test_auth_maps_keys_to_tenants_and_refuses_the_rest():
+    auth = Auth([Tenant("a", api_key="ka"), Tenant("b", api_key="kb")])
+    assert auth.authenticate("Bearer kb").id == "b"
+    assert auth.authenticate(None, x_api_key="ka").id == "a"
+    for header in (None, "Bearer ", "Bearer kc", "Basic ka"):
+        with pytest.raises(ApiError) as e:
+            auth.authenticate(header)
+        assert e.value.status == 401
+    assert "ka" not in repr(auth.tenants[0])
+
+
+def test_admission_rejects_past_the_global_and_tenant_caps_and_releases_on_leave():
+    adm = Admission(max_queued=3)
+    small = Tenant("s", max_queued_requests=1)
+    t1 = adm.enter(small)[0]
+    with pytest.raises(ApiError) as e:
+        adm.enter(small)
+    assert e.value.status == 429 and e.value.headers["Retry-After"]
+    adm.enter(OPEN_TENANT, 2)
+    with pytest.raises(ApiError) as e:
+        adm.enter(OPEN_TENANT)
+    assert e.value.status == 503
+    adm.started(t1)  # first token: no longer queued
+    adm.enter(OPEN_TENANT)
+    adm.leave(t1)
+    assert adm.queued == 3 and adm.in_flight == 3
+    adm.draining = True
+    with pytest.raises(ApiError, match="shutting down"):
+        adm.enter(OPEN_TENANT)
+
+
+def test_decoding_errors_name_the_field():
+    for body, param in [(b'{"messages": 3}', "messages"), (b'{"n": "x"}', "n"), (b'{"bogus": 1}', "bogus"),
+                        (b'{"messages": [{"content": "x"}]}', "messages[0].role")]:
+        with pytest.raises(ApiError) as e:
+            decode_body(body, ChatCompletionRequest)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.message)
+    err = value_error(ValueError("max_new_tokens: prompt + max_new_tokens = 9 exceeds 8"), {"max_new_tokens": "max_tokens"})
+    assert err.param == "max_tokens" and "max_new_tokens" not in err.message
