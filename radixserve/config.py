@@ -63,8 +63,10 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | torch_ref | triton
     default_max_new_tokens: int = 128
+    grammar_backend: str = "auto"  # auto | xgrammar
+    grammar_compile_timeout: float = 10.0  # seconds; a slower compile fails its request with a 400
 
     @classmethod
     def build(cls, model: str | None = None, **overrides: Any) -> EngineConfig:

@@ -18,6 +18,9 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from grammars.spec import GrammarError, GrammarSpec
 
 
 class FinishReason(enum.StrEnum):
@@ -54,6 +57,22 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: no prompt logprobs; k: logprobs of prompt tokens k..end
+    json_schema: str | None = None  # constrain the output (at most one of these three)
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The output constraint, or None; raises GrammarError (a ValueError) naming the field."""
+        given = [(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf))
+                 if v is not None]
+        if len(given) > 1:
+            raise GrammarError(f"{given[1][0]}: give at most one of json_schema, regex, ebnf", given[1][0])
+        if not given:
+            return None
+        kind, source = given[0]
+        if not isinstance(source, str) or not source:
+            raise GrammarError(f"{kind}: expected a non-empty string", kind)
+        return GrammarSpec.json_schema(source) if kind == "json_schema" else GrammarSpec(kind, source)
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +176,8 @@ class Req:
         self.finish_matched: int | str | None = None
         self.error: str | None = None
         self.retractions = 0
+        self.grammar_spec: GrammarSpec | None = params.grammar_spec()
+        self.grammar: Any = None  # its grammars.base.Matcher once compiled; constrains every sample
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
 

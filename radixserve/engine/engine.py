@@ -52,7 +52,8 @@ class Engine:
         self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device)
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
-        self.sampler = Sampler(self.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
+        self._grammar_cache: Any = None
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
@@ -117,6 +118,28 @@ class Engine:
         check_admissible(req, self.context_len, self.pool.num_slots)
         return req
 
+    # -- grammars ---------------------------------------------------------------------------
+    def grammars(self) -> Any:
+        """The compile cache (built on first use: importing xgrammar is not free)."""
+        if self._grammar_cache is None:
+            from grammars import create_backend
+            from grammars.cache import CompileCache
+
+            backend = create_backend(self.config.grammar_backend, self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids))
+            self._grammar_cache = CompileCache(backend, self.config.grammar_compile_timeout)
+        return self._grammar_cache
+
+    def prepare_grammar_sync(self, req: Req) -> None:
+        """Compile (or fetch) the request's grammar on the compile pool, waiting here; raises
+        GrammarError (a ValueError naming the field and the problem)."""
+        if req.grammar_spec is not None and req.grammar is None:
+            req.grammar = self.grammars().get(req.grammar_spec).matcher()
+
+    async def prepare_grammar(self, req: Req) -> None:
+        """The same for event loops: the request waits here, outside the run queue."""
+        if req.grammar_spec is not None and req.grammar is None:
+            req.grammar = (await self.grammars().get_async(req.grammar_spec)).matcher()
+
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Render messages with the model's own chat template, ready for generation."""
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
@@ -139,6 +162,8 @@ class Engine:
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
         ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
         reqs = [self.make_req(p, sp, **ns) for p, sp in zip(prompts, plist)]
+        for req in reqs:
+            self.prepare_grammar_sync(req)
         results: dict[str, Output] = {}
         done = threading.Event()
         guard = threading.Lock()
@@ -179,6 +204,7 @@ class Engine:
         else:
             ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
             req = self.make_req(prompt, params, rid, priority, **ns)
+        await self.prepare_grammar(req)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
         self._loop.add(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
@@ -245,6 +271,8 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._loop.stop()
+        if self._grammar_cache is not None:
+            self._grammar_cache.shutdown()
 
     def __enter__(self) -> Engine:
         return self

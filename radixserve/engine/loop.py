@@ -135,6 +135,8 @@ class EngineLoop:
                 if lp is not None:
                     req.output_logprobs.append(lp)
                 st.detok.add(tok)
+                if req.grammar is not None:
+                    _advance_grammar(req, tok)
                 if st.detok.stopped_on is not None:
                     req.finish(FinishReason.STOP, st.detok.stopped_on)
                 if req.finish_reason is None:
@@ -163,6 +165,17 @@ class EngineLoop:
                 self._emit(st, finished=True, output=out)
             except Exception:
                 log.exception("delivering the final output of %s failed", req.rid)
+
+
+def _advance_grammar(req: Req, tok: int) -> None:
+    """Feed the sampled token to the request's matcher; a complete output stops the request."""
+    if req.grammar.is_terminated():
+        return
+    if not req.grammar.accept(tok):
+        req.error = f"internal error: the grammar rejected sampled token {tok}"
+        req.finish(FinishReason.ERROR)
+    elif req.grammar.is_terminated():
+        req.finish(FinishReason.STOP, tok)
 
 
 def _output(req: Req, text: str) -> Output:

@@ -32,8 +32,9 @@ def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_ids: set[int]) -> None:
+    def __init__(self, vocab_size: int, eos_ids: set[int], mask_words: int | None = None) -> None:
         self.vocab_size = vocab_size
+        self.mask_words = mask_words or (vocab_size + 31) // 32  # grammar bitmask width (the model's vocabulary)
         self.eos_ids = sorted(eos_ids)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -54,6 +55,7 @@ class Sampler:
         raw = logits
         want_lp = [i for i, r in enumerate(reqs) if r.params.return_logprob]
         logits = self._apply_penalties(logits.clone(), reqs)
+        self._apply_grammars(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
@@ -77,10 +79,23 @@ class Sampler:
                 lps[i] = e
         return out, lps
 
+    def _apply_grammars(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
+        """Constrained rows: each matcher fills its bitmask row on the CPU; one copy to the
+        device; the kernel masks only those rows."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return
+        from kernels.bitmask import apply_bitmask
+
+        mask = torch.zeros(len(rows), self.mask_words, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            reqs[i].grammar.fill_bitmask(mask, j)
+        apply_bitmask(logits, mask.to(logits.device), torch.tensor(rows, device=logits.device))
+
     def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         for i, r in enumerate(reqs):
             p = r.params
-            if r.output_len < p.min_new_tokens:
+            if r.output_len < p.min_new_tokens and r.grammar is None:  # a grammar decides when output may end
                 banned = ([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids or [])
                 if banned:
                     logits[i, banned] = float("-inf")

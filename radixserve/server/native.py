@@ -15,7 +15,7 @@ from radixserve.server.protocol import GenerateRequest, GenerateResponse, MetaIn
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import RequestOptions, ServerState
 
-NOT_YET = "is not supported yet (constrained decoding lands in step 4)"
+GRAMMARS = ("json_schema", "regex", "ebnf")
 
 
 def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:
@@ -28,10 +28,7 @@ def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:
 
 
 def _params(body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
-    for name in ("json_schema", "regex", "ebnf"):
-        if getattr(sp, name) is not None:
-            raise ApiError(400, f"sampling_params.{name}: {NOT_YET}", param=f"sampling_params.{name}")
-    fields = {f: getattr(sp, f) for f in sp.__struct_fields__ if f not in ("json_schema", "regex", "ebnf")}
+    fields = {f: getattr(sp, f) for f in sp.__struct_fields__}
     return SamplingParams(**fields, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                           logprob_start_len=body.logprob_start_len)
 
@@ -61,7 +58,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                        param="stream")
     params = _params(body, body.sampling_params or NativeSamplingParams())
     opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
-                          rename={"prompt": "text", "input_ids": "input_ids"})
+                          rename={"prompt": "text", "input_ids": "input_ids", **{k: f"sampling_params.{k}" for k in GRAMMARS}})
     reqs, tickets = await state.prepare(tenant, prompts, [params] * len(prompts), opts)
     if not body.stream:
         outs = await state.collect(reqs, tickets, arrival)

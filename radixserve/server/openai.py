@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -39,9 +40,9 @@ from radixserve.server.state import RequestOptions, ServerState
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
-NOT_YET = "is not supported yet (constrained decoding and tools land in step 4)"
+NOT_YET = "is not supported yet (tools land with the rest of step 4)"
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
-          "prompt": "messages"}
+          "prompt": "messages", "json_schema": "response_format"}
 
 
 def _check_common(b: _OpenAISampling) -> None:
@@ -49,14 +50,12 @@ def _check_common(b: _OpenAISampling) -> None:
         raise ApiError(400, f"n: {b.n} is out of range [1, {MAX_N}]", param="n")
     if b.logit_bias:
         raise ApiError(400, "logit_bias: is not supported", param="logit_bias")
-    for name in ("regex", "ebnf"):
-        if getattr(b, name) is not None:
-            raise ApiError(400, f"{name}: {NOT_YET}", param=name)
     if b.stream_options is not None and not b.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
 
-def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool) -> SamplingParams:
+def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
+            json_schema: str | None = None) -> SamplingParams:
     def opt(v: Any, default: Any) -> Any:
         return default if v is None else v
 
@@ -66,7 +65,24 @@ def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logpro
         presence_penalty=opt(b.presence_penalty, 0.0), repetition_penalty=opt(b.repetition_penalty, 1.0), stop=b.stop,
         stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
         seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
+        json_schema=json_schema, regex=b.regex, ebnf=b.ebnf,
     )
+
+
+def _response_format(fmt: dict[str, Any] | None) -> str | None:
+    """OpenAI's response_format as a JSON schema (text), or None for free text."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return json.dumps({"type": "object"})
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ApiError(400, "response_format.json_schema: expected {\"name\": ..., \"schema\": {...}}",
+                           param="response_format.json_schema")
+        return json.dumps(spec.get("schema", {}))
+    raise ApiError(400, f"response_format.type: {fmt.get('type')!r} is not one of text, json_object, json_schema",
+                   param="response_format.type")
 
 
 def _opts(b: _OpenAISampling) -> RequestOptions:
@@ -146,8 +162,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_common(b)
     if b.tools:
         raise ApiError(400, f"tools: {NOT_YET}", param="tools")
-    if b.response_format is not None and b.response_format.get("type") != "text":
-        raise ApiError(400, f"response_format: {NOT_YET}", param="response_format")
+    schema = _response_format(b.response_format)
     if b.top_logprobs is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     top = b.top_logprobs or 0
@@ -155,7 +170,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     render = _render(state, _messages(b))
-    params = [_params(b, max_tokens, i, top, b.logprobs) for i in range(b.n)]
+    params = [_params(b, max_tokens, i, top, b.logprobs, schema) for i in range(b.n)]
     reqs, tickets = await state.prepare(tenant, [render] * b.n, params, _opts(b))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not b.stream:

@@ -47,7 +47,7 @@ class NativeSamplingParams(_In):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
-    json_schema: str | None = None
+    json_schema: str | None = None  # the schema as JSON text (SGLang's convention)
     regex: str | None = None
     ebnf: str | None = None
 

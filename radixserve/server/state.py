@@ -80,6 +80,11 @@ class ServerState:
         tickets = self.admission.enter(tenant, len(prompts))
         try:
             reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, opts, priority)
+            for r in reqs:  # compiled on the grammar pool; the request waits here, outside the run queue
+                try:
+                    await self.engine.prepare_grammar(r)
+                except ValueError as e:
+                    raise value_error(e, opts.rename) from None
         except BaseException:
             for t in tickets:
                 self.admission.leave(t)

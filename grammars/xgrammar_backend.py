@@ -1,0 +1,83 @@
+"""xgrammar: JSON schema, regex, EBNF, choice."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from grammars.base import Backend, Compiled, Matcher
+from grammars.spec import GrammarError, GrammarSpec
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.accept_token(token))
+
+    def fill_bitmask(self, mask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(mask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def rollback(self, n: int) -> None:
+        self._m.rollback(n)
+
+    def jump_forward(self) -> str:
+        return self._m.find_jump_forward_string()
+
+
+class XGrammarCompiled(Compiled):
+    def __init__(self, compiled: Any) -> None:
+        self._c = compiled
+
+    def matcher(self) -> Matcher:
+        import xgrammar as xgr
+
+        return XGrammarMatcher(xgr.GrammarMatcher(self._c))
+
+
+class XGrammarBackend(Backend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        c = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                ws = spec.max_whitespace
+                compiled = c.compile_json_schema(spec.source, any_whitespace=ws is None or ws > 0,
+                                                 max_whitespace_cnt=ws if ws else None, strict_mode=True)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.source)
+            elif spec.kind == "ebnf":
+                compiled = c.compile_grammar(spec.source)
+            elif spec.kind == "choice":
+                options = json.loads(spec.source)
+                compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+            else:
+                raise GrammarError(f"{spec.kind}: not supported by the xgrammar backend yet", spec.kind)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar reports bad grammars as RuntimeError / ValueError
+            raise GrammarError(f"{spec.kind}: could not compile: {_first_line(e)}", spec.kind) from None
+        return XGrammarCompiled(compiled)
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _first_line(e: Exception) -> str:
+    """xgrammar's message without its C++ log prefix ("[12:00:00] /path/file.cc:94: ")."""
+    text = str(e).strip()
+    return _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(e).__name__
