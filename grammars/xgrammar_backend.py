@@ -55,9 +55,7 @@ class XGrammarBackend(Backend):
         c = self._compiler
         try:
             if spec.kind == "json_schema":
-                ws = spec.max_whitespace
-                compiled = c.compile_json_schema(spec.source, any_whitespace=ws is None or ws > 0,
-                                                 max_whitespace_cnt=ws if ws else None, strict_mode=True)
+                compiled = c.compile_grammar(json_schema_ebnf(spec))
             elif spec.kind == "regex":
                 compiled = c.compile_regex(spec.source)
             elif spec.kind == "ebnf":
@@ -72,6 +70,23 @@ class XGrammarBackend(Backend):
         except Exception as e:  # xgrammar reports bad grammars as RuntimeError / ValueError
             raise GrammarError(f"{spec.kind}: could not compile: {_first_line(e)}", spec.kind) from None
         return XGrammarCompiled(compiled)
+
+
+# xgrammar 0.2.9 writes length-bounded strings (minLength / maxLength) with this character
+# class, which lets raw control characters into a JSON string: invalid JSON. We tighten it to
+# the class its unbounded strings use.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_ebnf(spec: GrammarSpec) -> str:
+    """The schema as xgrammar EBNF, with JSON strings that are always valid JSON."""
+    import xgrammar as xgr
+
+    ws = spec.max_whitespace
+    grammar = xgr.Grammar.from_json_schema(spec.source, any_whitespace=ws is None or ws > 0,
+                                           max_whitespace_cnt=ws if ws else None, strict_mode=True)
+    return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -36,6 +36,10 @@ class ReqStatus(enum.StrEnum):
     FINISHED = "finished"
 
 
+MAX_STOPS = 16  # stop strings are checked against the output's tail at every token
+MAX_STOP_CHARS = 2048
+
+
 @dataclass
 class SamplingParams:
     """SGLang's names. `temperature=0` is greedy."""
@@ -104,6 +108,8 @@ class SamplingParams:
             stops = self.stop_strs
             if not all(isinstance(s, str) and s for s in stops):
                 raise ValueError("stop: every stop string must be a non-empty string")
+            if len(stops) > MAX_STOPS or sum(len(s) for s in stops) > MAX_STOP_CHARS:
+                raise ValueError(f"stop: at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters in all")
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")

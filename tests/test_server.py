@@ -153,6 +153,9 @@ def test_four_concurrent_forks_share_the_system_prompt(server, model):
         ("/generate", b"\xff\xfe\x00", 400, "JSON"),
         ("/generate", b'{"text": "' + b"a" * (MAX_BODY + 10) + b'"}', 413, "larger than"),
         ("/abort_request", {"rid": "no-such-request"}, 404, "no-such-request"),
+        ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, 400, "top_logprobs_num"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": [f"s{i}" for i in range(17)]}}, 400, "stop"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ],
 )
 def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(server, path, body, status, needle):
@@ -161,6 +164,28 @@ def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(se
     assert needle in r["error"]["message"] and r["error"]["type"]
     ok, _ = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}})
     assert ok == 200
+
+
+def test_concurrent_requests_with_one_rid_get_one_answer_and_the_rest_a_400(server):
+    body = {"input_ids": _ids(40, 21), "rid": "same", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: server.post("/generate", body), range(3)))
+    statuses = sorted(st for st, _ in results)
+    assert statuses[0] == 200 and all(st in (200, 400) for st in statuses), results
+    for st, r in results:
+        if st == 200:
+            assert r["meta_info"]["completion_tokens"] == 8 and r["meta_info"]["id"] == "same"
+        else:
+            assert "already in flight" in r["error"]["message"]
+    kv = server.wait_idle()
+    assert kv["kv_in_use_slots"] == 0 and kv["kv_locked_tokens"] == 0
+
+
+def test_a_returned_assistant_message_can_be_sent_back(client, model):
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=model, max_tokens=4, temperature=0,
+                                           messages=[*USER, r.choices[0].message.model_dump(), USER[0]])
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
 
 
 def test_a_client_vanishing_mid_stream_aborts_and_frees_its_kv(server):
@@ -236,6 +261,16 @@ def test_tenants_never_share_cache_and_salts_split_a_tenants_namespace(tenant_se
     assert cached("key-acme", cache_salt="s") == 119
     status, r = tenant_server.post("/generate", {"input_ids": ids, "public_prefix_len": 10}, "key-globex")
     assert status == 403 and "public_prefix_len" in r["error"]["message"]
+    status, r = tenant_server.post("/flush_cache", b"", "key-globex")
+    assert status == 403 and "admin" in r["error"]["message"]
+    assert cached("key-acme") == 119  # nobody flushed acme's prefixes
+
+
+def test_a_key_that_is_not_utf8_is_a_401_not_a_500(tenant_server):
+    with socket.create_connection(("127.0.0.1", tenant_server.port)) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 401"), head[:80]
 
 
 # -- overload and shutdown -------------------------------------------------------------------
@@ -250,6 +285,8 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(tiny_llama, 
         assert set(statuses) <= {200, 503} and statuses.count(503) > 0 and statuses.count(200) >= 4
         rejected = next(r for st, r in results if st == 503)
         assert "overloaded" in rejected["error"]["message"]
+        too_many = s.post("/v1/chat/completions", {"messages": USER, "n": 5, "max_tokens": 2})
+        assert too_many[0] == 400 and "can never be admitted" in too_many[1]["error"]["message"]
         assert all(r["meta_info"]["completion_tokens"] == 8 for st, r in results if st == 200)
         kv = s.wait_idle()
         assert kv["kv_in_use_slots"] == 0

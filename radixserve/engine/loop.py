@@ -90,6 +90,11 @@ class EngineLoop:
         kind = cmd[0]
         if kind == "add":
             _, req, sink = cmd
+            if req.rid in self.streams:  # never two requests under one rid: the first would lose its stream
+                req.error = f"rid {req.rid!r} is already in flight"
+                req.finish(FinishReason.ERROR)
+                sink(Delta(req.rid, "", finished=True, output=_output(req, "")))
+                return True
             stops = req.params.stop_strs
             detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, stops, req.params.skip_special_tokens)
             self.streams[req.rid] = _Stream(req, detok, sink)

@@ -29,6 +29,9 @@ class Admission:
     def enter(self, tenant: Tenant, n: int = 1) -> list[Ticket]:
         """n tickets (n > 1 for siblings of one call), or an ApiError: 503 draining or globally
         full, 429 over the tenant's share."""
+        if n > self.max_queued or (tenant.max_queued_requests is not None and n > tenant.max_queued_requests):
+            cap = min(self.max_queued, tenant.max_queued_requests or self.max_queued)
+            raise ApiError(400, f"n: {n} requests at once can never be admitted (the queue takes {cap})", param="n")
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": self.retry_after})
         if self.queued + n > self.max_queued:

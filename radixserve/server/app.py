@@ -13,7 +13,7 @@ from radixserve.server import native, openai
 from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.openapi import openapi_document
 from radixserve.server.protocol import AbortRequest
-from radixserve.server.state import ServerState
+from radixserve.server.state import ServerState, engine_rids
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -75,7 +75,8 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    state.authenticate(request)
+    if not state.authenticate(request).admin:
+        raise ApiError(403, "flush_cache: only an admin tenant may flush the shared prefix cache", code="not_admin")
     try:
         dropped = await state.off_loop(state.engine.flush_cache)
     except RuntimeError as e:
@@ -87,11 +88,12 @@ async def abort_request(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     tenant = state.authenticate(request)
     body = decode_body(await request.read(), AbortRequest)
-    req = state.active.get(body.rid)
-    if req is None or (req.tenant or "default") != tenant.id:  # another tenant's rid is as good as unknown
-        raise ApiError(404, f"rid: no request {body.rid!r} is in flight", param="rid")
-    state.engine.abort(body.rid)
-    return _json({"aborted": body.rid})
+    for rid in (engine_rids(tenant, body.rid, 1)[0], body.rid):  # the caller's rid, or a server-made one
+        req = state.active.get(rid)
+        if req is not None and req.tenant == tenant.id:  # another tenant's request is as good as unknown
+            state.engine.abort(rid)
+            return _json({"aborted": body.rid})
+    raise ApiError(404, f"rid: no request {body.rid!r} is in flight", param="rid")
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@
     max_queued_requests = 32          # its share of the queue (over it: 429)
     max_cached_tokens = 200000        # its prefix-cache quota
     allow_public_prefix = true        # may hit and offer the shared public prefix
+    admin = false                     # may flush the whole prefix cache (POST /flush_cache)
 
 No key configured: every request is the default tenant.
 """
@@ -33,6 +34,7 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queued_requests: int | None = None
     max_cached_tokens: int | None = None
     allow_public_prefix: bool = False
+    admin: bool = False  # may flush the whole prefix cache
 
     def __repr__(self) -> str:  # never show the key
         return f"Tenant({self.id!r}, priority={self.priority})"
@@ -49,7 +51,7 @@ class _TenantsFile(msgspec.Struct, forbid_unknown_fields=True):
     tenants: list[Tenant]
 
 
-OPEN_TENANT = Tenant(DEFAULT_TENANT, allow_public_prefix=True)
+OPEN_TENANT = Tenant(DEFAULT_TENANT, allow_public_prefix=True, admin=True)
 
 
 class Auth:
@@ -67,7 +69,7 @@ class Auth:
         if api_key and tenants_file:
             raise ValueError("--api-key and --tenants are exclusive")
         if api_key:
-            return cls([Tenant(DEFAULT_TENANT, api_key=api_key, allow_public_prefix=True)])
+            return cls([Tenant(DEFAULT_TENANT, api_key=api_key, allow_public_prefix=True, admin=True)])
         if tenants_file:
             return cls(load_tenants(Path(tenants_file)))
         return cls()
@@ -84,7 +86,7 @@ class Auth:
             key = authorization[7:].strip()
         if not key:
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-        given, found = key.encode(), None
+        given, found = key.encode("utf-8", "surrogateescape"), None
         for k, tenant in self._keys:  # compare against every key: no early exit to time
             if hmac.compare_digest(given, k):
                 found = tenant

@@ -13,7 +13,7 @@ from radixserve.request import FinishReason, SamplingParams
 from radixserve.server.errors import ApiError, decode_body, prompt_batch
 from radixserve.server.protocol import GenerateRequest, GenerateResponse, MetaInfo, NativeFinishReason, NativeSamplingParams
 from radixserve.server.sse import SSEWriter
-from radixserve.server.state import RequestOptions, ServerState
+from radixserve.server.state import RequestOptions, ServerState, public_rid
 
 GRAMMARS = ("json_schema", "regex", "ebnf")
 
@@ -27,7 +27,13 @@ def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:
     return prompt_batch(body.input_ids or [], "input_ids", texts_ok=False)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 def _params(body: GenerateRequest, sp: NativeSamplingParams) -> SamplingParams:
+    if not 0 <= body.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs_num: {body.top_logprobs_num} is out of range [0, {MAX_TOP_LOGPROBS}]",
+                       param="top_logprobs_num")
     fields = {f: getattr(sp, f) for f in sp.__struct_fields__}
     return SamplingParams(**fields, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                           logprob_start_len=body.logprob_start_len)
@@ -42,7 +48,7 @@ def _finish(out: Output) -> NativeFinishReason:
 def _response(state: ServerState, out: Output, text: str, ids: list[int], arrival: float, final: bool) -> GenerateResponse:
     tokens, top = state.triples(out.logprobs)
     ptokens, ptop = state.triples(out.prompt_logprobs)
-    meta = MetaInfo(out.rid, out.prompt_tokens, len(ids), out.cached_tokens, _finish(out) if final else None,
+    meta = MetaInfo(public_rid(out.rid), out.prompt_tokens, len(ids), out.cached_tokens, _finish(out) if final else None,
                     time.monotonic() - arrival, tokens, top, ptokens, ptop)
     return GenerateResponse(text, ids, meta)
 
@@ -65,11 +71,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         resp = [_response(state, o, o.text, o.token_ids, arrival, True) for o in outs]
         return web.Response(body=msgspec.json.encode(resp if batched else resp[0]), content_type="application/json")
     sse = await SSEWriter.open(request)
-    req, text, ids, lps = reqs[0], "", [], []
+    req, text, ids = reqs[0], "", []
     async for _, d in state.merged(reqs, tickets, arrival):
-        text, ids, lps = text + d.text, ids + d.token_ids, lps + d.logprobs
-        out = d.output or Output(req.rid, "", [], "", req.prompt_len, len(ids), req.cached_tokens,
-                                 logprobs=lps if params.return_logprob else None)
+        # text and output_ids are cumulative (SGLang's shape); logprobs are those of the new tokens only
+        text, ids = text + d.text, ids + d.token_ids
+        out = d.output or Output(req.rid, "", [], "", req.prompt_len, len(ids), req.cached_tokens)
+        new_lps = d.logprobs if params.return_logprob else None
+        out = Output(**{**vars(out), "logprobs": new_lps, "prompt_logprobs": out.prompt_logprobs if d.finished else None})
         await sse.send(_response(state, out, text, ids, arrival, d.finished))
     await sse.done()
     return sse.response

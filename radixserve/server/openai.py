@@ -46,6 +46,8 @@ RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_l
 
 
 def _check_common(b: _OpenAISampling) -> None:
+    if b.max_tokens is not None and b.max_tokens < 1:
+        raise ApiError(400, f"max_tokens: must be at least 1, got {b.max_tokens}", param="max_tokens")
     if not 1 <= b.n <= MAX_N:
         raise ApiError(400, f"n: {b.n} is out of range [1, {MAX_N}]", param="n")
     if b.logit_bias:

@@ -112,6 +112,9 @@ class ChatMessage(_In):
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    annotations: list[Any] | None = None  # accepted so a returned message can be sent back; ignored
+    function_call: Any = None
+    audio: Any = None
 
 
 class StreamOptions(_In):

@@ -52,6 +52,7 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
     from radixserve.server.state import ServerState
 
     state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name)
+    await state.build_token_table()
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

@@ -26,6 +26,20 @@ T = TypeVar("T")
 Prompt = str | list[int]
 
 
+def engine_rids(tenant: Tenant, rid: str | None, n: int) -> list[str] | None:
+    """A caller's rid lives in its tenant's space (no tenant can collide with or probe another's);
+    a batch gets rid-0, rid-1, ..."""
+    if rid is None:
+        return None
+    base = f"{tenant.id}/{rid}"
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+
+
+def public_rid(engine_rid: str) -> str:
+    """The rid as the caller knows it."""
+    return engine_rid.split("/", 1)[1] if "/" in engine_rid else engine_rid
+
+
 @dataclass
 class RequestOptions:
     """What a route asks of the engine besides the prompt and sampling parameters."""
@@ -46,8 +60,9 @@ class ServerState:
     admission: Admission = field(init=False)
     metrics: Metrics = field(init=False)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="radixserve-tok"))
-    active: dict[str, Req] = field(default_factory=dict)  # rid -> request, while in flight
+    active: dict[str, Req | None] = field(default_factory=dict)  # engine rid -> request, while in flight
     created: int = field(default_factory=lambda: int(time.time()))
+    token_texts: list[str] | None = None
 
     def __post_init__(self) -> None:
         c = self.config
@@ -73,13 +88,14 @@ class ServerState:
         if opts.public_prefix_len and not tenant.allow_public_prefix:
             raise ApiError(403, f"public_prefix_len: tenant {tenant.id!r} may not use the public prefix", param="public_prefix_len")
         priority = request_priority(tenant, opts.priority)
-        if opts.rid is not None:
-            rids = [opts.rid] if len(prompts) == 1 else [f"{opts.rid}-{i}" for i in range(len(prompts))]
-            if any(r in self.active for r in rids):
-                raise ApiError(400, f"rid: {opts.rid!r} is already in flight", param="rid")
+        rids = engine_rids(tenant, opts.rid, len(prompts))
+        if rids is not None and any(r in self.active for r in rids):
+            raise ApiError(400, f"rid: {opts.rid!r} is already in flight", param="rid")
         tickets = self.admission.enter(tenant, len(prompts))
+        for r in rids or ():
+            self.active[r] = None  # claimed before the first await: a concurrent twin gets the 400
         try:
-            reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, opts, priority)
+            reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, rids, opts, priority)
             for r in reqs:  # compiled on the grammar pool; the request waits here, outside the run queue
                 try:
                     await self.engine.prepare_grammar(r)
@@ -88,18 +104,20 @@ class ServerState:
         except BaseException:
             for t in tickets:
                 self.admission.leave(t)
+            for r in rids or ():
+                self.active.pop(r, None)
             raise
         for r in reqs:
             self.active[r.rid] = r
         return reqs, tickets
 
     def _make_reqs(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]], params: Sequence[SamplingParams],
-                   opts: RequestOptions, priority: int) -> list[Req]:
+                   rids: list[str] | None, opts: RequestOptions, priority: int) -> list[Req]:
         reqs, rendered = [], {}
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if callable(p):
                 p = rendered.setdefault(id(p), p())
-            rid = opts.rid if opts.rid is None or len(prompts) == 1 else f"{opts.rid}-{i}"
+            rid = rids[i] if rids is not None else None
             try:
                 reqs.append(self.engine.make_req(p, sp, rid, priority, tenant=tenant.id, cache_salt=opts.cache_salt,
                                                  public_prefix_len=opts.public_prefix_len))
@@ -167,8 +185,14 @@ class ServerState:
             for task in tasks:
                 task.cancel()
 
+    async def build_token_table(self) -> None:
+        """Every token's text, decoded once off the loop, so logprob replies never decode on it."""
+        tok, n = self.engine.tokenizer, self.engine.vocab_size
+        self.token_texts = await self.off_loop(lambda: [tok.decode([i]) for i in range(n)])
+
     def token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        table = self.token_texts
+        return table[token_id] if table is not None and 0 <= token_id < len(table) else self.engine.tokenizer.decode([token_id])
 
     def triples(self, lps: list[TokenLogprob] | None) -> tuple[list[Any] | None, list[Any] | None]:
         """SGLang's logprob shape: [logprob, token_id, text] per token, and the top alternatives."""

@@ -1,0 +1,219 @@
+"""Grammars: backend masks against a brute-force oracle on a small vocabulary, rollback, the
+compile cache (hits, cached failures, timeouts), the bitmask kernel against its reference,
+and constrained generation end to end (every finished output validates)."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import jsonschema
+import pytest
+import regex
+import torch
+
+from grammars import GrammarError, GrammarSpec, create_backend
+from grammars.base import Backend, Compiled, bitmask_words
+from grammars.cache import CompileCache
+from kernels.bitmask import apply_bitmask_ref, apply_bitmask_triton
+from radixserve import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def backend(tok):
+    return create_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
+
+
+def _allowed(matcher, vocab: int) -> set[int]:
+    mask = torch.zeros(1, bitmask_words(vocab), dtype=torch.int32)
+    matcher.fill_bitmask(mask, 0)
+    bits = ((mask[0][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
+    return set(torch.nonzero(bits).flatten().tolist())
+
+
+def _walk(backend, tok, spec: GrammarSpec, oracle, seed: int, steps: int = 12) -> None:
+    """Follow random allowed tokens; at every step the mask must equal the oracle's set."""
+    vocab, eos = len(tok), tok.eos_token_id
+    texts = {t: tok.decode([t]) for t in range(vocab)}
+    special = set(tok.all_special_ids)
+    m, text, rng = backend.compile(spec).matcher(), "", random.Random(seed)
+    for _ in range(steps):
+        got = _allowed(m, vocab)
+        want = {t for t in range(vocab) if t not in special and texts[t] and oracle(text + texts[t], partial=True)}
+        if oracle(text, partial=False):
+            want.add(eos)
+        assert got == want, (text, sorted(got ^ want)[:10])
+        choices = sorted(got - {eos})
+        if not choices:
+            assert m.accept(eos) and m.is_terminated()
+            return
+        t = rng.choice(choices)
+        assert m.accept(t)
+        text += texts[t]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_regex_masks_match_a_brute_force_prefix_check(backend, tok, seed):
+    pattern = r"(ab|ba)[0-9]{1,3}(x|yz)?"
+    _walk(backend, tok, GrammarSpec("regex", pattern), lambda s, partial: bool(regex.fullmatch(pattern, s, partial=partial)), seed)
+
+
+def test_choice_masks_match_a_brute_force_prefix_check(backend, tok):
+    options = ["Paris", "Parma", "Berlin"]
+
+    def oracle(s: str, partial: bool) -> bool:
+        return any(o.startswith(s) for o in options) if partial else s in options
+
+    for seed in range(3):
+        _walk(backend, tok, GrammarSpec.choice(options), oracle, seed)
+
+
+def test_rollback_restores_the_earlier_mask(backend, tok):
+    m = backend.compile(GrammarSpec("ebnf", 'root ::= "yes" | "no" | "maybe"')).matcher()
+    first = _allowed(m, len(tok))
+    t = sorted(first)[0]
+    assert m.accept(t) and _allowed(m, len(tok)) != first
+    m.rollback(1)
+    assert _allowed(m, len(tok)) == first
+    assert not m.accept(tok.eos_token_id)  # incomplete output: the stop token is refused
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "boolean"}, {"type": "null"}, {"type": "number"}]},
+                                      "opt": {"type": "string", "maxLength": 3}}, "required": ["v"], "additionalProperties": False},
+    {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                      "required": ["x", "y"], "additionalProperties": False}},
+     "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}, "required": ["a"],
+     "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "array-enum", "anyOf", "ref"])
+def test_random_walks_through_a_schema_end_in_valid_json(backend, tok, schema):
+    spec = GrammarSpec.json_schema(schema)
+    vocab, eos = len(tok), tok.eos_token_id
+    for seed in range(5):
+        m, ids, rng = backend.compile(spec).matcher(), [], random.Random(seed)
+        for _ in range(400):
+            allowed = sorted(_allowed(m, vocab))
+            t = eos if eos in allowed and rng.random() < 0.5 else rng.choice(allowed)
+            assert m.accept(t), (tok.decode(ids), t)
+            if m.is_terminated():
+                break
+            ids.append(t)
+        if m.is_terminated():
+            jsonschema.validate(json.loads(tok.decode(ids)), schema)
+
+
+def test_length_bounded_json_strings_never_take_raw_control_characters(backend, tok):
+    """xgrammar 0.2.9 lets them into minLength/maxLength strings; the backend tightens that."""
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]})
+    m = backend.compile(spec).matcher()
+    for t in tok.encode('{"s": "a'):
+        assert m.accept(t)
+    bad = [t for t in range(len(tok)) if any(ord(ch) < 0x20 for ch in tok.decode([t])) and t not in tok.all_special_ids]
+    assert bad and not _allowed(m, len(tok)) & set(bad)
+
+
+def test_bad_grammars_fail_with_a_message_naming_the_kind(backend):
+    with pytest.raises(GrammarError, match="regex: could not compile: .*Lookbehind"):
+        backend.compile(GrammarSpec("regex", "(?<=a)b"))
+    with pytest.raises(GrammarError, match="json_schema: not valid JSON"):
+        GrammarSpec.json_schema("{nope")
+    with pytest.raises(ValueError, match="at most one"):
+        SamplingParams(regex="a", ebnf='root ::= "a"').grammar_spec()
+
+
+class _CountingBackend(Backend):
+    name = "counting"
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls = 0
+        self.delay = delay
+        self.release = threading.Event()
+
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        self.calls += 1
+        if self.delay:
+            self.release.wait(self.delay)
+        if spec.source == "bad":
+            raise GrammarError("regex: bad on purpose", "regex")
+        return object()  # type: ignore[return-value]
+
+
+def test_compile_cache_hits_caches_failures_and_times_out():
+    b = _CountingBackend()
+    cache = CompileCache(b, timeout_s=5)
+    ok = GrammarSpec("regex", "a+")
+    assert cache.get(ok) is cache.get(ok) and b.calls == 1
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="bad on purpose"):
+            cache.get(GrammarSpec("regex", "bad"))
+    assert b.calls == 2  # the failure was cached
+    slow = _CountingBackend(delay=30)
+    cache = CompileCache(slow, timeout_s=0.2)
+    t = time.monotonic()
+    with pytest.raises(GrammarError, match="grammar_compile_timeout of 0.2 s"):
+        cache.get(GrammarSpec("regex", "x"))
+    assert time.monotonic() - t < 5
+    slow.release.set()
+    cache.shutdown()
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 257, 1000])
+def test_bitmask_kernel_matches_its_reference(vocab, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import kernels.bitmask as kb
+
+    monkeypatch.setattr(kb, "_KERNEL", None)  # build it under the interpreter
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(7, bitmask_words(vocab) * 32 + 5, generator=g)  # padded embeddings past the mask
+    mask = torch.randint(-(2**31), 2**31 - 1, (4, bitmask_words(vocab)), dtype=torch.int32, generator=g)
+    rows = torch.tensor([5, 0, 3, 6])
+    ref, got = logits.clone(), logits.clone()
+    apply_bitmask_ref(ref, mask, rows)
+    apply_bitmask_triton(got, mask, rows)
+    assert torch.equal(ref, got)
+    untouched = [1, 2, 4]
+    assert torch.equal(got[untouched], logits[untouched])
+    assert torch.isinf(got[rows][:, bitmask_words(vocab) * 32 :]).all()  # columns past the mask: never allowed
+    monkeypatch.setattr(kb, "_KERNEL", None)
+
+
+def test_constrained_generation_on_a_random_model_always_validates(tiny_llama):
+    with Engine(str(tiny_llama), kv_cache_tokens=8192) as e:
+        params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=300, json_schema=json.dumps(s))
+                  for i, s in enumerate(SCHEMAS * 2)]
+        outs = e.generate([[5, 6, 7, 8]] * len(params), params)
+        finished = [(o, s) for o, s in zip(outs, SCHEMAS * 2) if o.finish_reason == "stop"]
+        assert len(finished) >= len(outs) // 2
+        for o, s in finished:
+            jsonschema.validate(json.loads(o.text), s)
+        regex_out = e.generate([[5, 6]], SamplingParams(temperature=1.0, seed=3, regex=r"[A-C]{2}-[0-9]{3}"))[0]
+        assert regex.fullmatch(r"[A-C]{2}-[0-9]{3}", regex_out.text) and regex_out.finish_reason == "stop"
+
+
+def test_smollm2_answers_in_valid_json(smollm2_engine):
+    text = {"type": "string", "maxLength": 30}
+    schema = {"type": "object", "properties": {"city": text, "country": text}, "required": ["city", "country"],
+              "additionalProperties": False}
+    question = "What is the capital of France? Answer in JSON with city and country."
+    ids = smollm2_engine.chat_ids([{"role": "user", "content": question}])
+    out = smollm2_engine.generate([ids], SamplingParams(temperature=0, max_new_tokens=60, json_schema=json.dumps(schema)))[0]
+    assert out.finish_reason == "stop"
+    value = json.loads(out.text)
+    jsonschema.validate(value, schema)
+    assert value["city"] == "Paris"
