@@ -65,7 +65,7 @@ class EngineConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
     attention_backend: str = "auto"  # auto | torch | torch_ref | triton
     default_max_new_tokens: int = 128
-    grammar_backend: str = "auto"  # auto | xgrammar
+    grammar_backend: str = "auto"  # auto (xgrammar, then outlines-core) | xgrammar | outlines
     grammar_compile_timeout: float = 10.0  # seconds; a slower compile fails its request with a 400
 
     @classmethod

@@ -64,6 +64,7 @@ class SamplingParams:
     json_schema: str | None = None  # constrain the output (at most one of these three)
     regex: str | None = None
     ebnf: str | None = None
+    strict_json_schema: bool = True  # reject schema keywords no backend enforces (False: enforce what can be)
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The output constraint, or None; raises GrammarError (a ValueError) naming the field."""
@@ -76,7 +77,9 @@ class SamplingParams:
         kind, source = given[0]
         if not isinstance(source, str) or not source:
             raise GrammarError(f"{kind}: expected a non-empty string", kind)
-        return GrammarSpec.json_schema(source) if kind == "json_schema" else GrammarSpec(kind, source)
+        if kind == "json_schema":
+            return GrammarSpec.json_schema(source, strict=self.strict_json_schema)
+        return GrammarSpec(kind, source)
 
     @property
     def greedy(self) -> bool:

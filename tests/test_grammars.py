@@ -17,6 +17,7 @@ import torch
 from grammars import GrammarError, GrammarSpec, create_backend
 from grammars.base import Backend, Compiled, bitmask_words
 from grammars.cache import CompileCache
+from grammars.schema_check import unenforced
 from kernels.bitmask import apply_bitmask_ref, apply_bitmask_triton
 from radixserve import Engine, SamplingParams
 
@@ -28,9 +29,9 @@ def tok(tiny_llama):
     return AutoTokenizer.from_pretrained(str(tiny_llama))
 
 
-@pytest.fixture(scope="module")
-def backend(tok):
-    return create_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
+@pytest.fixture(scope="module", params=["xgrammar", "outlines"])
+def backend(tok, request):
+    return create_backend(request.param, tok, len(tok), [tok.eos_token_id])
 
 
 def _allowed(matcher, vocab: int) -> set[int]:
@@ -49,9 +50,15 @@ def _walk(backend, tok, spec: GrammarSpec, oracle, seed: int, steps: int = 12) -
     for _ in range(steps):
         got = _allowed(m, vocab)
         want = {t for t in range(vocab) if t not in special and texts[t] and oracle(text + texts[t], partial=True)}
-        if oracle(text, partial=False):
+        complete = oracle(text, partial=False)
+        if complete:
             want.add(eos)
-        assert got == want, (text, sorted(got ^ want)[:10])
+        if complete and backend.name == "outlines":
+            # outlines-core 0.2.14: at an accepting state its index keeps only tokens that lead to
+            # accepting states (after "a" in a(yz)?, "y" is missing): stricter, never invalid
+            assert got <= want, (text, sorted(got - want)[:10])
+        else:
+            assert got == want, (text, sorted(got ^ want)[:10])
         choices = sorted(got - {eos})
         if not choices:
             assert m.accept(eos) and m.is_terminated()
@@ -78,7 +85,7 @@ def test_choice_masks_match_a_brute_force_prefix_check(backend, tok):
 
 
 def test_rollback_restores_the_earlier_mask(backend, tok):
-    m = backend.compile(GrammarSpec("ebnf", 'root ::= "yes" | "no" | "maybe"')).matcher()
+    m = backend.compile(GrammarSpec.choice(["yes", "no", "maybe"])).matcher()
     first = _allowed(m, len(tok))
     t = sorted(first)[0]
     assert m.accept(t) and _allowed(m, len(tok)) != first
@@ -104,6 +111,11 @@ SCHEMAS = [
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "array-enum", "anyOf", "ref"])
 def test_random_walks_through_a_schema_end_in_valid_json(backend, tok, schema):
     spec = GrammarSpec.json_schema(schema)
+    missing = unenforced(schema, backend.name)
+    if missing:  # strict: a backend that would not enforce a keyword refuses the schema, naming it
+        with pytest.raises(GrammarError, match=f"{missing[0][1]} at {missing[0][0]}"):
+            backend.compile(spec)
+        return
     vocab, eos = len(tok), tok.eos_token_id
     for seed in range(5):
         m, ids, rng = backend.compile(spec).matcher(), [], random.Random(seed)
@@ -118,6 +130,28 @@ def test_random_walks_through_a_schema_end_in_valid_json(backend, tok, schema):
             jsonschema.validate(json.loads(tok.decode(ids)), schema)
 
 
+def test_strict_schemas_are_refused_naming_the_unenforced_keyword_and_pointer(tok):
+    xgr = create_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
+    schema = {"type": "object", "properties": {"x": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    with pytest.raises(GrammarError, match="oneOf at /properties/x/oneOf"):
+        xgr.compile(GrammarSpec.json_schema(schema))
+    xgr.compile(GrammarSpec.json_schema(schema, strict=False))  # non-strict: enforced as far as possible
+    assert ("/properties/x/pattern", "x") not in unenforced(schema, "xgrammar")
+    assert unenforced({"$ref": "https://example.com/s.json"}, "xgrammar") == [("/$ref", "$ref (not local)")]
+
+
+def test_auto_falls_back_to_outlines_for_what_xgrammar_would_loosen(tok):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 4}},
+              "required": ["code"], "additionalProperties": False}
+    with pytest.raises(GrammarError, match="maxLength at /properties/code/maxLength"):
+        create_backend("xgrammar", tok, len(tok), [tok.eos_token_id]).compile(GrammarSpec.json_schema(schema))
+    auto = create_backend("auto", tok, len(tok), [tok.eos_token_id])
+    m = auto.compile(GrammarSpec.json_schema(schema)).matcher()
+    for t in tok.encode('{"code":"ABCD"'):
+        assert m.accept(t)
+    assert not _allowed(m, len(tok)) & {t for t in range(len(tok)) if tok.decode([t]).isupper()}  # no 5th letter
+
+
 def test_length_bounded_json_strings_never_take_raw_control_characters(backend, tok):
     """xgrammar 0.2.9 lets them into minLength/maxLength strings; the backend tightens that."""
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]})
@@ -129,7 +163,7 @@ def test_length_bounded_json_strings_never_take_raw_control_characters(backend, 
 
 
 def test_bad_grammars_fail_with_a_message_naming_the_kind(backend):
-    with pytest.raises(GrammarError, match="regex: could not compile: .*Lookbehind"):
+    with pytest.raises(GrammarError, match="regex: .*could not compile"):
         backend.compile(GrammarSpec("regex", "(?<=a)b"))
     with pytest.raises(GrammarError, match="json_schema: not valid JSON"):
         GrammarSpec.json_schema("{nope")

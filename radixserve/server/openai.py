@@ -57,7 +57,7 @@ def _check_common(b: _OpenAISampling) -> None:
 
 
 def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
-            json_schema: str | None = None) -> SamplingParams:
+            json_schema: tuple[str, bool] | None = None) -> SamplingParams:
     def opt(v: Any, default: Any) -> Any:
         return default if v is None else v
 
@@ -67,22 +67,23 @@ def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logpro
         presence_penalty=opt(b.presence_penalty, 0.0), repetition_penalty=opt(b.repetition_penalty, 1.0), stop=b.stop,
         stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
         seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
-        json_schema=json_schema, regex=b.regex, ebnf=b.ebnf,
+        json_schema=json_schema[0] if json_schema else None, strict_json_schema=bool(json_schema and json_schema[1]),
+        regex=b.regex, ebnf=b.ebnf,
     )
 
 
-def _response_format(fmt: dict[str, Any] | None) -> str | None:
-    """OpenAI's response_format as a JSON schema (text), or None for free text."""
+def _response_format(fmt: dict[str, Any] | None) -> tuple[str, bool] | None:
+    """OpenAI's response_format as (JSON schema text, strict), or None for free text."""
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
-        return json.dumps({"type": "object"})
+        return json.dumps({"type": "object"}), False
     if fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
             raise ApiError(400, "response_format.json_schema: expected {\"name\": ..., \"schema\": {...}}",
                            param="response_format.json_schema")
-        return json.dumps(spec.get("schema", {}))
+        return json.dumps(spec.get("schema", {})), spec.get("strict") is True
     raise ApiError(400, f"response_format.type: {fmt.get('type')!r} is not one of text, json_object, json_schema",
                    param="response_format.type")
 

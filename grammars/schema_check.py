@@ -1,0 +1,85 @@
+"""What a backend really enforces of a JSON schema: "it compiled" is not "it is enforced".
+
+`unenforced(schema, backend)` lists (JSON pointer, keyword) for every constraint the backend
+would silently drop or loosen. The tables are conservative: a keyword not known to be
+enforced counts as unenforced. Annotations (title, description, default, ...) constrain
+nothing and are always fine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated", "readOnly",
+               "writeOnly", "$defs", "definitions", "contentMediaType", "contentEncoding"}
+_COMMON = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+           "anyOf", "$ref", "minLength", "maxLength", "pattern", "format"}
+ENFORCED = {
+    "xgrammar": _COMMON | {"prefixItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "allOf"},
+    "outlines": set(_COMMON),
+}
+FORMATS = {
+    "xgrammar": {"date", "time", "date-time", "duration", "email", "uuid", "uri", "uri-reference", "ipv4", "ipv6", "hostname"},
+    "outlines": {"date", "time", "date-time", "uuid", "email", "uri"},
+}
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def unenforced(schema: Any, backend: str) -> list[tuple[str, str]]:
+    return list(_walk(schema, backend, ""))
+
+
+def _walk(s: Any, backend: str, ptr: str) -> Iterator[tuple[str, str]]:
+    if isinstance(s, bool):
+        if backend == "outlines":
+            yield ptr or "/", "boolean schema"
+        return
+    if not isinstance(s, dict):
+        return
+    for kw in s:
+        if kw in ANNOTATIONS or kw in ENFORCED[backend]:
+            continue
+        if kw == "uniqueItems" and not s[kw]:
+            continue
+        yield f"{ptr}/{kw}", kw
+    yield from _special_cases(s, backend, ptr)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            for name, sub in s[key].items():
+                yield from _walk(sub, backend, f"{ptr}/{key}/{_escape(name)}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(s.get(key), list):
+            for i, sub in enumerate(s[key]):
+                yield from _walk(sub, backend, f"{ptr}/{key}/{i}")
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(s.get(key), (dict, bool)) and not (key == "additionalProperties" and isinstance(s[key], bool)):
+            yield from _walk(s[key], backend, f"{ptr}/{key}")
+
+
+def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[str, str]]:
+    ref = s.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        yield f"{ptr}/$ref", "$ref (not local)"
+    fmt = s.get("format")
+    if isinstance(fmt, str) and fmt not in FORMATS[backend]:
+        yield f"{ptr}/format", f"format ({fmt})"
+    if backend == "xgrammar":
+        if "pattern" in s:  # xgrammar drops length limits next to a pattern
+            yield from ((f"{ptr}/{k}", k) for k in ("minLength", "maxLength") if k in s)
+        if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
+            yield f"{ptr}/allOf", "allOf (several branches)"
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if isinstance(s.get(k), (int, float)) and abs(s[k]) > 2**53:
+                yield f"{ptr}/{k}", f"{k} (beyond 2^53)"
+    if backend == "outlines":
+        if not any(k in s for k in ("type", "$ref", "enum", "const", "anyOf")) and s:
+            yield ptr or "/", "a sub-schema without type"
+        if isinstance(s.get("maxLength"), int) and s["maxLength"] > 256:
+            yield f"{ptr}/maxLength", "maxLength (over 256: the index build explodes)"
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
