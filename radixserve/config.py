@@ -67,6 +67,8 @@ class EngineConfig:
     default_max_new_tokens: int = 128
     grammar_backend: str = "auto"  # auto (xgrammar, then outlines-core) | xgrammar | outlines
     grammar_compile_timeout: float = 10.0  # seconds; a slower compile fails its request with a 400
+    grammar_max_whitespace: int = 2  # JSON: most whitespace characters in a row (-1: unbounded)
+    disable_jump_forward: bool = False  # True: sample every token, even ones the grammar forces
 
     @classmethod
     def build(cls, model: str | None = None, **overrides: Any) -> EngineConfig:

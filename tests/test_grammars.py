@@ -251,3 +251,21 @@ def test_smollm2_answers_in_valid_json(smollm2_engine):
     value = json.loads(out.text)
     jsonschema.validate(value, schema)
     assert value["city"] == "Paris"
+
+
+def test_jump_forward_skips_forced_tokens_and_keeps_the_output(smollm2_engine):
+    text = {"type": "string", "maxLength": 20}
+    schema = {"type": "object", "properties": {"first_name": text, "last_name": text, "home_city": text},
+              "required": ["first_name", "last_name", "home_city"], "additionalProperties": False}
+    ids = smollm2_engine.chat_ids([{"role": "user", "content": "Describe Ada Lovelace of London as JSON."}])
+    params = SamplingParams(temperature=0, max_new_tokens=80, json_schema=json.dumps(schema))
+    outs, jumped = {}, {}
+    for jf in (False, True):
+        smollm2_engine._loop.jump_forward = jf
+        before = smollm2_engine.stats()["jump_forward_tokens"]
+        outs[jf] = smollm2_engine.generate([ids], params)[0]
+        jumped[jf] = smollm2_engine.stats()["jump_forward_tokens"] - before
+    smollm2_engine._loop.jump_forward = True
+    assert outs[True].text == outs[False].text and outs[True].finish_reason == "stop"
+    jsonschema.validate(json.loads(outs[True].text), schema)
+    assert jumped[False] == 0 and jumped[True] >= 6  # the key names were not sampled one step each

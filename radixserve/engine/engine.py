@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -57,6 +58,7 @@ class Engine:
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
+        self._loop.jump_forward = not cfg.disable_jump_forward
         self._snapshot = self._stats()
         self._loop.on_change = self._publish
         self._loop.start()
@@ -129,16 +131,20 @@ class Engine:
             self._grammar_cache = CompileCache(backend, self.config.grammar_compile_timeout)
         return self._grammar_cache
 
+    def _spec(self, req: Req) -> Any:
+        ws = self.config.grammar_max_whitespace
+        return dataclasses.replace(req.grammar_spec, max_whitespace=None if ws < 0 else ws)
+
     def prepare_grammar_sync(self, req: Req) -> None:
         """Compile (or fetch) the request's grammar on the compile pool, waiting here; raises
         GrammarError (a ValueError naming the field and the problem)."""
         if req.grammar_spec is not None and req.grammar is None:
-            req.grammar = self.grammars().get(req.grammar_spec).matcher()
+            req.grammar = self.grammars().get(self._spec(req)).matcher()
 
     async def prepare_grammar(self, req: Req) -> None:
         """The same for event loops: the request waits here, outside the run queue."""
         if req.grammar_spec is not None and req.grammar is None:
-            req.grammar = (await self.grammars().get_async(req.grammar_spec)).matcher()
+            req.grammar = (await self.grammars().get_async(self._spec(req))).matcher()
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Render messages with the model's own chat template, ready for generation."""
@@ -249,6 +255,7 @@ class Engine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "steps": self._loop.steps,
+            "jump_forward_tokens": self._loop.jumped_tokens,
             **vars(c),
         }
 

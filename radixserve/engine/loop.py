@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.jump_forward import forced_tokens
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.runner import ModelRunner, StepResult
 from radixserve.engine.sampler import Sampler
@@ -43,6 +44,8 @@ class EngineLoop:
         self.lock = threading.Lock()  # held while the loop mutates state; stats() reads under it
         self.streams: dict[str, _Stream] = {}
         self.steps = 0
+        self.jump_forward = True  # grammars: append forced text without a forward pass per token
+        self.jumped_tokens = 0
         self.on_change: Callable[[], None] | None = None  # called under the lock after each step or command
         self.thread = threading.Thread(target=self._main, name="radixserve-engine", daemon=True)
 
@@ -142,6 +145,11 @@ class EngineLoop:
                 st.detok.add(tok)
                 if req.grammar is not None:
                     _advance_grammar(req, tok)
+                    if req.finish_reason is None and self.jump_forward:
+                        for t in forced_tokens(req, self.tokenizer):
+                            req.token_ids.append(t)
+                            st.detok.add(t)
+                            self.jumped_tokens += 1
                 if st.detok.stopped_on is not None:
                     req.finish(FinishReason.STOP, st.detok.stopped_on)
                 if req.finish_reason is None:

@@ -1,0 +1,38 @@
+"""Jump-forward decoding: when the grammar allows exactly one continuation (`"name": "` after
+an object opens), append its tokens at once instead of sampling them one forward pass each;
+the next step feeds them together with the request's pending token.
+
+The forced text is retokenized together with the last sampled token, so the new tokens are
+the ones the tokenizer produces for that text; when the sampled token would merge with the
+forced text, the forced text is tokenized on its own (still the same text, just split at the
+boundary). The last forced token is not appended: the model samples it, so it can merge with
+what follows. Tokens the matcher refuses are rolled back and nothing is forced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.request import Req
+
+
+def forced_tokens(req: Req, tokenizer: Any) -> list[int]:
+    """Tokens the grammar forces after req's last token, already accepted by its matcher."""
+    m = req.grammar
+    if m is None or m.is_terminated() or req.params.return_logprob:  # forced tokens have no logprobs
+        return []
+    text = m.jump_forward()
+    budget = req.remaining_new_tokens
+    if not text or budget <= 0:
+        return []
+    last = req.token_ids[-1]
+    joined = tokenizer.encode(tokenizer.decode([last]) + text, add_special_tokens=False)
+    ids = joined[1:] if joined and joined[0] == last else tokenizer.encode(text, add_special_tokens=False)
+    # The last forced token is left to the model: the text after it may merge with it into
+    # another token (`"` + `:` -> `":`), which the model should choose itself.
+    ids = ids[: min(budget, len(ids) - 1)]
+    for n, t in enumerate(ids):
+        if not m.accept(t):
+            m.rollback(n)
+            return []
+    return ids
