@@ -1,9 +1,11 @@
 """What a backend really enforces of a JSON schema: "it compiled" is not "it is enforced".
 
 `unenforced(schema, backend)` lists (JSON pointer, keyword) for every constraint the backend
-would silently drop or loosen. The tables are conservative: a keyword not known to be
-enforced counts as unenforced. Annotations (title, description, default, ...) constrain
-nothing and are always fine.
+would silently drop or loosen. The tables are conservative: a standard validation keyword
+not known to be enforced counts as unenforced. Keywords that are not validation keywords
+(title, description, vendor extensions such as x-kubernetes-*, misspellings) constrain
+nothing under JSON Schema's rules, so they are fine; so is `format`, an annotation unless a
+schema opts in to format assertion (backends enforce the formats they know anyway).
 """
 
 from __future__ import annotations
@@ -11,17 +13,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated", "readOnly",
-               "writeOnly", "$defs", "definitions", "contentMediaType", "contentEncoding"}
+VALIDATION = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+              "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+              "maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "properties",
+              "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems", "additionalItems",
+              "contains", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then",
+              "else", "dependentSchemas", "$ref", "$dynamicRef"}
 _COMMON = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
            "anyOf", "$ref", "minLength", "maxLength", "pattern", "format"}
 ENFORCED = {
     "xgrammar": _COMMON | {"prefixItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "allOf"},
     "outlines": set(_COMMON),
-}
-FORMATS = {
-    "xgrammar": {"date", "time", "date-time", "duration", "email", "uuid", "uri", "uri-reference", "ipv4", "ipv6", "hostname"},
-    "outlines": {"date", "time", "date-time", "uuid", "email", "uri"},
 }
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -40,10 +42,14 @@ def _walk(s: Any, backend: str, ptr: str) -> Iterator[tuple[str, str]]:
     if not isinstance(s, dict):
         return
     for kw in s:
-        if kw in ANNOTATIONS or kw in ENFORCED[backend]:
+        if kw not in VALIDATION or kw in ENFORCED[backend]:
             continue
         if kw == "uniqueItems" and not s[kw]:
             continue
+        if kw == "oneOf" and _exclusive(s[kw]):
+            continue  # branches of distinct types: at most one can match, so anyOf enforces it
+        if kw in ("then", "else") and "if" in s:
+            continue  # reported once, as "if"
         yield f"{ptr}/{kw}", kw
     yield from _special_cases(s, backend, ptr)
     for key in _SUBSCHEMA_MAPS:
@@ -63,9 +69,6 @@ def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[
     ref = s.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         yield f"{ptr}/$ref", "$ref (not local)"
-    fmt = s.get("format")
-    if isinstance(fmt, str) and fmt not in FORMATS[backend]:
-        yield f"{ptr}/format", f"format ({fmt})"
     if backend == "xgrammar":
         if "pattern" in s:  # xgrammar drops length limits next to a pattern
             yield from ((f"{ptr}/{k}", k) for k in ("minLength", "maxLength") if k in s)
@@ -79,6 +82,15 @@ def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[
             yield ptr or "/", "a sub-schema without type"
         if isinstance(s.get("maxLength"), int) and s["maxLength"] > 256:
             yield f"{ptr}/maxLength", "maxLength (over 256: the index build explodes)"
+
+
+def _exclusive(branches: Any) -> bool:
+    """oneOf branches that each name one JSON type, all different (null | string, ...)."""
+    if not isinstance(branches, list):
+        return False
+    types = [b.get("type") if isinstance(b, dict) else None for b in branches]
+    simple = all(isinstance(t, str) and t not in ("number", "integer") for t in types)
+    return simple and len(set(types)) == len(types)
 
 
 def _escape(name: str) -> str:
