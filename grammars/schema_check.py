@@ -70,7 +70,7 @@ def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[
     if isinstance(ref, str) and not ref.startswith("#"):
         yield f"{ptr}/$ref", "$ref (not local)"
     if backend == "xgrammar":
-        if "pattern" in s:  # xgrammar drops length limits next to a pattern
+        if "pattern" in s or "format" in s:  # xgrammar drops length limits next to a pattern or format
             yield from ((f"{ptr}/{k}", k) for k in ("minLength", "maxLength") if k in s)
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
             yield f"{ptr}/allOf", "allOf (several branches)"

@@ -138,6 +138,9 @@ def test_strict_schemas_are_refused_naming_the_unenforced_keyword_and_pointer(to
     xgr.compile(GrammarSpec.json_schema(schema, strict=False))  # non-strict: enforced as far as possible
     assert ("/properties/x/pattern", "x") not in unenforced(schema, "xgrammar")
     assert unenforced({"$ref": "https://example.com/s.json"}, "xgrammar") == [("/$ref", "$ref (not local)")]
+    assert unenforced({"type": "string", "format": "email", "maxLength": 9}, "xgrammar") == [("/maxLength", "maxLength")]
+    assert unenforced({"type": "string", "x-vendor": 1, "readonly": True}, "xgrammar") == []  # not validation keywords
+    assert unenforced({"oneOf": [{"type": "string"}, {"type": "null"}]}, "xgrammar") == []  # disjoint: anyOf enforces it
 
 
 def test_auto_falls_back_to_outlines_for_what_xgrammar_would_loosen(tok):
