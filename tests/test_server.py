@@ -357,3 +357,38 @@ def test_structured_outputs_over_http_always_parse(server, client, model):
     status, _ = server.post("/v1/chat/completions", {"messages": USER, "max_tokens": 50, "response_format": {
         "type": "json_schema", "json_schema": {"name": "b", "schema": bad, "strict": False}}})
     assert status == 200  # not strict: enforced as far as the backend can
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                          "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_required_named_and_streamed(client, model):
+    import jsonschema
+
+    r = client.chat.completions.create(model=model, messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=120, seed=3)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    params = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    named = client.chat.completions.create(model=model, messages=USER, tools=[WEATHER, TIME], max_tokens=120, seed=4,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    chunks = list(client.chat.completions.create(model=model, messages=USER, tools=[WEATHER], tool_choice="required",
+                                                 max_tokens=120, seed=5, stream=True))
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert deltas and deltas[0].function.name == "get_weather"
+    history = [*USER, named.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": named.choices[0].message.tool_calls[0].id, "content": "12:00"}]
+    followup = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, TIME], max_tokens=8)
+    assert followup.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="no tool is named"):
+        client.chat.completions.create(model=model, messages=USER, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})

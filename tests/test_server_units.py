@@ -67,3 +67,15 @@ def test_decoding_errors_name_the_field():
         assert e.value.status == 400 and e.value.param == param, (body, e.value.message)
     err = value_error(ValueError("max_new_tokens: prompt + max_new_tokens = 9 exceeds 8"), {"max_new_tokens": "max_tokens"})
     assert err.param == "max_tokens" and "max_new_tokens" not in err.message
+
+
+def test_tool_calls_the_model_emits_are_parsed_out_of_its_text():
+    from radixserve.server.tools import Tool, parse_calls
+
+    tools = [Tool("get_time", "", {"type": "object"})]
+    text = 'Let me check.\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    content, calls = parse_calls(text, tools)
+    assert content == "Let me check." and calls[0].function.name == "get_time"
+    assert calls[0].function.arguments == '{"zone": "UTC"}'
+    assert parse_calls('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', tools)[1] == []  # unknown tool
+    assert parse_calls("<tool_call>not json</tool_call>", tools)[1] == []

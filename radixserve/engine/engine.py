@@ -146,9 +146,12 @@ class Engine:
         if req.grammar_spec is not None and req.grammar is None:
             req.grammar = (await self.grammars().get_async(self._spec(req))).matcher()
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render messages with the model's own chat template, ready for generation."""
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render messages (and tools, for templates that take them) with the model's own chat
+        template, ready for generation."""
+        extra = {"tools": tools} if tools else {}
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False, **extra))
 
     def generate(
         self,

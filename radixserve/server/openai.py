@@ -13,6 +13,7 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams, TokenLogprob
+from radixserve.server import tools
 from radixserve.server.errors import ApiError, decode_body, prompt_batch
 from radixserve.server.protocol import (
     AssistantMessage,
@@ -31,6 +32,7 @@ from radixserve.server.protocol import (
     ModelList,
     PromptTokensDetails,
     TokenLogprobOut,
+    ToolCallDelta,
     TopLogprob,
     Usage,
     _OpenAISampling,
@@ -40,7 +42,6 @@ from radixserve.server.state import RequestOptions, ServerState
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
-NOT_YET = "is not supported yet (tools land with the rest of step 4)"
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
           "prompt": "messages", "json_schema": "response_format"}
 
@@ -122,14 +123,16 @@ def _messages(b: ChatCompletionRequest) -> list[dict[str, Any]]:
                     raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                                    param=f"messages[{i}].content[{j}].type")
             content = "".join(p.text or "" for p in content)
+        if m.role == "assistant" and m.tool_calls:
+            content = "\n".join(x for x in (content, tools.history_text(m.tool_calls)) if x)
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return out
 
 
-def _render(state: ServerState, messages: list[dict[str, Any]]) -> Callable[[], list[int]]:
+def _render(state: ServerState, messages: list[dict[str, Any]], tool_specs: Any = None) -> Callable[[], list[int]]:
     def render() -> list[int]:
         try:
-            return state.engine.chat_ids(messages)
+            return state.engine.chat_ids(messages, tool_specs)
         except Exception as e:  # the template's own checks (e.g. role order)
             raise ApiError(400, f"messages: the model's chat template rejected them: {e}", param="messages") from None
 
@@ -163,27 +166,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     b = decode_body(await request.read(), ChatCompletionRequest)
     state.check_model(b.model)
     _check_common(b)
-    if b.tools:
-        raise ApiError(400, f"tools: {NOT_YET}", param="tools")
     schema = _response_format(b.response_format)
+    offered = tools.parse_tools(b.tools)
+    mode, callable_tools = tools.choose(offered, b.tool_choice)
+    if mode == "required":
+        if schema is not None:
+            raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
+        schema = (tools.call_schema(callable_tools), False)
+    if mode == "none":
+        offered = []
     if b.top_logprobs is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     top = b.top_logprobs or 0
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    render = _render(state, _messages(b))
+    messages, tool_specs = tools.render(_messages(b), offered, getattr(state.engine.tokenizer, "chat_template", None))
+    render = _render(state, messages, tool_specs)
     params = [_params(b, max_tokens, i, top, b.logprobs, schema) for i in range(b.n)]
     reqs, tickets = await state.prepare(tenant, [render] * b.n, params, _opts(b))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if not b.stream:
+    if not b.stream or offered:  # with tools, a stream carries each choice whole at its end
         outs = await state.collect(reqs, tickets, arrival)
-        choices = [ChatChoice(i, AssistantMessage(content=o.text), _finish_reason(o), _chat_logprobs(state, o.logprobs))
-                   for i, o in enumerate(outs)]
-        resp = ChatCompletionResponse(cid, created, state.model_name, choices, _usage(outs))
-        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+        choices = [_chat_choice(state, i, o, mode, offered) for i, o in enumerate(outs)]
+        if not b.stream:
+            resp = ChatCompletionResponse(cid, created, state.model_name, choices, _usage(outs))
+            return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+        return await _stream_whole(request, cid, created, state.model_name, choices, _usage(outs) if _include_usage(b) else None)
     sse = await SSEWriter.open(request)
-    include_usage = b.stream_options is not None and b.stream_options.include_usage
+    include_usage = _include_usage(b)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(cid, created, state.model_name, choices, usage)
@@ -205,6 +216,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await sse.send(chunk([ChatChunkChoice(i, ChatDelta(content=d.text or None), reason, lps)]))
     if include_usage:
         await sse.send(chunk([], _usage([o for o in outs if o is not None])))
+    await sse.done()
+    return sse.response
+
+
+def _include_usage(b: _OpenAISampling) -> bool:
+    return b.stream_options is not None and b.stream_options.include_usage
+
+
+def _chat_choice(state: ServerState, i: int, o: Output, mode: str, offered: list[tools.Tool]) -> ChatChoice:
+    reason, content, calls = _finish_reason(o), o.text, None
+    if reason == "stop" and mode == "required":
+        content, calls = None, tools.calls_from_json(o.text)
+    elif reason == "stop" and mode == "auto":
+        content, found = tools.parse_calls(o.text, offered)
+        calls = found or None
+    if calls:
+        reason = "tool_calls"
+    return ChatChoice(i, AssistantMessage(content=content, tool_calls=calls), reason, _chat_logprobs(state, o.logprobs))
+
+
+async def _stream_whole(request: web.Request, cid: str, created: int, model: str, choices: list[ChatChoice],
+                        usage: Usage | None) -> web.StreamResponse:
+    sse = await SSEWriter.open(request)
+    for c in choices:
+        calls = [ToolCallDelta(k, t.id, t.function) for k, t in enumerate(c.message.tool_calls or [])] or None
+        delta = ChatDelta(role="assistant", content=c.message.content, tool_calls=calls)
+        await sse.send(ChatCompletionChunk(cid, created, model, [ChatChunkChoice(c.index, delta, c.finish_reason, c.logprobs)]))
+    if usage is not None:
+        await sse.send(ChatCompletionChunk(cid, created, model, [], usage))
     await sse.done()
     return sse.response
 

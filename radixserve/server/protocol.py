@@ -194,9 +194,28 @@ class ChoiceLogprobs(_Out):
     content: list[TokenLogprobOut] | None
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Out):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ToolCallDelta(_Out):
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(_Out):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Out):
@@ -229,6 +248,7 @@ class ChatCompletionResponse(_Out):
 class ChatDelta(_Out, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):

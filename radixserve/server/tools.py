@@ -1,0 +1,129 @@
+"""OpenAI tools on models whose chat template may know nothing of tools.
+
+- The tools are described to the model in a system message (or passed to the chat template
+  when it takes `tools`), with the call format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- `tool_choice` "required" or a named function: the output is constrained to one call, a JSON
+  object whose `name` is a tool's and whose `arguments` follow that tool's parameter schema.
+- "auto": the model may answer or call; calls it emits in the format above are parsed out.
+- "none": tools are not offered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.server.errors import ApiError
+from radixserve.server.protocol import FunctionCall, ToolCall
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+def parse_tools(tools: list[Any] | None) -> list[Tool]:
+    out = []
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise ApiError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}", param=f"tools[{i}]")
+        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise ApiError(400, f"tools[{i}].function.name: {name!r} is not a valid function name", param=f"tools[{i}].function.name")
+        if not isinstance(params, dict):
+            where = f"tools[{i}].function.parameters"
+            raise ApiError(400, f"{where}: must be a JSON schema object", param=where)
+        out.append(Tool(name, str(fn.get("description", "")), params))
+    if len({t.name for t in out}) != len(out):
+        raise ApiError(400, "tools: function names must be unique", param="tools")
+    return out
+
+
+def choose(tools: list[Tool], choice: Any) -> tuple[str, list[Tool]]:
+    """Normalize tool_choice to (mode, tools the call may use); mode: none | auto | required."""
+    if choice is None:
+        return ("auto" if tools else "none"), tools
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not tools:
+            raise ApiError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
+        return choice, tools
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named = [t for t in tools if t.name == name]
+        if not named:
+            raise ApiError(400, f"tool_choice.function.name: no tool is named {name!r}", param="tool_choice.function.name")
+        return "required", named
+    raise ApiError(400, "tool_choice: expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                   param="tool_choice")
+
+
+def call_schema(tools: list[Tool]) -> str:
+    """One call to one of `tools`: {"name": <its name>, "arguments": <its parameters>}."""
+    branches = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return json.dumps(branches[0] if len(branches) == 1 else {"anyOf": branches})
+
+
+def render(messages: list[dict[str, Any]], tools: list[Tool], template: str | None) -> tuple[list[dict[str, Any]], Any]:
+    """Messages (and the `tools` argument for templates that take it) offering the tools."""
+    if not tools:
+        return messages, None
+    specs = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+             for t in tools]
+    if template and "tools" in template:
+        return messages, specs
+    text = ("You can call functions. To call one, reply with only "
+            "<tool_call>{\"name\": <function name>, \"arguments\": <arguments as JSON>}</tool_call>\n"
+            f"Functions:\n<tools>\n{json.dumps(specs)}\n</tools>")
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], None
+    return [{"role": "system", "content": text}, *messages], None
+
+
+def calls_from_json(text: str) -> list[ToolCall]:
+    """The constrained output (one JSON call) as OpenAI tool_calls."""
+    call = json.loads(text)
+    return [_call(call["name"], call["arguments"])]
+
+
+def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
+    """Tool calls the model emitted in the tagged format; the rest stays content."""
+    names = {t.name for t in tools}
+    calls = []
+    for m in _CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments", {}), dict):
+            calls.append(_call(obj["name"], obj.get("arguments", {})))
+    if not calls:
+        return text, []
+    rest = _CALL.sub("", text).strip()
+    return rest or None, calls
+
+
+def history_text(tool_calls: list[Any] | None) -> str:
+    """An assistant message's earlier tool calls, rendered back in the tagged format."""
+    out = []
+    for c in tool_calls or []:
+        fn = c.get("function", {}) if isinstance(c, dict) else {}
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass
+        out.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>")
+    return "\n".join(out)
+
+
+def _call(name: str, arguments: Any) -> ToolCall:
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, json.dumps(arguments)))
