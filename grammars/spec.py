@@ -43,6 +43,20 @@ class GrammarSpec:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), strict)
 
     @classmethod
+    def structural_tag(cls, tag: str | dict[str, Any]) -> GrammarSpec:
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"structural_tag: not valid JSON: {e}", "structural_tag") from None
+        if not isinstance(tag, dict):
+            raise GrammarError("structural_tag: expected a JSON object", "structural_tag")
+        for i, s in enumerate(tag.get("structures", [])):
+            if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+                raise GrammarError(f"structural_tag.structures[{i}]: needs string begin and end", "structural_tag")
+        return cls("structural_tag", json.dumps(tag, separators=(",", ":")))
+
+    @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:
         if not options or not all(isinstance(o, str) and o for o in options):
             raise GrammarError("choices: need a non-empty list of non-empty strings", "choices")

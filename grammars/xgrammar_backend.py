@@ -60,6 +60,8 @@ class XGrammarBackend(Backend):
                 compiled = c.compile_regex(spec.source)
             elif spec.kind == "ebnf":
                 compiled = c.compile_grammar(spec.source)
+            elif spec.kind == "structural_tag":
+                compiled = _structural_tag(c, json.loads(spec.source))
             elif spec.kind == "choice":
                 options = json.loads(spec.source)
                 compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
@@ -87,6 +89,18 @@ def json_schema_ebnf(spec: GrammarSpec) -> str:
     grammar = xgr.Grammar.from_json_schema(spec.source, any_whitespace=ws is None or ws > 0,
                                            max_whitespace_cnt=ws if ws else None, strict_mode=True)
     return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _structural_tag(compiler: Any, tag: dict[str, Any]) -> Any:
+    """SGLang's / OpenAI's shape ({"structures": [{"begin", "schema", "end"}], "triggers": [...]})
+    or xgrammar's own structural-tag object."""
+    import xgrammar as xgr
+
+    if "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                 for s in tag["structures"]]
+        return compiler.compile_structural_tag(items, list(tag.get("triggers", [])))
+    return compiler.compile_structural_tag(tag)
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -64,14 +64,16 @@ class SamplingParams:
     json_schema: str | None = None  # constrain the output (at most one of these three)
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # JSON: tagged regions of constrained JSON inside free text
     strict_json_schema: bool = True  # reject schema keywords no backend enforces (False: enforce what can be)
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The output constraint, or None; raises GrammarError (a ValueError) naming the field."""
-        given = [(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf))
-                 if v is not None]
+        kinds = (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf),
+                 ("structural_tag", self.structural_tag))
+        given = [(k, v) for k, v in kinds if v is not None]
         if len(given) > 1:
-            raise GrammarError(f"{given[1][0]}: give at most one of json_schema, regex, ebnf", given[1][0])
+            raise GrammarError(f"{given[1][0]}: give at most one of json_schema, regex, ebnf, structural_tag", given[1][0])
         if not given:
             return None
         kind, source = given[0]
@@ -79,6 +81,8 @@ class SamplingParams:
             raise GrammarError(f"{kind}: expected a non-empty string", kind)
         if kind == "json_schema":
             return GrammarSpec.json_schema(source, strict=self.strict_json_schema)
+        if kind == "structural_tag":
+            return GrammarSpec.structural_tag(source)
         return GrammarSpec(kind, source)
 
     @property

@@ -281,3 +281,20 @@ def test_jump_forward_appends_forced_text_as_the_tokenizer_would_and_still_valid
     canonical = e.tokenizer.encode("first_name", add_special_tokens=False)
     got = outs[True].token_ids
     assert any(got[i : i + len(canonical)] == canonical for i in range(len(got)))
+
+
+def test_structural_tags_constrain_only_the_tagged_regions(tok):
+    xgr = create_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                      "required": ["a"], "additionalProperties": False}, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    spec = SamplingParams(structural_tag=json.dumps(tag)).grammar_spec()
+
+    def accepts(text: str) -> bool:
+        m = xgr.compile(spec).matcher()
+        return all(m.accept(t) for t in tok.encode(text))
+
+    assert accepts('free text, then <f>{"a": 12}</f> and more')
+    assert not accepts('free text, then <f>{"b"')
+    with pytest.raises(GrammarError, match="structural_tag"):
+        GrammarSpec.structural_tag('{"structures": [{"begin": 1}]}')

@@ -392,3 +392,20 @@ def test_tool_calls_required_named_and_streamed(client, model):
     with pytest.raises(openai.BadRequestError, match="no tool is named"):
         client.chat.completions.create(model=model, messages=USER, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_slow_grammar_times_out_with_a_400_while_other_requests_complete(tiny_llama, tmp_path):
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "4096", "--grammar-backend", "outlines",
+                      "--grammar-compile-timeout", "0.3", log=tmp_path / "server.log")
+    try:
+        slow = {"input_ids": _ids(8, 1), "sampling_params": {"regex": "(a|b)*a(a|b){17}", "max_new_tokens": 4}}
+        plain = {"input_ids": _ids(8, 2), "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+        with ThreadPoolExecutor(2) as pool:
+            slow_f = pool.submit(s.post, "/generate", slow)
+            plain_f = pool.submit(s.post, "/generate", plain)
+            (status, err), (ok, out) = slow_f.result(), plain_f.result()
+        assert status == 400 and "grammar_compile_timeout of 0.3 s" in err["error"]["message"], err
+        assert ok == 200 and out["meta_info"]["completion_tokens"] == 16
+        assert s.wait_idle()["kv_in_use_slots"] == 0
+    finally:
+        assert s.stop() == 0

@@ -15,7 +15,7 @@ from radixserve.server.protocol import GenerateRequest, GenerateResponse, MetaIn
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import RequestOptions, ServerState, public_rid
 
-GRAMMARS = ("json_schema", "regex", "ebnf")
+GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:

@@ -58,7 +58,7 @@ def _check_common(b: _OpenAISampling) -> None:
 
 
 def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
-            json_schema: tuple[str, bool] | None = None) -> SamplingParams:
+            json_schema: tuple[str, bool] | None = None, structural_tag: str | None = None) -> SamplingParams:
     def opt(v: Any, default: Any) -> Any:
         return default if v is None else v
 
@@ -69,7 +69,7 @@ def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logpro
         stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
         seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
         json_schema=json_schema[0] if json_schema else None, strict_json_schema=bool(json_schema and json_schema[1]),
-        regex=b.regex, ebnf=b.ebnf,
+        regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag,
     )
 
 
@@ -85,8 +85,8 @@ def _response_format(fmt: dict[str, Any] | None) -> tuple[str, bool] | None:
             raise ApiError(400, "response_format.json_schema: expected {\"name\": ..., \"schema\": {...}}",
                            param="response_format.json_schema")
         return json.dumps(spec.get("schema", {})), spec.get("strict") is True
-    raise ApiError(400, f"response_format.type: {fmt.get('type')!r} is not one of text, json_object, json_schema",
-                   param="response_format.type")
+    raise ApiError(400, f"response_format.type: {fmt.get('type')!r} is not one of text, json_object, json_schema, "
+                   "structural_tag", param="response_format.type")
 
 
 def _opts(b: _OpenAISampling) -> RequestOptions:
@@ -166,11 +166,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     b = decode_body(await request.read(), ChatCompletionRequest)
     state.check_model(b.model)
     _check_common(b)
+    tag = None
+    if b.response_format is not None and b.response_format.get("type") == "structural_tag":
+        tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
+        b.response_format = None
     schema = _response_format(b.response_format)
     offered = tools.parse_tools(b.tools)
     mode, callable_tools = tools.choose(offered, b.tool_choice)
     if mode == "required":
-        if schema is not None:
+        if schema is not None or tag is not None:
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
         schema = (tools.call_schema(callable_tools), False)
     if mode == "none":
@@ -183,7 +187,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     messages, tool_specs = tools.render(_messages(b), offered, getattr(state.engine.tokenizer, "chat_template", None))
     render = _render(state, messages, tool_specs)
-    params = [_params(b, max_tokens, i, top, b.logprobs, schema) for i in range(b.n)]
+    params = [_params(b, max_tokens, i, top, b.logprobs, schema, tag) for i in range(b.n)]
     reqs, tickets = await state.prepare(tenant, [render] * b.n, params, _opts(b))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not b.stream or offered:  # with tools, a stream carries each choice whole at its end

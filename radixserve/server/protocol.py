@@ -50,6 +50,7 @@ class NativeSamplingParams(_In):
     json_schema: str | None = None  # the schema as JSON text (SGLang's convention)
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
 
 
 class GenerateRequest(_In):
