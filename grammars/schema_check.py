@@ -25,9 +25,10 @@ ENFORCED = {
     "xgrammar": _COMMON | {"prefixItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "allOf"},
     "outlines": set(_COMMON),
 }
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas", "dependencies")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # list-form items: draft-4 tuples
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems", "not",
+                  "if", "then", "else", "contains", "propertyNames")
 
 
 def unenforced(schema: Any, backend: str) -> list[tuple[str, str]]:
@@ -55,13 +56,14 @@ def _walk(s: Any, backend: str, ptr: str) -> Iterator[tuple[str, str]]:
     for key in _SUBSCHEMA_MAPS:
         if isinstance(s.get(key), dict):
             for name, sub in s[key].items():
-                yield from _walk(sub, backend, f"{ptr}/{key}/{_escape(name)}")
+                if isinstance(sub, (dict, bool)):  # dependencies may also map to lists of names
+                    yield from _walk(sub, backend, f"{ptr}/{key}/{_escape(name)}")
     for key in _SUBSCHEMA_LISTS:
         if isinstance(s.get(key), list):
             for i, sub in enumerate(s[key]):
                 yield from _walk(sub, backend, f"{ptr}/{key}/{i}")
     for key in _SUBSCHEMA_ONE:
-        if isinstance(s.get(key), (dict, bool)) and not (key == "additionalProperties" and isinstance(s[key], bool)):
+        if isinstance(s.get(key), dict):
             yield from _walk(s[key], backend, f"{ptr}/{key}")
 
 

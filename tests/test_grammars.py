@@ -254,6 +254,14 @@ def test_smollm2_answers_in_valid_json(smollm2_engine):
     value = json.loads(out.text)
     jsonschema.validate(value, schema)
     assert value["city"] == "Paris"
+    asks = ["Describe a person as JSON.", "Give a few tags as JSON.", "Give a JSON value.", "Give two points as JSON."]
+    prompts = [smollm2_engine.chat_ids([{"role": "user", "content": a}]) for a in asks]
+    outs = smollm2_engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=120, json_schema=json.dumps(s))
+                                             for s in SCHEMAS])
+    assert sum(o.finish_reason == "stop" for o in outs) >= 3
+    for o, s in zip(outs, SCHEMAS):  # nested objects, bounded arrays, enums, anyOf, $ref, optional fields
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), s)
 
 
 def test_jump_forward_appends_forced_text_as_the_tokenizer_would_and_still_validates(smollm2_engine):

@@ -281,6 +281,7 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._loop.stop()
+        self.runner.close()
         if self._grammar_cache is not None:
             self._grammar_cache.shutdown()
 

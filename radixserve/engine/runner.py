@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,10 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.fault_hook: Callable[[SchedulePlan], None] | None = None  # tests inject faults here
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-masks")
+
+    def close(self) -> None:
+        self._mask_pool.shutdown(wait=False)
 
     def on_thread_start(self) -> None:
         """Per-thread set-up of the thread that runs the model."""
@@ -40,6 +45,10 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook(plan)
         batch = ForwardBatch.from_plan(plan, slots_of, self.backend, self.device)
+        samplers = [it.req for it in plan.items if it.samples and it.req.max_new_tokens > 0]
+        masks = None  # grammar rows are filled on a helper thread while the model runs
+        if any(r.grammar is not None for r in samplers):
+            masks = self._mask_pool.submit(self.sampler.grammar_masks, samplers)
         hidden = self.model(batch)
         rows: list[int] = []
         sample_at: list[tuple[int, int]] = []  # (item index, index into rows)
@@ -58,7 +67,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         if sample_at:
             reqs = [plan.items[i].req for i, _ in sample_at]
-            toks, lps = self.sampler.sample(logits[torch.tensor([r for _, r in sample_at], device=self.device)], reqs)
+            toks, lps = self.sampler.sample(logits[torch.tensor([r for _, r in sample_at], device=self.device)], reqs,
+                                            masks.result() if masks is not None else None)
             for (i, _), tok, lp in zip(sample_at, toks, lps):
                 result.tokens[i], result.logprobs[i] = tok, lp
         for req, targets, first in prompt_at:

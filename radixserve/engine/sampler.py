@@ -49,13 +49,15 @@ class Sampler:
             self._generators[req.rid] = g
         return g
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def sample(
+        self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: (len(reqs), vocab) float32; rows beyond `vocab_size` (padding) are never chosen."""
         logits = logits[:, : self.vocab_size]
         raw = logits
         want_lp = [i for i, r in enumerate(reqs) if r.params.return_logprob]
         logits = self._apply_penalties(logits.clone(), reqs)
-        self._apply_grammars(logits, reqs)
+        self._apply_grammars(logits, reqs, masks)
         tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
@@ -79,17 +81,22 @@ class Sampler:
                 lps[i] = e
         return out, lps
 
-    def _apply_grammars(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
-        """Constrained rows: each matcher fills its bitmask row on the CPU; one copy to the
-        device; the kernel masks only those rows."""
+    def grammar_masks(self, reqs: Sequence[Req]) -> tuple[list[int], torch.Tensor]:
+        """The constrained rows among reqs and their bitmask, filled by the matchers on the CPU
+        (the runner calls this on a helper thread while the model runs)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        mask = torch.zeros(len(rows), self.mask_words, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            reqs[i].grammar.fill_bitmask(mask, j)
+        return rows, mask
+
+    def _apply_grammars(self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None) -> None:
+        """One copy of the mask to the device; the kernel masks only the constrained rows."""
+        rows, mask = masks if masks is not None else self.grammar_masks(reqs)
         if not rows:
             return
         from kernels.bitmask import apply_bitmask
 
-        mask = torch.zeros(len(rows), self.mask_words, dtype=torch.int32)
-        for j, i in enumerate(rows):
-            reqs[i].grammar.fill_bitmask(mask, j)
         apply_bitmask(logits, mask.to(logits.device), torch.tensor(rows, device=logits.device))
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
