@@ -65,6 +65,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None  # JSON: tagged regions of constrained JSON inside free text
+    grammar_after: str | None = None  # the constraint starts once the output contains this (e.g. "</think>")
     strict_json_schema: bool = True  # reject schema keywords no backend enforces (False: enforce what can be)
 
     def grammar_spec(self) -> GrammarSpec | None:
@@ -117,6 +118,8 @@ class SamplingParams:
                 raise ValueError("stop: every stop string must be a non-empty string")
             if len(stops) > MAX_STOPS or sum(len(s) for s in stops) > MAX_STOP_CHARS:
                 raise ValueError(f"stop: at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters in all")
+        if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after):
+            raise ValueError("grammar_after: expected a non-empty string")
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
@@ -190,7 +193,8 @@ class Req:
         self.error: str | None = None
         self.retractions = 0
         self.grammar_spec: GrammarSpec | None = params.grammar_spec()
-        self.grammar: Any = None  # its grammars.base.Matcher once compiled; constrains every sample
+        self.grammar: Any = None  # its grammars.base.Matcher once compiled; constrains every sample once active
+        self.grammar_active = params.grammar_after is None
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
 

@@ -306,3 +306,14 @@ def test_structural_tags_constrain_only_the_tagged_regions(tok):
     assert not accepts('free text, then <f>{"b"')
     with pytest.raises(GrammarError, match="structural_tag"):
         GrammarSpec.structural_tag('{"structures": [{"begin": 1}]}')
+
+
+def test_grammar_after_leaves_the_reasoning_free_and_constrains_what_follows(tiny_llama):
+    with Engine(str(tiny_llama), kv_cache_tokens=4096) as e:
+        free = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[0]
+        k = next(k for k in range(1, 8) if "\ufffd" not in e.tokenizer.decode(free.token_ids[:k]))
+        marker = e.tokenizer.decode(free.token_ids[:k])  # what the model "thinks" first, greedily
+        out = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=40, regex=r"[0-9]{2}",
+                                                     grammar_after=marker))[0]
+        assert out.token_ids[:k] == free.token_ids[:k]  # unconstrained until the marker
+        assert out.finish_reason == "stop" and regex.fullmatch(r"[0-9]{2}", out.text[len(marker):]), out.text

@@ -19,7 +19,7 @@ from radixserve.request import Req
 def forced_tokens(req: Req, tokenizer: Any) -> list[int]:
     """Tokens the grammar forces after req's last token, already accepted by its matcher."""
     m = req.grammar
-    if m is None or m.is_terminated() or req.params.return_logprob:  # forced tokens have no logprobs
+    if m is None or not req.grammar_active or m.is_terminated() or req.params.return_logprob:  # no logprobs for forced
         return []
     text = m.jump_forward()
     budget = req.remaining_new_tokens

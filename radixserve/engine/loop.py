@@ -143,7 +143,9 @@ class EngineLoop:
                 if lp is not None:
                     req.output_logprobs.append(lp)
                 st.detok.add(tok)
-                if req.grammar is not None:
+                if req.grammar is not None and not req.grammar_active:
+                    req.grammar_active = req.params.grammar_after in st.detok.text  # reasoning done: constrain from here
+                elif req.grammar is not None:
                     _advance_grammar(req, tok)
                     if req.finish_reason is None and self.jump_forward:
                         for t in forced_tokens(req, self.tokenizer):

@@ -84,7 +84,7 @@ class Sampler:
     def grammar_masks(self, reqs: Sequence[Req]) -> tuple[list[int], torch.Tensor]:
         """The constrained rows among reqs and their bitmask, filled by the matchers on the CPU
         (the runner calls this on a helper thread while the model runs)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar_active]
         mask = torch.zeros(len(rows), self.mask_words, dtype=torch.int32)
         for j, i in enumerate(rows):
             reqs[i].grammar.fill_bitmask(mask, j)
@@ -102,7 +102,7 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         for i, r in enumerate(reqs):
             p = r.params
-            if r.output_len < p.min_new_tokens and r.grammar is None:  # a grammar decides when output may end
+            if r.output_len < p.min_new_tokens and not (r.grammar is not None and r.grammar_active):  # a grammar decides
                 banned = ([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids or [])
                 if banned:
                     logits[i, banned] = float("-inf")

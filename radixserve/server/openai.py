@@ -69,7 +69,7 @@ def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logpro
         stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
         seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
         json_schema=json_schema[0] if json_schema else None, strict_json_schema=bool(json_schema and json_schema[1]),
-        regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag,
+        regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag, grammar_after=b.grammar_after,
     )
 
 

@@ -51,6 +51,7 @@ class NativeSamplingParams(_In):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None  # JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    grammar_after: str | None = None  # the constraint applies once the output contains this marker
 
 
 class GenerateRequest(_In):
@@ -156,6 +157,7 @@ class _OpenAISampling(_In):
     rid: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    grammar_after: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
