@@ -71,6 +71,7 @@ def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[
     ref = s.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         yield f"{ptr}/$ref", "$ref (not local)"
+    yield from _combinators(s, ptr)
     if backend == "xgrammar":
         if "pattern" in s or "format" in s:  # xgrammar drops length limits next to a pattern or format
             yield from ((f"{ptr}/{k}", k) for k in ("minLength", "maxLength") if k in s)
@@ -84,6 +85,24 @@ def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[
             yield ptr or "/", "a sub-schema without type"
         if isinstance(s.get("maxLength"), int) and s["maxLength"] > 256:
             yield f"{ptr}/maxLength", "maxLength (over 256: the index build explodes)"
+
+
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+_STANDALONE = ("type", "$ref", "enum", "const")
+
+
+def _combinators(s: dict[str, Any], ptr: str) -> Iterator[tuple[str, str]]:
+    """Branches are compiled as alternatives of whole values: a combinator next to other
+    validation keywords, or a branch that only adds constraints (`{"required": [...]}`), is
+    dropped without a warning."""
+    siblings = [k for k in s if k in VALIDATION and k not in _COMBINATORS]
+    for kw in _COMBINATORS:
+        branches = s.get(kw)
+        if not isinstance(branches, list):
+            continue
+        partial = any(isinstance(b, dict) and not any(k in b for k in (*_STANDALONE, *_COMBINATORS)) for b in branches)
+        if siblings or partial:
+            yield f"{ptr}/{kw}", f"{kw} (combined with sibling keywords or partial branches)"
 
 
 def _exclusive(branches: Any) -> bool:

@@ -141,6 +141,10 @@ def test_strict_schemas_are_refused_naming_the_unenforced_keyword_and_pointer(to
     assert unenforced({"type": "string", "format": "email", "maxLength": 9}, "xgrammar") == [("/maxLength", "maxLength")]
     assert unenforced({"type": "string", "x-vendor": 1, "readonly": True}, "xgrammar") == []  # not validation keywords
     assert unenforced({"oneOf": [{"type": "string"}, {"type": "null"}]}, "xgrammar") == []  # disjoint: anyOf enforces it
+    props = {"a": {"type": "string"}, "b": {"type": "string"}}
+    for combo in ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, {"allOf": [{"required": ["a"]}]}):
+        kw = next(iter(combo))
+        assert unenforced({"type": "object", "properties": props, **combo}, "xgrammar")[0][0] == f"/{kw}"
 
 
 def test_auto_falls_back_to_outlines_for_what_xgrammar_would_loosen(tok):
@@ -201,11 +205,14 @@ def test_compile_cache_hits_caches_failures_and_times_out():
             cache.get(GrammarSpec("regex", "bad"))
     assert b.calls == 2  # the failure was cached
     slow = _CountingBackend(delay=30)
-    cache = CompileCache(slow, timeout_s=0.2)
+    cache = CompileCache(slow, timeout_s=0.2, workers=3)
     t = time.monotonic()
-    with pytest.raises(GrammarError, match="grammar_compile_timeout of 0.2 s"):
-        cache.get(GrammarSpec("regex", "x"))
+    for src in ("x", "y"):  # two pathological grammars keep two compile threads busy
+        with pytest.raises(GrammarError, match="took longer than the grammar_compile_timeout of 0.2 s"):
+            cache.get(GrammarSpec("regex", src))
     assert time.monotonic() - t < 5
+    slow.delay = 0.0
+    assert cache.get(GrammarSpec("regex", "fast")) is not None  # timed from its own start, not the queue's
     slow.release.set()
     cache.shutdown()
 
@@ -286,6 +293,9 @@ def test_jump_forward_appends_forced_text_as_the_tokenizer_would_and_still_valid
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), schema)
     assert jumped[False] == 0 and jumped[True] >= 6 and steps[True] < steps[False]
+    for k in range(3, 12):  # forced tokens never take a request past its max_new_tokens
+        cut = e.generate([ids], SamplingParams(temperature=0, max_new_tokens=k, json_schema=json.dumps(schema)))[0]
+        assert cut.completion_tokens == k and cut.finish_reason == "length"
     canonical = e.tokenizer.encode("first_name", add_special_tokens=False)
     got = outs[True].token_ids
     assert any(got[i : i + len(canonical)] == canonical for i in range(len(got)))

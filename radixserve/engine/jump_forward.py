@@ -30,7 +30,7 @@ def forced_tokens(req: Req, tokenizer: Any) -> list[int]:
     ids = joined[1:] if joined and joined[0] == last else tokenizer.encode(text, add_special_tokens=False)
     # The last forced token is left to the model: the text after it may merge with it into
     # another token (`"` + `:` -> `":`), which the model should choose itself.
-    ids = ids[: min(budget, len(ids) - 1)]
+    ids = ids[: min(budget - 1, len(ids) - 1)]  # the model samples one more token after them
     for n, t in enumerate(ids):
         if not m.accept(t):
             m.rollback(n)

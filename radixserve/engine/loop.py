@@ -149,6 +149,8 @@ class EngineLoop:
                     _advance_grammar(req, tok)
                     if req.finish_reason is None and self.jump_forward:
                         for t in forced_tokens(req, self.tokenizer):
+                            if st.detok.stopped_on is not None:  # a stop string inside the forced text
+                                break
                             req.token_ids.append(t)
                             st.detok.add(t)
                             self.jumped_tokens += 1

@@ -231,7 +231,8 @@ def _include_usage(b: _OpenAISampling) -> bool:
 def _chat_choice(state: ServerState, i: int, o: Output, mode: str, offered: list[tools.Tool]) -> ChatChoice:
     reason, content, calls = _finish_reason(o), o.text, None
     if reason == "stop" and mode == "required":
-        content, calls = None, tools.calls_from_json(o.text)
+        calls = tools.calls_from_json(o.text) or None
+        content = None if calls else o.text
     elif reason == "stop" and mode == "auto":
         content, found = tools.parse_calls(o.text, offered)
         calls = found or None

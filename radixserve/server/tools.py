@@ -89,9 +89,13 @@ def render(messages: list[dict[str, Any]], tools: list[Tool], template: str | No
 
 
 def calls_from_json(text: str) -> list[ToolCall]:
-    """The constrained output (one JSON call) as OpenAI tool_calls."""
-    call = json.loads(text)
-    return [_call(call["name"], call["arguments"])]
+    """The constrained output (one JSON call) as OpenAI tool_calls; [] when the output is not a
+    whole call (cut by a stop string, or with free text before it)."""
+    try:
+        call = json.loads(text)
+        return [_call(call["name"], call["arguments"])]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return []
 
 
 def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
