@@ -159,13 +159,19 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob] | None) -> Choice
     return ChoiceLogprobs(content)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def _begin(request: web.Request, typ: type) -> tuple[ServerState, float, Any, Any]:
+    """Every OpenAI route starts alike: the clock, the tenant, the decoded body, common checks."""
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
-    b = decode_body(await request.read(), ChatCompletionRequest)
+    b = decode_body(await request.read(), typ)
     state.check_model(b.model)
     _check_common(b)
+    return state, arrival, tenant, b
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, arrival, tenant, b = await _begin(request, ChatCompletionRequest)
     tag = None
     if b.response_format is not None and b.response_format.get("type") == "structural_tag":
         tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
@@ -276,12 +282,7 @@ def _completion_logprobs(state: ServerState, lps: list[TokenLogprob] | None, off
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app["state"]
-    arrival = time.monotonic()
-    tenant = state.authenticate(request)
-    b = decode_body(await request.read(), CompletionRequest)
-    state.check_model(b.model)
-    _check_common(b)
+    state, arrival, tenant, b = await _begin(request, CompletionRequest)
     if b.suffix:
         raise ApiError(400, "suffix: is not supported", param="suffix")
     if b.best_of is not None and b.best_of != b.n:
