@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from radixserve.server import native, openai
+from radixserve.server import completions, native, openai
 from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.openapi import openapi_document
 from radixserve.server.protocol import AbortRequest
@@ -110,7 +110,7 @@ def build_app(state: ServerState) -> web.Application:
     app["state"] = state
     app.router.add_post("/generate", native.generate)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
-    app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_post("/v1/completions", completions.completions)
     app.router.add_get("/v1/models", openai.models)
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible API: /v1/chat/completions and /v1/models, and what /v1/completions shares with them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams, TokenLogprob
 from radixserve.server import tools
-from radixserve.server.errors import ApiError, decode_body, prompt_batch
+from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -24,10 +24,6 @@ from radixserve.server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChoiceLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -46,7 +42,7 @@ RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_l
           "prompt": "messages", "json_schema": "response_format"}
 
 
-def _check_common(b: _OpenAISampling) -> None:
+def check_common(b: _OpenAISampling) -> None:
     if b.max_tokens is not None and b.max_tokens < 1:
         raise ApiError(400, f"max_tokens: must be at least 1, got {b.max_tokens}", param="max_tokens")
     if not 1 <= b.n <= MAX_N:
@@ -57,7 +53,7 @@ def _check_common(b: _OpenAISampling) -> None:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
 
-def _params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
+def sampling_params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
             json_schema: tuple[str, bool] | None = None, structural_tag: str | None = None) -> SamplingParams:
     def opt(v: Any, default: Any) -> Any:
         return default if v is None else v
@@ -89,11 +85,11 @@ def _response_format(fmt: dict[str, Any] | None) -> tuple[str, bool] | None:
                    "structural_tag", param="response_format.type")
 
 
-def _opts(b: _OpenAISampling) -> RequestOptions:
+def request_options(b: _OpenAISampling) -> RequestOptions:
     return RequestOptions(b.rid, b.priority, b.cache_salt, b.public_prefix_len, rename=RENAME)
 
 
-def _usage(outs: list[Output], prompts: int = 1) -> Usage:
+def usage(outs: list[Output], prompts: int = 1) -> Usage:
     """Each prompt counts once, however many choices share it (they share its KV too)."""
     firsts = outs[:: max(len(outs) // prompts, 1)]
     p = sum(o.prompt_tokens for o in firsts)
@@ -101,7 +97,7 @@ def _usage(outs: list[Output], prompts: int = 1) -> Usage:
     return Usage(p, c, p + c, PromptTokensDetails(sum(o.cached_tokens for o in firsts)))
 
 
-def _finish_reason(out: Output) -> str:
+def finish_reason(out: Output) -> str:
     if out.finish_reason == "error":
         raise ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
     return out.finish_reason
@@ -159,19 +155,19 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob] | None) -> Choice
     return ChoiceLogprobs(content)
 
 
-async def _begin(request: web.Request, typ: type) -> tuple[ServerState, float, Any, Any]:
+async def begin(request: web.Request, typ: type) -> tuple[ServerState, float, Any, Any]:
     """Every OpenAI route starts alike: the clock, the tenant, the decoded body, common checks."""
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
     b = decode_body(await request.read(), typ)
     state.check_model(b.model)
-    _check_common(b)
+    check_common(b)
     return state, arrival, tenant, b
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await _begin(request, ChatCompletionRequest)
+    state, arrival, tenant, b = await begin(request, ChatCompletionRequest)
     tag = None
     if b.response_format is not None and b.response_format.get("type") == "structural_tag":
         tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
@@ -193,18 +189,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     messages, tool_specs = tools.render(_messages(b), offered, getattr(state.engine.tokenizer, "chat_template", None))
     render = _render(state, messages, tool_specs)
-    params = [_params(b, max_tokens, i, top, b.logprobs, schema, tag) for i in range(b.n)]
-    reqs, tickets = await state.prepare(tenant, [render] * b.n, params, _opts(b))
+    params = [sampling_params(b, max_tokens, i, top, b.logprobs, schema, tag) for i in range(b.n)]
+    reqs, tickets = await state.prepare(tenant, [render] * b.n, params, request_options(b))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not b.stream or offered:  # with tools, a stream carries each choice whole at its end
         outs = await state.collect(reqs, tickets, arrival)
         choices = [_chat_choice(state, i, o, mode, offered) for i, o in enumerate(outs)]
         if not b.stream:
-            resp = ChatCompletionResponse(cid, created, state.model_name, choices, _usage(outs))
+            resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
             return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
-        return await _stream_whole(request, cid, created, state.model_name, choices, _usage(outs) if _include_usage(b) else None)
+        return await _stream_whole(request, cid, created, state.model_name, choices, usage(outs) if include_usage(b) else None)
     sse = await SSEWriter.open(request)
-    include_usage = _include_usage(b)
+    with_usage = include_usage(b)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(cid, created, state.model_name, choices, usage)
@@ -224,18 +220,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             reason = d.output.finish_reason
         if d.text or lps or reason:
             await sse.send(chunk([ChatChunkChoice(i, ChatDelta(content=d.text or None), reason, lps)]))
-    if include_usage:
-        await sse.send(chunk([], _usage([o for o in outs if o is not None])))
+    if with_usage:
+        await sse.send(chunk([], usage([o for o in outs if o is not None])))
     await sse.done()
     return sse.response
 
 
-def _include_usage(b: _OpenAISampling) -> bool:
+def include_usage(b: _OpenAISampling) -> bool:
     return b.stream_options is not None and b.stream_options.include_usage
 
 
 def _chat_choice(state: ServerState, i: int, o: Output, mode: str, offered: list[tools.Tool]) -> ChatChoice:
-    reason, content, calls = _finish_reason(o), o.text, None
+    reason, content, calls = finish_reason(o), o.text, None
     if reason == "stop" and mode == "required":
         calls = tools.calls_from_json(o.text) or None
         content = None if calls else o.text
@@ -261,75 +257,6 @@ async def _stream_whole(request: web.Request, cid: str, created: int, model: str
 
 
 # -- completions -----------------------------------------------------------------------------
-def _completion_prompts(b: CompletionRequest) -> list[str | list[int]]:
-    prompts = [b.prompt] if isinstance(b.prompt, str) else prompt_batch(b.prompt, "prompt", texts_ok=True)[0]
-    if any(len(x) == 0 for x in prompts):
-        raise ApiError(400, "prompt: must not be empty", param="prompt")
-    return prompts
-
-
-def _completion_logprobs(state: ServerState, lps: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
-    if lps is None:
-        return None
-    tokens, offsets = [], []
-    for lp in lps:
-        offsets.append(offset)
-        s = state.token_text(lp.token_id)
-        tokens.append(s)
-        offset += len(s)
-    tops = [{state.token_text(t): v for v, t in lp.top} for lp in lps]
-    return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await _begin(request, CompletionRequest)
-    if b.suffix:
-        raise ApiError(400, "suffix: is not supported", param="suffix")
-    if b.best_of is not None and b.best_of != b.n:
-        raise ApiError(400, "best_of: only best_of == n is supported", param="best_of")
-    top = b.logprobs
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
-    if b.echo and top is not None:
-        raise ApiError(400, "echo: echo together with logprobs is not supported", param="echo")
-    prompts = _completion_prompts(b)
-    max_tokens = 16 if b.max_tokens is None else b.max_tokens  # OpenAI's default for completions
-    flat = [p for p in prompts for _ in range(b.n)]
-    params = [_params(b, max_tokens, i % b.n, top or 0, top is not None) for i in range(len(flat))]
-    opts = _opts(b)
-    opts.rename = {**RENAME, "prompt": "prompt", "input_ids": "prompt"}
-    reqs, tickets = await state.prepare(tenant, flat, params, opts)
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def echo(i: int) -> str:
-        p = flat[i]
-        return (p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if b.echo else ""
-
-    if not b.stream:
-        outs = await state.collect(reqs, tickets, arrival)
-        choices = [CompletionChoice(i, echo(i) + o.text, _finish_reason(o), _completion_logprobs(state, o.logprobs, 0))
-                   for i, o in enumerate(outs)]
-        resp = CompletionResponse(cid, created, state.model_name, choices, _usage(outs, len(prompts)))
-        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
-    sse = await SSEWriter.open(request)
-    outs: list[Output | None] = [None] * len(flat)
-    started = [False] * len(flat)
-    async for i, d in state.merged(reqs, tickets, arrival):
-        reason = None
-        if d.finished and d.output is not None:
-            outs[i] = d.output
-            reason = _finish_reason(d.output) if d.output.finish_reason != "error" else "error"
-        text = (echo(i) if not started[i] else "") + d.text
-        started[i] = True
-        lps = _completion_logprobs(state, d.logprobs, 0) if top is not None and d.logprobs else None
-        if text or reason or lps:
-            await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
-    if b.stream_options is not None and b.stream_options.include_usage:
-        await sse.send(CompletionResponse(cid, created, state.model_name, [], _usage([o for o in outs if o], len(prompts))))
-    await sse.done()
-    return sse.response
-
-
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     state.authenticate(request)

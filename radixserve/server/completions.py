@@ -1,0 +1,95 @@
+"""OpenAI-compatible /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from radixserve.engine.outputs import Output
+from radixserve.request import TokenLogprob
+from radixserve.server.errors import ApiError, prompt_batch
+from radixserve.server.openai import (
+    MAX_TOP_LOGPROBS,
+    RENAME,
+    begin,
+    finish_reason,
+    include_usage,
+    request_options,
+    sampling_params,
+    usage,
+)
+from radixserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from radixserve.server.sse import SSEWriter
+from radixserve.server.state import ServerState
+
+
+def _completion_prompts(b: CompletionRequest) -> list[str | list[int]]:
+    prompts = [b.prompt] if isinstance(b.prompt, str) else prompt_batch(b.prompt, "prompt", texts_ok=True)[0]
+    if any(len(x) == 0 for x in prompts):
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    return prompts
+
+
+def _completion_logprobs(state: ServerState, lps: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+    if lps is None:
+        return None
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        s = state.token_text(lp.token_id)
+        tokens.append(s)
+        offset += len(s)
+    tops = [{state.token_text(t): v for v, t in lp.top} for lp in lps]
+    return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state, arrival, tenant, b = await begin(request, CompletionRequest)
+    if b.suffix:
+        raise ApiError(400, "suffix: is not supported", param="suffix")
+    if b.best_of is not None and b.best_of != b.n:
+        raise ApiError(400, "best_of: only best_of == n is supported", param="best_of")
+    top = b.logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    if b.echo and top is not None:
+        raise ApiError(400, "echo: echo together with logprobs is not supported", param="echo")
+    prompts = _completion_prompts(b)
+    max_tokens = 16 if b.max_tokens is None else b.max_tokens  # OpenAI's default for completions
+    flat = [p for p in prompts for _ in range(b.n)]
+    params = [sampling_params(b, max_tokens, i % b.n, top or 0, top is not None) for i in range(len(flat))]
+    opts = request_options(b)
+    opts.rename = {**RENAME, "prompt": "prompt", "input_ids": "prompt"}
+    reqs, tickets = await state.prepare(tenant, flat, params, opts)
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def echo(i: int) -> str:
+        p = flat[i]
+        return (p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if b.echo else ""
+
+    if not b.stream:
+        outs = await state.collect(reqs, tickets, arrival)
+        choices = [CompletionChoice(i, echo(i) + o.text, finish_reason(o), _completion_logprobs(state, o.logprobs, 0))
+                   for i, o in enumerate(outs)]
+        resp = CompletionResponse(cid, created, state.model_name, choices, usage(outs, len(prompts)))
+        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+    sse = await SSEWriter.open(request)
+    outs: list[Output | None] = [None] * len(flat)
+    started = [False] * len(flat)
+    async for i, d in state.merged(reqs, tickets, arrival):
+        reason = None
+        if d.finished and d.output is not None:
+            outs[i] = d.output
+            reason = finish_reason(d.output) if d.output.finish_reason != "error" else "error"
+        text = (echo(i) if not started[i] else "") + d.text
+        started[i] = True
+        lps = _completion_logprobs(state, d.logprobs, 0) if top is not None and d.logprobs else None
+        if text or reason or lps:
+            await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
+    if include_usage(b):
+        await sse.send(CompletionResponse(cid, created, state.model_name, [], usage([o for o in outs if o], len(prompts))))
+    await sse.done()
+    return sse.response
