@@ -1,0 +1,36 @@
+"""frontend_lang: agent programs over a radixserve server, shaped like SGLang's frontend
+language (`import frontend_lang as sgl`).
+
+    @sgl.function
+    def qa(s, question):
+        s += sgl.system("You are terse.")
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=32))
+
+    sgl.set_default_backend(sgl.RuntimeEndpoint("http://127.0.0.1:30000"))
+    print(qa.run(question="Capital of France?")["answer"])
+"""
+
+from frontend_lang.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
+from frontend_lang.backend import FrontendError, RuntimeEndpoint
+from frontend_lang.runtime import ProgramState, SglFunction, flush_cache, function, get_server_info, set_default_backend
+
+__all__ = [
+    "FrontendError", "ProgramState", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin", "assistant_end",
+    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "select", "set_default_backend", "system",
+    "system_begin", "system_end", "user", "user_begin", "user_end",
+]

@@ -1,0 +1,126 @@
+"""RuntimeEndpoint: a radixserve (or SGLang) server's native /generate, over one pooled
+aiohttp session. Roles render with the served model's own chat template (from /server_info)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from frontend_lang.ir import Gen, Select
+
+_MARK = "\x00radixserve-role\x00"
+
+
+class FrontendError(RuntimeError):
+    """A call failed: the message names the call, the variable and what the server said."""
+
+
+class RuntimeEndpoint:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self._info: dict[str, Any] | None = None
+        self._roles: dict[str, tuple[str, str]] = {}
+        self._session: Any = None
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+        return self._session
+
+    async def request(self, method: str, path: str, what: str, body: Any = None) -> Any:
+        import aiohttp
+
+        url = self.base_url + path
+        try:
+            async with self._client().request(method, url, json=body) as r:
+                data = await r.json(content_type=None)
+                if r.status >= 400:
+                    msg = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                    raise FrontendError(f"{what}: the server answered {r.status}: {msg}")
+                return data
+        except aiohttp.ClientConnectionError as e:
+            raise FrontendError(f"{what}: cannot reach {url}: {e}") from None
+        except TimeoutError:
+            raise FrontendError(f"{what}: no answer from {url} within {self.timeout:g} s") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def server_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = await self.request("GET", "/server_info", "get_server_info")
+        return self._info
+
+    # -- roles -------------------------------------------------------------------------------
+    async def role(self, role: str) -> tuple[str, str]:
+        """The text that opens and closes a message of `role`, rendered by the model's template."""
+        if role not in self._roles:
+            template = (await self.server_info()).get("chat_template")
+            self._roles[role] = _role_text(template, role)
+        return self._roles[role]
+
+    # -- calls -------------------------------------------------------------------------------
+    async def generate(self, prompt: str, g: Gen, what: str) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"text": prompt, "sampling_params": g.params}
+        if g.return_logprob:
+            body.update(return_logprob=True, top_logprobs_num=g.top_logprobs_num or 0)
+            if g.logprob_start_len is not None:
+                body["logprob_start_len"] = g.logprob_start_len
+        r = await self.request("POST", "/generate", what, body)
+        return r["text"], r["meta_info"]
+
+    async def select(self, prompt: str, s: Select, what: str) -> tuple[str, dict[str, Any]]:
+        """Score every choice from prompt logprobs in one batched request (plus one to measure the prefix)."""
+        zero = {"max_new_tokens": 0}
+        prefix = await self.request("POST", "/generate", what, {"text": prompt, "sampling_params": zero})
+        # A few tokens before the prefix's end: the last prefix token may merge with a choice
+        # ("is " + "Paris" -> "is", " Paris"); the choices' tokens start where they first differ.
+        start = max(prefix["meta_info"]["prompt_tokens"] - 8, 0)
+        scored = await self.request("POST", "/generate", what, {
+            "text": [prompt + c for c in s.choices], "sampling_params": zero, "return_logprob": True, "logprob_start_len": start})
+        rows = [[(t[0], t[1]) for t in r["meta_info"]["input_token_logprobs"] if t[0] is not None] for r in scored]
+        lps = [[lp for lp, _ in row[_shared_len(rows):]] or [row[-1][0] if row else 0.0] for row in rows]
+        if s.choices_method == "greedy_token_selection":
+            scores = [lp[0] for lp in lps]
+        else:
+            scores = [sum(lp) / len(lp) for lp in lps]
+        if s.choices_method == "unconditional_likelihood_normalized":
+            alone = await self.request("POST", "/generate", what, {
+                "text": s.choices, "sampling_params": zero, "return_logprob": True, "logprob_start_len": 0})
+            base = [[t[0] for t in r["meta_info"]["input_token_logprobs"] if t[0] is not None] or [0.0] for r in alone]
+            scores = [sc - sum(b) / len(b) for sc, b in zip(scores, base)]
+        best = max(range(len(scores)), key=scores.__getitem__)
+        return s.choices[best], {"normalized_prompt_logprobs": scores, "input_token_logprobs": lps}
+
+
+def _shared_len(rows: list[list[tuple[float, int]]]) -> int:
+    """Leading positions where every choice has the same token (the prefix)."""
+    if len(rows) < 2:
+        return 0
+    n = min(len(r) for r in rows)
+    return next((i for i in range(n) if len({r[i][1] for r in rows}) > 1), n)
+
+
+def _role_text(template: str | None, role: str) -> tuple[str, str]:
+    if not template:
+        return "", "\n"
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    t = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+    def render(messages: list[dict[str, str]], gen: bool = False) -> str:
+        return t.render(messages=messages, add_generation_prompt=gen, bos_token="", eos_token="")
+
+    sys = [{"role": "system", "content": "S"}]
+    base = render(sys) if role != "system" else ""
+    full = render([*sys, {"role": role, "content": _MARK}] if role != "system" else [{"role": "system", "content": _MARK}])
+    begin, _, end = full[len(base):].partition(_MARK)
+    if role == "assistant":
+        begin = render(sys, gen=True)[len(base):] or begin
+    return begin, end

@@ -1,0 +1,123 @@
+"""frontend_lang against a real `radixserve serve` (tiny model for mechanics, SmolLM2 where
+meaning matters): roles, gen and its constraints, select, fork/join, run_batch, errors, and
+fork efficiency read from the server's counters."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from server_helpers import ServerProcess
+
+import frontend_lang as sgl
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama, tmp_path_factory):
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "16384", "--chunked-prefill-size", "256",
+                      log=tmp_path_factory.mktemp("fl") / "server.log")
+    yield sgl.RuntimeEndpoint(s.url), s
+    assert s.stop() == 0
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"],
+         "additionalProperties": False}
+
+
+@sgl.function
+def constrained(s, topic):
+    s += sgl.system("You answer in the format asked.")
+    with s.user():
+        s += "Tell me about " + topic + "."
+    with s.assistant():
+        s += "Code: " + sgl.gen("code", regex=r"[A-Z]{3}-[0-9]{2}", temperature=1.0) + "\n"
+        s += "Count: " + sgl.gen_int("count", max_tokens=8) + "\n"
+        s += "Point: " + sgl.gen("point", json_schema=POINT, max_tokens=60, temperature=1.0) + "\n"
+        s += "Mood: " + sgl.select("mood", ["happy", "sad", "calm"])
+
+
+def test_roles_gen_constraints_and_select(backend):
+    ep, _ = backend
+    s = constrained.run(topic="radix trees", backend=ep)
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", s["code"])
+    assert isinstance(s["count"], int)
+    jsonschema.validate(json.loads(s["point"]), POINT)
+    assert s["mood"] in ("happy", "sad", "calm")
+    assert "normalized_prompt_logprobs" in s.get_meta_info("mood")
+    roles = [m["role"] for m in s.messages()]
+    assert roles == ["system", "user", "assistant"] and s.messages()[1]["content"] == "Tell me about radix trees."
+    assert "<|im_start|>user\nTell me about radix trees.<|im_end|>" in s.text()  # the model's own template
+
+
+@sgl.function
+def panel(s, question, n):
+    s += sgl.system("Shared briefing. " * 150)
+    s += sgl.user(question)
+    forks = s.fork(n)
+    forks += lambda i: sgl.assistant(f"Expert {i}: " + sgl.gen("opinion", max_tokens=6, ignore_eos=True))
+    forks.join()
+
+
+def test_fork_branches_run_together_and_compute_the_shared_prompt_once(backend):
+    ep, server = backend
+    sgl.flush_cache(ep)
+    before = server.get("/server_info")[1]["kv"]
+    s = panel.run(question="Which data structure?", n=8, backend=ep)
+    after = server.get("/server_info")[1]["kv"]
+    assert len(s["opinion"]) == 8 and all(isinstance(o, str) for o in s["opinion"])
+    prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
+    computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    assert prompt_tokens > 8 * 600  # eight branches, each sent the whole ~700-token prompt
+    assert computed < prompt_tokens / 4  # ...which the server computed once (plus short suffixes and outputs)
+
+
+def test_join_concatenates_and_errors_name_the_branch(backend):
+    ep, _ = backend
+    s = sgl.function(lambda s: None).run(backend=ep)
+    s += "Start."
+    forks = s.fork(2)
+    forks[0] += " A"
+    forks[1] += " B"
+    forks.join("concate_and_append")
+    assert s.text() == "Start. A B"
+    bad = s.fork(2)
+    bad[1] += sgl.gen("x", max_tokens=100000)
+    with pytest.raises(sgl.FrontendError, match=r"fork branch 1: gen 'x': the server answered 400: .*max_tokens|max_new_tokens"):
+        bad.join()
+
+
+def test_run_batch_runs_twenty_programs(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def tag(s, i):
+        s += f"Item {i}: " + sgl.gen("t", regex=r"[a-z]{2,4}", temperature=1.0)
+
+    states = tag.run_batch([{"i": i} for i in range(20)], backend=ep, num_threads=8, progress_bar=True)
+    assert len(states) == 20 and all(re.fullmatch(r"[a-z]{2,4}", s["t"]) for s in states)
+
+
+def test_a_server_that_is_down_is_a_clear_error_not_a_hang():
+    ep = sgl.RuntimeEndpoint("http://127.0.0.1:9", timeout=5)
+
+    @sgl.function
+    def one(s):
+        s += "Hi " + sgl.gen("a", max_tokens=2)
+
+    with pytest.raises(sgl.FrontendError, match="gen 'a': cannot reach"):
+        one.run(backend=ep)
+
+
+def test_select_picks_paris_on_smollm2(smollm2_dir, tmp_path):
+    s = ServerProcess(smollm2_dir, "--kv-cache-tokens", "4096", log=tmp_path / "server.log")
+    try:
+        @sgl.function
+        def capital(s):
+            s += sgl.user("What is the capital of France?")
+            s += sgl.assistant("The capital of France is " + sgl.select("city", ["London", "Paris", "Berlin", "Madrid"]))
+
+        assert capital.run(backend=sgl.RuntimeEndpoint(s.url))["city"] == "Paris"
+    finally:
+        assert s.stop() == 0
