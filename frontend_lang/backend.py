@@ -8,6 +8,7 @@ from typing import Any
 from frontend_lang.ir import Gen, Select
 
 _MARK = "\x00radixserve-role\x00"
+_OPEN: set[RuntimeEndpoint] = set()  # endpoints with a live session, closed at exit
 
 
 class FrontendError(RuntimeError):
@@ -19,7 +20,7 @@ class RuntimeEndpoint:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
-        self._info: dict[str, Any] | None = None
+        self._template: str | None = None
         self._roles: dict[str, tuple[str, str]] = {}
         self._session: Any = None
 
@@ -28,6 +29,7 @@ class RuntimeEndpoint:
         import aiohttp
 
         if self._session is None or self._session.closed:
+            _OPEN.add(self)
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
                                                   headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
         return self._session
@@ -53,16 +55,15 @@ class RuntimeEndpoint:
             await self._session.close()
 
     async def server_info(self) -> dict[str, Any]:
-        if self._info is None:
-            self._info = await self.request("GET", "/server_info", "get_server_info")
-        return self._info
+        return await self.request("GET", "/server_info", "get_server_info")
 
     # -- roles -------------------------------------------------------------------------------
     async def role(self, role: str) -> tuple[str, str]:
         """The text that opens and closes a message of `role`, rendered by the model's template."""
         if role not in self._roles:
-            template = (await self.server_info()).get("chat_template")
-            self._roles[role] = _role_text(template, role)
+            if self._template is None:
+                self._template = (await self.server_info()).get("chat_template") or ""
+            self._roles[role] = _role_text(self._template, role)
         return self._roles[role]
 
     # -- calls -------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ user's program is ordinary synchronous code: `s += gen(...)` returns at once, re
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +26,18 @@ def _loop() -> asyncio.AbstractEventLoop:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="frontend-lang", daemon=True).start()
             _LOOP["loop"] = loop
+            atexit.register(_close_sessions)
         return _LOOP["loop"]
+
+
+def _close_sessions() -> None:
+    from frontend_lang.backend import _OPEN
+
+    for ep in list(_OPEN):
+        try:
+            _submit(ep.close()).result(2)
+        except Exception:
+            pass
 
 
 def _submit(coro: Coroutine[Any, Any, Any]) -> Future[Any]:
