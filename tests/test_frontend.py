@@ -110,14 +110,41 @@ def test_a_server_that_is_down_is_a_clear_error_not_a_hang():
         one.run(backend=ep)
 
 
-def test_select_picks_paris_on_smollm2(smollm2_dir, tmp_path):
-    s = ServerProcess(smollm2_dir, "--kv-cache-tokens", "4096", log=tmp_path / "server.log")
-    try:
-        @sgl.function
-        def capital(s):
-            s += sgl.user("What is the capital of France?")
-            s += sgl.assistant("The capital of France is " + sgl.select("city", ["London", "Paris", "Berlin", "Madrid"]))
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir, tmp_path_factory):
+    s = ServerProcess(smollm2_dir, "--kv-cache-tokens", "16384", log=tmp_path_factory.mktemp("sm") / "server.log")
+    yield s
+    assert s.stop() == 0
 
-        assert capital.run(backend=sgl.RuntimeEndpoint(s.url))["city"] == "Paris"
-    finally:
-        assert s.stop() == 0
+
+def test_select_picks_paris_on_smollm2(smollm2_server):
+    @sgl.function
+    def capital(s):
+        s += sgl.user("What is the capital of France?")
+        s += sgl.assistant("The capital of France is " + sgl.select("city", ["London", "Paris", "Berlin", "Madrid"]))
+
+    assert capital.run(backend=sgl.RuntimeEndpoint(smollm2_server.url))["city"] == "Paris"
+
+
+def _example(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "agents" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_expert_panel_runs_and_hits_the_cache(smollm2_server):
+    out = _example("expert_panel").main(smollm2_server.url, experts=3)
+    assert out["verdict"]["choice"] in ("A", "B", "C")
+    assert out["cached_prompt_tokens"] > out["prompt_tokens"] / 2  # the briefing was computed once
+
+
+def test_example_extract_records_validates_every_record(smollm2_server):
+    example = _example("extract_records")
+    records = example.main(smollm2_server.url)  # it asserts that every record validates
+    assert len(records) == 10
+    assert sum(r["name"] == name for r, (name, _, _) in zip(records, example.PEOPLE)) >= 8  # SmolLM2 reads the names
