@@ -72,6 +72,7 @@ class ProgramState:
         self.meta: dict[str, Any] = {}
         self._messages = list(messages or [])
         self._role: tuple[str, int] | None = None  # (role, where its content starts)
+        self.assigned: set[str] = set()  # variables this state set itself (a fork's join gathers these)
         self._tail: Future[Any] | None = None
 
     # -- appending -----------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class ProgramState:
         if name is not None:
             self.variables[name] = value
             self.meta[name] = meta
+            self.assigned.add(name)
 
     # -- reading -------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -186,7 +188,6 @@ class ForkGroup:
         self.parent = parent
         self.branches = branches
         self._start = len(parent._text)
-        self._before = set(parent.variables)
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.branches[i]
@@ -217,7 +218,7 @@ class ForkGroup:
             except Exception as e:
                 raise FrontendError(f"fork branch {i}: {e}") from e
         if mode == "gather_variable":
-            names = {k for b in self.branches for k in b.variables} - self._before
+            names = {k for b in self.branches for k in b.assigned}
             for k in sorted(names):
                 self.parent.variables[k] = [b.variables.get(k) for b in self.branches]
         elif mode == "concate_and_append":

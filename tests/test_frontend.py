@@ -148,3 +148,31 @@ def test_example_extract_records_validates_every_record(smollm2_server):
     records = example.main(smollm2_server.url)  # it asserts that every record validates
     assert len(records) == 10
     assert sum(r["name"] == name for r, (name, _, _) in zip(records, example.PEOPLE)) >= 8  # SmolLM2 reads the names
+
+
+def test_example_react_tools_runs_its_loop_with_real_tools(smollm2_server):
+    example = _example("react_tools")
+    assert example.calculator("17 * 23") == "391" and example.calculator("__import__('os')").startswith("error")
+    assert "330 metres" in example.search("Eiffel tower")
+    out = example.main(smollm2_server.url)
+    for action, args in out["steps"]:
+        assert action in ("calculator", "search", "answer")
+        if action != "answer":
+            jsonschema.validate(json.loads(args), example.ARGS[action])
+    assert isinstance(out["answer"], str)
+
+
+def test_example_tree_of_thought_picks_one_candidate_per_depth(smollm2_server):
+    path = _example("tree_of_thought").main(smollm2_server.url)
+    assert len(path) == 2 and all(isinstance(p, str) for p in path)
+
+
+def test_join_gathers_variables_a_second_fork_sets_again(backend):
+    ep, _ = backend
+    s = sgl.function(lambda s: None).run(backend=ep)
+    s += "x"
+    for n in (2, 3):  # the second join replaces the first one's list
+        forks = s.fork(n)
+        forks += sgl.gen("v", max_tokens=2, ignore_eos=True)
+        forks.join()
+        assert len(s["v"]) == n
