@@ -140,7 +140,7 @@ def _example(name: str):
 def test_example_expert_panel_runs_and_hits_the_cache(smollm2_server):
     out = _example("expert_panel").main(smollm2_server.url, experts=3)
     assert out["verdict"]["choice"] in ("A", "B", "C")
-    assert out["cached_prompt_tokens"] > out["prompt_tokens"] / 2  # the briefing was computed once
+    assert out["cached_prompt_tokens"] > out["prompt_tokens"] / 2, out  # the briefing was computed once
 
 
 def test_example_extract_records_validates_every_record(smollm2_server):

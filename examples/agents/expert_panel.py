@@ -35,7 +35,7 @@ def panel(s, question: str, experts: int):
     forks.join()
     summary = "\n".join(f"Expert {i + 1}: {o.strip()}" for i, o in enumerate(s["opinion"]))
     s += sgl.user("The experts said:\n" + summary + "\nAs the judge, give the verdict as JSON.")
-    s += sgl.assistant(sgl.gen("verdict", json_schema=VERDICT, max_tokens=120, temperature=0.0))
+    s += sgl.assistant(sgl.gen("verdict", json_schema=VERDICT, max_tokens=256, temperature=0.0))  # room for any reason
 
 
 def main(url: str, experts: int = 4) -> dict:
