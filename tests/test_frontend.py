@@ -22,8 +22,8 @@ def backend(tiny_llama, tmp_path_factory):
     assert s.stop() == 0
 
 
-POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"],
-         "additionalProperties": False}
+COORD = {"type": "integer", "minimum": -999, "maximum": 999}  # bounded: a random model's output always fits max_tokens
+POINT = {"type": "object", "properties": {"x": COORD, "y": COORD}, "required": ["x", "y"], "additionalProperties": False}
 
 
 @sgl.function
@@ -33,7 +33,7 @@ def constrained(s, topic):
         s += "Tell me about " + topic + "."
     with s.assistant():
         s += "Code: " + sgl.gen("code", regex=r"[A-Z]{3}-[0-9]{2}", temperature=1.0) + "\n"
-        s += "Count: " + sgl.gen_int("count", max_tokens=8) + "\n"
+        s += "Count: " + sgl.gen_int("count", max_tokens=24) + "\n"
         s += "Point: " + sgl.gen("point", json_schema=POINT, max_tokens=60, temperature=1.0) + "\n"
         s += "Mood: " + sgl.select("mood", ["happy", "sad", "calm"])
 

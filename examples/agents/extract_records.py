@@ -29,7 +29,7 @@ DOCS = [f"{n} was born in {c} in {y}. Their work changed computing and science."
 def extract(s, doc: str):
     s += sgl.system("Extract the person's name, birth year and birth city as JSON.")
     s += sgl.user(doc)
-    s += sgl.assistant(sgl.gen("record", json_schema=RECORD, max_tokens=80, temperature=0.0))
+    s += sgl.assistant(sgl.gen("record", json_schema=RECORD, max_tokens=192, temperature=0.0))  # room for any record
 
 
 def valid(record: dict) -> bool:

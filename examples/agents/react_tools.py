@@ -71,7 +71,7 @@ def react(s, question: str, max_steps: int = 3):
         if action == "answer":
             break
         with s.assistant():
-            s += "Arguments: " + sgl.gen(f"args_{step}", json_schema=ARGS[action], max_tokens=40, temperature=0.0)
+            s += "Arguments: " + sgl.gen(f"args_{step}", json_schema=ARGS[action], max_tokens=96, temperature=0.0)
         args = json.loads(s[f"args_{step}"])
         s += sgl.user(f"Observation: {TOOLS[action](**args)}")
     with s.assistant():
