@@ -176,3 +176,23 @@ def test_join_gathers_variables_a_second_fork_sets_again(backend):
         forks += sgl.gen("v", max_tokens=2, ignore_eos=True)
         forks.join()
         assert len(s["v"]) == n
+
+
+def test_the_openai_backend_runs_gen_programs_and_refuses_what_needs_the_native_api(backend):
+    _, server = backend
+    ep = sgl.OpenAI(server.get("/v1/models")[1]["data"][0]["id"], base_url=server.url + "/v1", api_key="unused")
+
+    @sgl.function
+    def chat(s):
+        s += sgl.user("Name a colour.")
+        s += sgl.assistant(sgl.gen("colour", max_tokens=6, regex=r"[a-z]{3,5}"))
+
+    s = chat.run(backend=ep)
+    assert re.fullmatch(r"[a-z]{3,5}", s["colour"]) and "User: Name a colour.\n" in s.text()
+
+    @sgl.function
+    def pick(s):
+        s += "Pick: " + sgl.select("x", ["a", "b"])
+
+    with pytest.raises(sgl.FrontendError, match="select needs prompt logprobs from the native API"):
+        pick.run(backend=ep)
