@@ -49,7 +49,7 @@ USER = [{"role": "user", "content": "Agents call tools and read JSON."}]
 def test_openai_chat_returns_text_and_usage_with_cached_tokens(client, model):
     r = client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0)
     assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in ("stop", "length")
-    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == len(r.choices[0].message.content) or True
+    assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 8
     again = client.chat.completions.create(model=model, messages=USER, max_completion_tokens=8, temperature=0)
     assert again.choices[0].message.content == r.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1

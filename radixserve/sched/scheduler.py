@@ -103,8 +103,15 @@ class Scheduler:
     def _admit(self, plan: SchedulePlan, adder: PrefillAdder) -> None:
         """Admit waiting requests in policy order until the budget or memory runs out,
         skipping siblings that will hit a prefix being computed right now."""
-        gate = SiblingGate(self.cache, self.running)
-        for req in self.policy.order(self.waiting, self.cache.match_len):
+        hits: dict[str, int] = {}  # one prefix match per waiting request per round (nothing is inserted mid-round)
+
+        def cached_len(req: Req) -> int:
+            if req.rid not in hits:
+                hits[req.rid] = self.cache.match_len(req)
+            return hits[req.rid]
+
+        gate = SiblingGate(self.cache, self.running, cached_len)
+        for req in self.policy.order(self.waiting, cached_len):
             if gate.holds(req):
                 continue
             n = adder.admit(req)

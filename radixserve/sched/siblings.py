@@ -9,14 +9,17 @@ finishes its prompt, or is retracted, stops holding anyone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixserve.cache.prefix import common_prefix_len
 from radixserve.request import Req
 from radixserve.sched.cache_manager import CacheManager
 
 
 class SiblingGate:
-    def __init__(self, cache: CacheManager, running: list[Req]) -> None:
+    def __init__(self, cache: CacheManager, running: list[Req], cached_len: Callable[[Req], int] | None = None) -> None:
         self.cache = cache
+        self.cached_len = cached_len or cache.match_len
         shares = cache.prefix.shares  # without a prefix cache nobody can hit anything: hold no one
         self.leaders = [r for r in running if r.computed_len < r.prompt_len] if shares else []
 
@@ -30,7 +33,7 @@ class SiblingGate:
         per chunk the leader still needs for the shared part."""
         if not self.leaders:
             return False
-        cached = self.cache.match_len(req)
+        cached = self.cached_len(req)
         aligned = self.cache.prefix.aligned
         return any(aligned(self._reusable(req, leader)) > cached for leader in self.leaders)
 
