@@ -18,6 +18,7 @@ from frontend_lang.api import (
     gen,
     gen_int,
     gen_string,
+    public_prefix_end,
     select,
     system,
     system_begin,
@@ -31,7 +32,7 @@ from frontend_lang.openai_backend import OpenAI
 from frontend_lang.runtime import ProgramState, SglFunction, flush_cache, function, get_server_info, set_default_backend
 
 __all__ = [
-    "FrontendError", "OpenAI", "ProgramState", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin", "assistant_end",
-    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "select", "set_default_backend", "system",
-    "system_begin", "system_end", "user", "user_begin", "user_end",
+    "FrontendError", "OpenAI", "ProgramState", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin",
+    "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "public_prefix_end",
+    "select", "set_default_backend", "system", "system_begin", "system_end", "user", "user_begin", "user_end",
 ]

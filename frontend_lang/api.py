@@ -1,11 +1,11 @@
-"""The public primitives: gen, gen_int, gen_string, select, and the roles."""
+"""The public primitives: gen, gen_int, gen_string, select, the roles, and the public-prefix mark."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from frontend_lang.ir import ExprList, Gen, RoleBegin, RoleEnd, Select
+from frontend_lang.ir import ExprList, Gen, PublicPrefixEnd, RoleBegin, RoleEnd, Select
 
 _SAMPLING = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
              "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -52,6 +52,13 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
     if choices_method not in METHODS:
         raise ValueError(f"select {name!r}: choices_method must be one of {', '.join(METHODS)}")
     return Select(name, list(choices), temperature, choices_method)
+
+
+def public_prefix_end() -> PublicPrefixEnd:
+    """Mark the program's text so far as the public prefix: tenants that opt in (their key allows
+    the public prefix) share its KV cache; what follows stays in the caller's own namespace. Not
+    an SGLang primitive: radixserve's tenant namespaces have no SGLang counterpart."""
+    return PublicPrefixEnd()
 
 
 def _role(role: str, expr: Any) -> ExprList:

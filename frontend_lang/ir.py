@@ -1,4 +1,5 @@
-"""The expressions a program appends to its state: text, roles, gen, select (and lists of them)."""
+"""The expressions a program appends to its state: text, roles, gen, select, variable scopes,
+the public-prefix mark (and lists of them)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ class RoleBegin(Expr):
 @dataclass
 class RoleEnd(Expr):
     role: str
+
+
+@dataclass
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass
+class PublicPrefixEnd(Expr):
+    """Everything before this point is the public prefix (see `frontend_lang.public_prefix_end`)."""
 
 
 @dataclass

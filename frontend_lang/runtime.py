@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from frontend_lang.backend import FrontendError, RuntimeEndpoint
-from frontend_lang.ir import ExprList, Gen, RoleBegin, RoleEnd, Select
+from frontend_lang.ir import ExprList, Gen, PublicPrefixEnd, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd
 
 _DEFAULT: dict[str, Any] = {"backend": None}
 _LOOP: dict[str, Any] = {}
@@ -63,17 +63,82 @@ def flush_cache(backend: RuntimeEndpoint | None = None) -> Any:
     return _submit(_backend(backend).request("POST", "/flush_cache", "flush_cache", {})).result()
 
 
+class _Stream:
+    """What a streaming program has appended so far, for readers on any thread or event loop:
+    (variable or None, text) chunks, a (variable, None) mark once a variable is complete, then
+    the end, with the program's error if it failed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str | None, str | None]] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def push(self, var: str | None, chunk: str | None) -> None:
+        with self._cond:
+            self.events.append((var, chunk))
+            self._wake()
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._cond:
+            self.done, self.error = True, error
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        for loop, fut in self._waiters:
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+        self._waiters.clear()
+
+    def _ready(self, seen: int) -> bool:
+        return len(self.events) > seen or self.done
+
+    def wait(self, seen: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready(seen))
+
+    async def wait_async(self, seen: int) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._ready(seen):
+                return
+            self._waiters.append((loop, fut))
+        await fut
+
+    def take(self, seen: int, var: str | None) -> tuple[list[str], int, bool]:
+        """The text chunks (of `var`, or all) after event `seen`, the new position, and whether
+        the reader is done; raises the program's error once everything before it was read."""
+        with self._cond:
+            events, done, error = self.events[seen:], self.done, self.error
+        chunks = []
+        for v, chunk in events:
+            seen += 1
+            if chunk is None:
+                if var is not None and v == var:
+                    return chunks, seen, True
+            elif chunk and (var is None or v == var):
+                chunks.append(chunk)
+        if done and error is not None:
+            raise error
+        return chunks, seen, done
+
+
 class ProgramState:
     def __init__(self, backend: RuntimeEndpoint, text: str = "", variables: dict[str, Any] | None = None,
-                 messages: list[dict[str, str]] | None = None) -> None:
+                 messages: list[dict[str, str]] | None = None, public_chars: int = 0, stream: bool = False) -> None:
         self.backend = backend
         self._text = text
         self.variables: dict[str, Any] = dict(variables or {})
         self.meta: dict[str, Any] = {}
         self._messages = list(messages or [])
         self._role: tuple[str, int] | None = None  # (role, where its content starts)
+        self._scopes: dict[str, int] = {}  # open var_scope -> where it starts
+        self._public = public_chars  # the public prefix's length in characters (0: none)
         self.assigned: set[str] = set()  # variables this state set itself (a fork's join gathers these)
         self._tail: Future[Any] | None = None
+        self._stream = _Stream() if stream else None
 
     # -- appending -----------------------------------------------------------------------------
     def __iadd__(self, expr: Any) -> ProgramState:
@@ -89,37 +154,66 @@ class ProgramState:
 
     async def _exec(self, e: Any) -> None:
         if isinstance(e, str):
-            self._text += e
+            self._emit(e)
         elif isinstance(e, ExprList):
             for item in e.items:
                 await self._exec(item)
         elif isinstance(e, RoleBegin):
             begin, _ = await self.backend.role(e.role)
-            self._text += begin
+            self._emit(begin)
             self._role = (e.role, len(self._text))
         elif isinstance(e, RoleEnd):
             _, end = await self.backend.role(e.role)
             start = self._role[1] if self._role else len(self._text)
             self._messages.append({"role": e.role, "content": self._text[start:]})
-            self._text += end
+            self._emit(end)
             self._role = None
         elif isinstance(e, Gen):
-            what = f"gen {e.name!r}" if e.name else "gen"
-            text, meta = await self.backend.generate(self._text, e, what)
-            self._text += text
-            self._set(e.name, int(text) if e.dtype is int else text, meta)
+            await self._gen(e)
         elif isinstance(e, Select):
-            choice, meta = await self.backend.select(self._text, e, f"select {e.name!r}")
-            self._text += choice
+            choice, meta = await self.backend.select(self._text, e, f"select {e.name!r}", self._public)
+            self._emit(choice, e.name)
             self._set(e.name, choice, meta)
+        elif isinstance(e, VarScopeBegin):
+            self._scopes[e.name] = len(self._text)
+        elif isinstance(e, VarScopeEnd):
+            self._set(e.name, self._text[self._scopes.pop(e.name):], {})
+        elif isinstance(e, PublicPrefixEnd):
+            self._public = len(self._text)
         else:
             raise FrontendError(f"cannot append {type(e).__name__} to a program state")
+
+    async def _gen(self, e: Gen) -> None:
+        what = f"gen {e.name!r}" if e.name else "gen"
+        if self._stream is None:
+            text, meta = await self.backend.generate(self._text, e, what, self._public)
+            self._emit(text)
+        else:
+            prompt, text, meta = self._text, "", {}
+            async for delta, latest in self.backend.generate_stream(prompt, e, what, self._public):
+                text, meta = text + delta, latest
+                self._emit(delta, e.name)
+        if e.dtype is int:
+            try:
+                value: Any = int(text)
+            except ValueError:
+                raise FrontendError(f"{what}: dtype=int but the model wrote {text!r}") from None
+        else:
+            value = text
+        self._set(e.name, value, meta)
+
+    def _emit(self, text: str, var: str | None = None) -> None:
+        self._text += text
+        if self._stream is not None and text:
+            self._stream.push(var, text)
 
     def _set(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
         if name is not None:
             self.variables[name] = value
             self.meta[name] = meta
             self.assigned.add(name)
+            if self._stream is not None:
+                self._stream.push(name, None)
 
     # -- reading -------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -148,6 +242,56 @@ class ProgramState:
         self.sync()
         return self.meta[name]
 
+    # -- streaming (a state from `run(..., stream=True)`) ----------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """The program's text (or variable `var_name`'s) as it is generated. Without streaming:
+        the whole text (or value) once it is there."""
+        if self._stream is None:
+            yield self.text() if var_name is None else str(self[var_name])
+            return
+        seen, over = 0, False
+        while not over:
+            self._stream.wait(seen)
+            chunks, seen, over = self._stream.take(seen, var_name)
+            yield from chunks
+
+    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        """text_iter for asyncio code: waiting never blocks the caller's event loop."""
+        if self._stream is None:
+            await asyncio.wrap_future(_submit(self._drained()))
+            yield self._text if var_name is None else str(self[var_name])
+            return
+        seen, over = 0, False
+        while not over:
+            await self._stream.wait_async(seen)
+            chunks, seen, over = self._stream.take(seen, var_name)
+            for c in chunks:
+                yield c
+
+    async def _drained(self) -> None:
+        if self._tail is not None:
+            await asyncio.wrap_future(self._tail)
+
+    def _end_stream(self, error: BaseException | None = None) -> None:
+        """After every append so far: mark the stream finished (with the first failure)."""
+        stream, prev = self._stream, self._tail
+        assert stream is not None
+
+        async def end() -> None:
+            err = error
+            if prev is not None and err is None:
+                try:
+                    await asyncio.wrap_future(prev)
+                except Exception as e:
+                    err = e
+            stream.finish(err)
+
+        _submit(end())
+
+    def var_scope(self, name: str) -> _VarScope:
+        """`with s.var_scope("x"): s += ...`: variable x is the text the block appends."""
+        return _VarScope(self, name)
+
     # -- roles ---------------------------------------------------------------------------------
     def system(self, expr: Any = None) -> _RoleContext:
         return _RoleContext(self, "system", expr)
@@ -161,7 +305,8 @@ class ProgramState:
     # -- forks ---------------------------------------------------------------------------------
     def fork(self, n: int) -> ForkGroup:
         self.sync()
-        return ForkGroup(self, [ProgramState(self.backend, self._text, self.variables, self._messages) for _ in range(n)])
+        return ForkGroup(self, [ProgramState(self.backend, self._text, self.variables, self._messages, self._public)
+                                for _ in range(n)])
 
     def copy(self) -> ProgramState:
         return self.fork(1)[0]
@@ -181,6 +326,18 @@ class _RoleContext:
 
     def __exit__(self, *exc: object) -> None:
         self.state += RoleEnd(self.role)
+
+
+class _VarScope:
+    def __init__(self, state: ProgramState, name: str) -> None:
+        self.state, self.name = state, name
+
+    def __enter__(self) -> ProgramState:
+        self.state += VarScopeBegin(self.name)
+        return self.state
+
+    def __exit__(self, *exc: object) -> None:
+        self.state += VarScopeEnd(self.name)
 
 
 class ForkGroup:
@@ -235,10 +392,20 @@ class SglFunction:
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
 
-    def run(self, *args: Any, backend: RuntimeEndpoint | None = None, **kwargs: Any) -> ProgramState:
-        s = ProgramState(_backend(backend))
-        self.func(s, *args, **kwargs)
-        s.sync()
+    def run(self, *args: Any, backend: RuntimeEndpoint | None = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+        """Run the program. With stream=True it returns as soon as the program's body has
+        queued its appends; read the output as it comes with `text_iter` / `text_async_iter`."""
+        s = ProgramState(_backend(backend), stream=stream)
+        if not stream:
+            self.func(s, *args, **kwargs)
+            s.sync()
+            return s
+        try:
+            self.func(s, *args, **kwargs)
+        except BaseException as e:
+            s._end_stream(e)
+            raise
+        s._end_stream()
         return s
 
     def run_batch(self, batch_kwargs: list[dict[str, Any]], backend: RuntimeEndpoint | None = None,

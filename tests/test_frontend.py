@@ -196,3 +196,90 @@ def test_the_openai_backend_runs_gen_programs_and_refuses_what_needs_the_native_
 
     with pytest.raises(sgl.FrontendError, match="select needs prompt logprobs from the native API"):
         pick.run(backend=ep)
+
+
+@sgl.function
+def two_parts(s):
+    s += sgl.user("Say something.")
+    s += sgl.assistant(sgl.gen("a", max_tokens=8, ignore_eos=True, temperature=1.0))
+    s += "Then: " + sgl.gen("b", max_tokens=6, ignore_eos=True, temperature=1.0)
+
+
+def test_streaming_yields_the_text_as_it_is_generated(backend):
+    ep, _ = backend
+    s = two_parts.run(backend=ep, stream=True)
+    whole = list(s.text_iter())
+    only_b = list(s.text_iter("b"))
+    assert "".join(whole) == s.text() and s.text().startswith("<|im_start|>user\nSay something.")
+    assert "".join(only_b) == s["b"] and len(only_b) > 1  # several chunks: one per streamed token or so
+    assert "".join(s.text_iter("a")) == s["a"]
+
+    async def read() -> tuple[str, str]:
+        t = two_parts.run(backend=ep, stream=True)
+        whole = "".join([c async for c in t.text_async_iter()])
+        return whole, "".join([c async for c in t.text_async_iter("a")])
+
+    import asyncio
+
+    whole, a = asyncio.run(read())
+    assert whole.endswith(a + "<|im_end|>\nThen: " + whole.split("Then: ")[1]) and len(a) > 0
+    plain = two_parts.run(backend=ep)  # without streaming, the iterators give the whole value once
+    assert list(plain.text_iter("b")) == [plain["b"]]
+
+
+def test_a_failure_while_streaming_surfaces_in_the_reader(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def bad(s):
+        s += "Hi " + sgl.gen("ok", max_tokens=2, ignore_eos=True)
+        s += sgl.gen("huge", max_tokens=100000)
+
+    s = bad.run(backend=ep, stream=True)
+    with pytest.raises(sgl.FrontendError, match="gen 'huge': the server answered 400"):
+        "".join(s.text_iter())
+    assert len(s.variables["ok"]) > 0  # what came before the failure is kept
+
+
+def test_var_scope_captures_the_text_a_block_appends(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def scoped(s):
+        s += "Intro. "
+        with s.var_scope("middle"):
+            s += "Middle " + sgl.gen("g", max_tokens=3, ignore_eos=True)
+        s += " End."
+
+    s = scoped.run(backend=ep)
+    assert s["middle"] == "Middle " + s["g"] and s.text() == "Intro. " + s["middle"] + " End."
+
+
+def test_the_openai_backend_streams(backend):
+    _, server = backend
+    ep = sgl.OpenAI(server.get("/v1/models")[1]["data"][0]["id"], base_url=server.url + "/v1", api_key="unused")
+
+    @sgl.function
+    def one(s):
+        s += "Count: " + sgl.gen("n", max_tokens=5, ignore_eos=True)
+
+    s = one.run(backend=ep, stream=True)
+    chunks = list(s.text_iter("n"))
+    assert "".join(chunks) == s["n"] and len(chunks) > 1
+
+
+def test_example_two_tenants_shares_only_the_public_prefix(tiny_llama, tmp_path):
+    from pathlib import Path
+
+    tenants = Path(__file__).resolve().parents[1] / "examples" / "agents" / "tenants.toml"
+    server = ServerProcess(tiny_llama, "--tenants", str(tenants), "--kv-cache-tokens", "16384", log=tmp_path / "server.log")
+    try:
+        rows = _example("two_tenants").main(server.url)
+    finally:
+        assert server.stop() == 0
+    cold, again, other, public_cold, public_hit = (r["cached_tokens"] for r in rows)
+    policy = 0.9 * rows[0]["prompt_tokens"]  # the policy is all but the question's few tokens
+    assert cold == 0 and again > policy  # alice's second call reuses her policy
+    assert other == 0  # ...which bob cannot hit
+    assert public_cold < 8  # the public namespace started empty (at most a page-sized coincidence)
+    assert public_hit > policy  # bob, opting in, hits the policy alice put in the public prefix
