@@ -61,6 +61,8 @@ class CompileCache:
     def get(self, spec: GrammarSpec) -> Compiled:
         """Blocking: the compiled grammar, or GrammarError (including the timeouts)."""
         entry = self.submit(spec)
+        if entry.result.done():
+            return entry.result.result()
         try:
             start = entry.started.result(self.timeout_s)
         except FutureTimeout:
@@ -73,6 +75,8 @@ class CompileCache:
     async def get_async(self, spec: GrammarSpec) -> Compiled:
         """For event loops: waits without blocking the loop (and never cancels the shared compile)."""
         entry = self.submit(spec)
+        if entry.result.done():  # a hit: however long ago it compiled (a 0 s wait_for below would time out)
+            return entry.result.result()
         try:
             start = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.started)), self.timeout_s)
         except TimeoutError:

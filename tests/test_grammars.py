@@ -4,9 +4,11 @@ and constrained generation end to end (every finished output validates)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -211,6 +213,26 @@ def test_compile_cache_hits_caches_failures_and_times_out():
     slow.delay = 0.0
     assert cache.get(GrammarSpec("regex", "fast")) is not None  # timed from its own start, not the queue's
     slow.release.set()
+    cache.shutdown()
+
+
+def test_a_compile_cache_hit_never_times_out_however_old(monkeypatch):
+    """A hit compiled longer than timeout_s ago used to fail in get_async: its remaining time was
+    0 s and wait_for saw the wrapped (not yet copied) future as pending."""
+    import grammars.cache as gc
+
+    b = _CountingBackend()
+    cache = CompileCache(b, timeout_s=5)
+    spec, bad = GrammarSpec("regex", "a+"), GrammarSpec("regex", "bad")
+    compiled = asyncio.run(cache.get_async(spec))
+    with pytest.raises(GrammarError, match="bad on purpose"):
+        asyncio.run(cache.get_async(bad))
+    now = time.monotonic()
+    monkeypatch.setattr(gc.time, "monotonic", lambda: now + 60)  # a minute later
+    assert asyncio.run(cache.get_async(spec)) is compiled and cache.get(spec) is compiled
+    with pytest.raises(GrammarError, match="bad on purpose"):  # a cached failure stays that failure, not a timeout
+        asyncio.run(cache.get_async(bad))
+    assert b.calls == 2
     cache.shutdown()
 
 
