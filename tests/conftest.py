@@ -4,9 +4,31 @@ SmolLM2 (converted once into the radixserve cache) where output meaning matters.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Triton's own library functions (tl.max, tl.sum, ...) are built when triton is first
+    imported, compiled or interpreted by TRITON_INTERPRET at that moment, and torch imports
+    triton early (creating a module does). Without a GPU, import it with the interpreter on,
+    so the tests that switch TRITON_INTERPRET=1 on for themselves work in any order; every
+    other test still sees the variable unset (CPU dispatch takes the torch paths)."""
+    import torch
+
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+_import_triton_for_the_interpreter()
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -14,14 +14,14 @@ if TYPE_CHECKING:
 _BACKENDS = {
     "torch": "radixserve.attention.torch_flash:TorchFlashBackend",  # fused attention, shared-prefix decode
     "torch_ref": "radixserve.attention.torch_ref:TorchRefBackend",  # the simple oracle
+    "triton": "radixserve.attention.triton:TritonBackend",  # kernels/ (CUDA; CPU only under TRITON_INTERPRET=1)
 }
 CHOICES = ("auto", *_BACKENDS)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
-        # The Triton backend (CUDA) lands with the kernels; until then torch everywhere.
-        return "torch"
+        return "triton" if device.type == "cuda" else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend: {name!r} is not available; choose from: {', '.join(CHOICES)}")
     return name

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import re
 import time
 import urllib.request
@@ -159,6 +160,8 @@ def run_openai(url: str, api_key: str | None, program: str, kwargs: list[dict[st
     except ImportError:
         raise ValueError("bench agents: the baseline needs the openai package (pip install openai)") from None
     fn: Callable[..., Awaitable[None]] = {"panel": panel_openai, "react": react_openai}[program]
+    for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     async def main() -> int:
         async with AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0) as client:

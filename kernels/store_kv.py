@@ -1,0 +1,48 @@
+"""Write new K/V rows into the pool: `k_pool[slots[t]] = k[t]` (and v), for T rows.
+
+k/v are (T, kv_heads, head_dim), any strides (they are often views of a fused qkv
+projection); the pools are (num_slots, kv_heads, head_dim) with contiguous rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import built, next_pow2, use_triton
+
+
+def store_kv_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    k_pool.index_copy_(0, slots, k)
+    v_pool.index_copy_(0, slots, v)
+
+
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Dispatcher: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), torch elsewhere."""
+    if slots.numel() == 0:
+        return
+    (store_kv_triton if use_triton(k_pool) else store_kv_ref)(k_pool, v_pool, slots, k, v)
+
+
+def store_kv_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    t, heads, dim = k.shape
+    assert k_pool.stride(2) == 1 and k_pool.stride(1) == dim, "pool rows must be contiguous"
+    block = next_pow2(heads * dim)
+    kernel = built("store_kv", _build)
+    for src, dst in ((k, k_pool), (v, v_pool)):
+        kernel[(t,)](src, dst, slots, src.stride(0), src.stride(1), src.stride(2), dst.stride(0), heads * dim, dim, BLOCK=block)
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_kv_kernel(src, dst, slots, s_t, s_h, s_d, d_slot, row_len, dim, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK)
+        ok = e < row_len
+        slot = tl.load(slots + t).to(tl.int64)
+        x = tl.load(src + t.to(tl.int64) * s_t + (e // dim) * s_h + (e % dim) * s_d, mask=ok)
+        tl.store(dst + slot * d_slot + e, x, mask=ok)
+
+    return store_kv_kernel

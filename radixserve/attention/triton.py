@@ -1,0 +1,63 @@
+"""Attention through the Triton kernels of `kernels/`: each layer stores its new K/V
+(store_kv), then decode rows go through the split-KV decode kernel and prefill chunks through
+the extend kernel; both read K/V in place through per-request slot tables, so a radix-cache
+hit or a fork costs no copy. The tables are built once per batch in `prepare`.
+
+Chosen by `--attention-backend triton`, and by `auto` on CUDA. On CPU it runs only under
+TRITON_INTERPRET=1 (slowly: that is how CI tests it end to end on a tiny model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import interpreting
+from kernels.decode_attention import decode_attention_triton
+from kernels.extend_attention import extend_attention_triton
+from kernels.store_kv import store_kv_triton
+from radixserve.attention.base import AttnBackend
+from radixserve.batch import ForwardBatch, SeqView
+from radixserve.cache.pool import KVPool
+
+
+class TritonBackend(AttnBackend):
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+        if pool.k[0].device.type != "cuda" and not interpreting():
+            raise ValueError("attention_backend: triton needs a CUDA device (on CPU, set TRITON_INTERPRET=1 to run its "
+                             "kernels in the interpreter, for tests)")
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        dev = batch.input_ids.device
+        dec = [s for s in batch.seqs if s.q_len == 1]
+        ext = [s for s in batch.seqs if s.q_len > 1]
+        if dec:
+            batch.attn_meta["decode"] = (_ints([s.q_start for s in dec], dev), _table(dec, dev), _ints([s.kv_len for s in dec], dev))
+        if ext:
+            batch.attn_meta["extend"] = (_ints([s.q_start for s in ext], dev), _ints([s.q_len for s in ext], dev),
+                                         _ints([s.prefix_len for s in ext], dev), _table(ext, dev), max(s.q_len for s in ext))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        store_kv_triton(kp, vp, batch.out_slots, k, v)
+        out = torch.empty_like(q)
+        meta = batch.attn_meta
+        if "decode" in meta:
+            rows, table, lens = meta["decode"]
+            decode_attention_triton(q, kp, vp, out, rows, table, lens)
+        if "extend" in meta:
+            starts, q_lens, prefix_lens, table, longest = meta["extend"]
+            extend_attention_triton(q, kp, vp, out, starts, q_lens, prefix_lens, table, longest)
+        return out
+
+
+def _ints(xs: list[int], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True)
+
+
+def _table(seqs: list[SeqView], dev: torch.device) -> torch.Tensor:
+    """(len(seqs), longest) int32 slot table; the padding is never read (lengths bound it)."""
+    table = torch.zeros(len(seqs), max(s.kv_len for s in seqs), dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        table[i, : s.kv_len] = torch.tensor(s.slots, dtype=torch.int32)
+    return table.to(dev, non_blocking=True)
