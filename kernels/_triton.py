@@ -34,3 +34,10 @@ def built(name: str, build: Callable[[], Any]) -> Any:
 
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def precise(dtype: torch.dtype) -> bool:
+    """Whether attention kernels multiply in fp32 with IEEE products: for fp32 inputs (tensor
+    cores would round them to tf32), and under the interpreter, whose bf16 `tl.dot` is wrong.
+    On a GPU, bf16 and fp16 inputs take the tensor-core path."""
+    return dtype == torch.float32 or interpreting()

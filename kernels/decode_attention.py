@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import built, interpreting, next_pow2, use_triton
+from kernels._triton import built, interpreting, next_pow2, precise, use_triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
@@ -67,7 +67,7 @@ def decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         q, k_pool, v_pool, table, seq_lens, q_rows, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), table.stride(0),
         scale, group, dim, splits,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(dim)), PRECISE=q.dtype == torch.float32)
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(dim)), PRECISE=precise(q.dtype))
     reduce[(batch, heads)](mid_o, mid_lse, out, q_rows, out.stride(0), out.stride(1), dim, splits,
                            BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=max(16, next_pow2(dim)))
 
@@ -106,7 +106,7 @@ def _build():
             kt = tl.load(k_pool + slot[:, None] * s_ks + kh * s_kh + offs_d[None, :], mask=kv_ok, other=0.0)
             vt = tl.load(v_pool + slot[:, None] * s_vs + kh * s_vh + offs_d[None, :], mask=kv_ok, other=0.0)
             if PRECISE:
-                s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
+                s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(qv, tl.trans(kt))
             s = tl.where(n_ok[None, :], s * scale, float("-inf"))
@@ -115,7 +115,7 @@ def _build():
             alpha = tl.exp(m - m_new)
             denom = denom * alpha + tl.sum(p, 1)
             if PRECISE:
-                pv = tl.dot(p, vt, input_precision="ieee")
+                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(vt.dtype), vt)
             acc = acc * alpha[:, None] + pv

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import built, interpreting, next_pow2, use_triton
+from kernels._triton import built, interpreting, next_pow2, precise, use_triton
 
 
 def extend_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_starts: torch.Tensor,
@@ -60,7 +60,7 @@ def extend_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     kernel[grid](q, k_pool, v_pool, out, q_starts, q_lens, prefix_lens, table,
                  q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
                  out.stride(0), out.stride(1), table.stride(0), dim**-0.5 if sm_scale is None else sm_scale, group, dim,
-                 BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, next_pow2(dim)), PRECISE=q.dtype == torch.float32)
+                 BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, next_pow2(dim)), PRECISE=precise(q.dtype))
 
 
 def _build():
@@ -97,7 +97,7 @@ def _build():
             kt = tl.load(k_pool + slot[:, None] * s_ks + kh * s_kh + offs_d[None, :], mask=kv_ok, other=0.0)
             vt = tl.load(v_pool + slot[:, None] * s_vs + kh * s_vh + offs_d[None, :], mask=kv_ok, other=0.0)
             if PRECISE:
-                s = tl.dot(qv, tl.trans(kt), input_precision="ieee")
+                s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(qv, tl.trans(kt))
             visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
@@ -107,7 +107,7 @@ def _build():
             alpha = tl.exp(m - m_new)
             denom = denom * alpha + tl.sum(p, 1)
             if PRECISE:
-                pv = tl.dot(p, vt, input_precision="ieee")
+                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(vt.dtype), vt)
             acc = acc * alpha[:, None] + pv

@@ -117,3 +117,17 @@ def test_store_kv_matches_its_reference(dim):
     untouched = torch.ones(100, dtype=torch.bool)
     untouched[slots] = False
     assert got_k[untouched].isnan().all() and got_v[untouched].isnan().all()
+
+
+def test_the_gpu_check_script_runs_its_correctness_part_in_the_interpreter():
+    """scripts/gpu_check.py --smoke: every check of the GPU script at 1/64 size, fp32 and bf16,
+    in the interpreter (a script that only runs when a GPU is lent must not rot meanwhile)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["decode"], ["extend"], ["store_kv"])]
+    assert len(lines) == 28 and all(" yes" in ln for ln in lines) and sum("bfloat16" in ln for ln in lines) == 14

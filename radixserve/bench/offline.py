@@ -45,14 +45,16 @@ def bench_engine(engine: Any, prompts: list[list[int]], out_len: int) -> dict[st
     return {"requests": len(prompts), "output_tokens": n, "seconds": dt, "output_tokens_per_s": n / dt}
 
 
-def bench_hf(model_path: str, prompts: list[list[int]], out_len: int, batch: int, pad_id: int) -> dict[str, float]:
-    """Runs on a fresh thread with flush-to-zero on, as our engine thread runs, so that
-    neither side pays for denormal arithmetic the other avoids."""
+def bench_hf(model_path: str, prompts: list[list[int]], out_len: int, batch: int, pad_id: int, device: Any = "cpu",
+             dtype: Any = None) -> dict[str, float]:
+    """Hugging Face `generate` on the engine's device and dtype (default: CPU, fp32). Runs on a
+    fresh thread with flush-to-zero on, as our engine thread runs, so that neither side pays
+    for denormal arithmetic the other avoids."""
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["result"] = _bench_hf(model_path, prompts, out_len, batch, pad_id)
+            box["result"] = _bench_hf(model_path, prompts, out_len, batch, pad_id, device, dtype)
         except BaseException as e:  # re-raised on the caller's thread
             box["error"] = e
 
@@ -64,25 +66,28 @@ def bench_hf(model_path: str, prompts: list[list[int]], out_len: int, batch: int
     return box["result"]
 
 
-def _bench_hf(model_path: str, prompts: list[list[int]], out_len: int, batch: int, pad_id: int) -> dict[str, float]:
+def _bench_hf(model_path: str, prompts: list[list[int]], out_len: int, batch: int, pad_id: int, device: Any,
+              dtype: Any) -> dict[str, float]:
     import torch
 
     torch.set_flush_denormal(True)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32).to(device).eval()
     kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
+        model.generate(torch.tensor([prompts[0][:16]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
         t = time.perf_counter()
         n = 0
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
             width = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
             out = model.generate(input_ids=ids, attention_mask=mask, **kw)
             n += (out.shape[1] - width) * len(chunk)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t
     return {"requests": len(prompts), "output_tokens": n, "seconds": dt, "output_tokens_per_s": n / dt}
 
@@ -93,11 +98,11 @@ def run(args: argparse.Namespace) -> int:
     with Engine(args.model, **engine_kwargs(args)) as engine:
         prompts = make_prompts(args.num_requests, args.prompt_len, engine.vocab_size, args.seed)
         results = {"radixserve": bench_engine(engine, prompts, args.output_len)}
-        model_path, pad_id = str(engine.model_path), engine.tokenizer.pad_token_id or 0
+        model_path, pad_id, on = str(engine.model_path), engine.tokenizer.pad_token_id or 0, (engine.device, engine.dtype)
     if not args.skip_hf:
-        results["hf_static_batch"] = bench_hf(model_path, prompts, args.output_len, args.hf_batch_size, pad_id)
+        results["hf_static_batch"] = bench_hf(model_path, prompts, args.output_len, args.hf_batch_size, pad_id, *on)
         seq = prompts[: args.hf_sequential_requests]
-        results["hf_sequential"] = bench_hf(model_path, seq, args.output_len, 1, pad_id)
+        results["hf_sequential"] = bench_hf(model_path, seq, args.output_len, 1, pad_id, *on)
     print_table(results, args)
     if args.json:
         with open(args.json, "w") as f:

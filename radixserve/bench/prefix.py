@@ -139,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
             if not args.skip_multiturn:
                 results[name]["multiturn"] = bench_multiturn(engine, args)
             model_path, pad_id, page = str(engine.model_path), engine.tokenizer.pad_token_id or 0, engine.config.cache.page_size
+            on = (engine.device, engine.dtype)
     if not args.skip_hf:
-        hf = bench_hf(model_path, prompts, args.output_len, 1, pad_id)
+        hf = bench_hf(model_path, prompts, args.output_len, 1, pad_id, *on)
         n = sum(len(p) for p in prompts)
         results["hf_sequential"] = {"requests": len(prompts), "wall_s": hf["seconds"], "output_tokens": hf["output_tokens"],
                                     "prefill_tokens_computed": n, "prompt_tokens": n, "cached_prompt_tokens": 0, "hit_rate": 0.0}
