@@ -56,6 +56,8 @@ class ServerConfig:
     slo_ttft_ms: float = 2000.0  # goodput counts requests within both SLOs
     slo_tpot_ms: float = 200.0
     drain_timeout: float = 30.0  # seconds running requests may take to finish on SIGTERM
+    max_stream_backlog: int = 512  # deltas a stream may have waiting for a client that does not read; over it: abort
+    stream_write_timeout: float = 60.0  # seconds one stream write may wait on a client that does not read; then abort
 
 
 @dataclass(frozen=True)

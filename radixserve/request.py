@@ -101,6 +101,8 @@ class SamplingParams:
         _check_int(self, "min_new_tokens", lo=0)
         if self.max_new_tokens is not None:
             _check_int(self, "max_new_tokens", lo=0)
+            if self.min_new_tokens > self.max_new_tokens:
+                raise ValueError(f"min_new_tokens: {self.min_new_tokens} is more than max_new_tokens ({self.max_new_tokens})")
         _check_float(self, "temperature", lo=0.0)
         _check_float(self, "top_p", lo=0.0, lo_open=True, hi=1.0)
         _check_int(self, "top_k", lo=-1)

@@ -30,6 +30,10 @@ def _import_triton_for_the_interpreter() -> None:
 
 _import_triton_for_the_interpreter()
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", help="the full soak (2,000 requests) instead of CI's bounded one")
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paris is the capital of France, and Berlin is the capital of Germany.",

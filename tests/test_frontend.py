@@ -283,3 +283,24 @@ def test_example_two_tenants_shares_only_the_public_prefix(tiny_llama, tmp_path)
     assert other == 0  # ...which bob cannot hit
     assert public_cold < 8  # the public namespace started empty (at most a page-sized coincidence)
     assert public_hit > policy  # bob, opting in, hits the policy alice put in the public prefix
+
+
+def test_bench_agents_runs_both_versions_of_both_programs(backend, tmp_path):
+    import argparse
+
+    from radixserve.bench import agents
+
+    _, server = backend
+    p = argparse.ArgumentParser()
+    agents.add_args(p)
+    out = tmp_path / "agents.json"
+    args = p.parse_args(["--url", server.url, "--runs", "2", "--concurrency", "2", "--experts", "2", "--output-len", "4",
+                         "--steps", "1", "--briefing-repeats", "3", "--json", str(out)])
+    assert agents.run(args) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(x["program"], x["system"]) for x in points] == [
+        ("panel", "frontend_lang"), ("panel", "openai_sequential"), ("react", "frontend_lang"), ("react", "openai_sequential")]
+    assert all(x["programs"] == 2 and x["decode_tokens"] > 0 for x in points)
+    panel = points[0]
+    assert panel["cached_prompt_tokens"] > panel["prompt_tokens"] / 2  # each fork reused the briefing
+    assert agents.run_tool("calculator", "6 * 7") == "42" and agents.run_tool("calculator", "__import__('os')").startswith("error")

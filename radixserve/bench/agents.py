@@ -28,16 +28,16 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-BRIEFING = (
+BRIEFING_PART = (
     "You sit on a panel that reviews a small city's transport plan. The plan proposes three options: "
     "(A) a tram line along the river, (B) twice as many buses on the existing routes, and (C) protected "
     "bike lanes on the four main avenues. The budget covers one option. Judge each option on cost, on "
     "time to build, on how many residents it serves, and on its effect on traffic and emissions. "
-) * 10
+)
 TOPICS = ["Which option should the city fund?", "Which option helps commuters most?", "Which option is cheapest to run?",
           "Which option cuts emissions fastest?", "Which option serves the old town best?", "Which option is safest?",
           "Which option is quickest to build?", "Which option is most popular?"]
-VERDICT = {"type": "object", "properties": {"choice": {"enum": ["A", "B", "C"]}, "reason": {"type": "string", "maxLength": 80}},
+VERDICT = {"type": "object", "properties": {"choice": {"enum": ["A", "B", "C"]}, "reason": {"type": "string", "maxLength": 40}},
            "required": ["choice", "reason"], "additionalProperties": False}
 
 FACTS = {"tram": "The tram line costs 240 million and takes 5 years.", "buses": "More buses cost 30 million a year.",
@@ -63,6 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,8", help="programs in flight, a sweep")
     p.add_argument("--runs", type=int, default=8, help="programs per point")
     p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--briefing-repeats", type=int, default=10, help="length of the panel's shared briefing (~80 tokens each)")
     p.add_argument("--steps", type=int, default=2, help="ReAct tool steps before the answer")
     p.add_argument("--output-len", type=int, default=32, help="tokens per expert opinion and per final answer")
     p.add_argument("--json", default=None, help="write every point to this file")
@@ -85,8 +86,8 @@ def dsl_programs() -> dict[str, Any]:
     import frontend_lang as sgl
 
     @sgl.function
-    def panel(s, topic: str, experts: int, tokens: int):
-        s += sgl.system(BRIEFING)
+    def panel(s, briefing: str, topic: str, experts: int, tokens: int):
+        s += sgl.system(briefing)
         s += sgl.user(topic)
         forks = s.fork(experts)
         forks += lambda i: sgl.assistant(f"Expert {i + 1}: " + sgl.gen("opinion", max_tokens=tokens, ignore_eos=True,
@@ -94,7 +95,7 @@ def dsl_programs() -> dict[str, Any]:
         forks.join()
         said = "\n".join(f"Expert {i + 1}: {o.strip()}" for i, o in enumerate(s["opinion"]))
         s += sgl.user(f"The experts said:\n{said}\nAs the judge, give the verdict as JSON.")
-        s += sgl.assistant(sgl.gen("verdict", json_schema=VERDICT, max_tokens=96))
+        s += sgl.assistant(sgl.gen("verdict", json_schema=VERDICT, max_tokens=128))
         json.loads(s["verdict"])
 
     @sgl.function
@@ -123,8 +124,8 @@ def run_dsl(url: str, api_key: str | None, program: str, kwargs: list[dict[str, 
 
 
 # -- the official openai client, plain sequential calls ---------------------------------------------
-async def panel_openai(client: Any, model: str, topic: str, experts: int, tokens: int) -> None:
-    base = [{"role": "system", "content": BRIEFING}, {"role": "user", "content": topic}]
+async def panel_openai(client: Any, model: str, briefing: str, topic: str, experts: int, tokens: int) -> None:
+    base = [{"role": "system", "content": briefing}, {"role": "user", "content": topic}]
     opinions = []
     for i in range(experts):
         r = await client.chat.completions.create(
@@ -133,7 +134,7 @@ async def panel_openai(client: Any, model: str, topic: str, experts: int, tokens
         opinions.append(r.choices[0].message.content or "")
     said = "\n".join(f"Expert {i + 1}: {o.strip()}" for i, o in enumerate(opinions))
     judge = {"role": "user", "content": f"The experts said:\n{said}\nAs the judge, give the verdict as JSON."}
-    r = await client.chat.completions.create(model=model, messages=[*base, judge], max_tokens=96, temperature=0.0,
+    r = await client.chat.completions.create(model=model, messages=[*base, judge], max_tokens=128, temperature=0.0,
                                              response_format=_schema("verdict", VERDICT))
     json.loads(r.choices[0].message.content)
 
@@ -141,7 +142,7 @@ async def panel_openai(client: Any, model: str, topic: str, experts: int, tokens
 async def react_openai(client: Any, model: str, question: str, steps: int, tokens: int) -> None:
     messages = [{"role": "system", "content": REACT_SYSTEM}, {"role": "user", "content": question}]
     for _ in range(steps):
-        r = await client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0.0,
+        r = await client.chat.completions.create(model=model, messages=messages, max_tokens=128, temperature=0.0,
                                                  response_format=_schema("step", STEP))
         step = json.loads(r.choices[0].message.content)
         messages += [{"role": "assistant", "content": r.choices[0].message.content},
@@ -189,7 +190,9 @@ def _http(url: str, path: str, api_key: str | None, body: Any = None) -> Any:
 
 def program_kwargs(program: str, n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     if program == "panel":
-        return [{"topic": TOPICS[i % len(TOPICS)], "experts": args.experts, "tokens": args.output_len} for i in range(n)]
+        briefing = BRIEFING_PART * args.briefing_repeats
+        return [{"briefing": briefing, "topic": TOPICS[i % len(TOPICS)], "experts": args.experts, "tokens": args.output_len}
+                for i in range(n)]
     return [{"question": QUESTIONS[i % len(QUESTIONS)], "steps": args.steps, "tokens": args.output_len} for i in range(n)]
 
 

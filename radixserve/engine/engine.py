@@ -206,8 +206,12 @@ class Engine:
         tenant: str | None = None,
         cache_salt: str | None = None,
         public_prefix_len: int | None = None,
+        max_backlog: int | None = None,
     ) -> AsyncIterator[Delta]:
-        """Stream one request's deltas. Leaving the iteration early aborts the request."""
+        """Stream one request's deltas. Leaving the iteration early aborts the request. With
+        `max_backlog`, a consumer that lets more deltas than that pile up unread (a client that
+        stopped reading) gets the request aborted: its KV is freed, the deltas past the cap
+        are dropped, and the final delta (finish reason "abort") still arrives."""
         if isinstance(prompt, Req):
             req = prompt
         else:
@@ -216,7 +220,19 @@ class Engine:
         await self.prepare_grammar(req)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
-        self._loop.add(req, lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+        stalled = False
+
+        def put(d: Delta) -> None:  # on the event loop
+            nonlocal stalled
+            if max_backlog is not None and q.qsize() >= max_backlog and not d.finished:
+                if not stalled:
+                    stalled = True
+                    req.error = f"the client left {q.qsize()} stream chunks unread"
+                    self.abort(req.rid)
+                return
+            q.put_nowait(d)
+
+        self._loop.add(req, lambda d: loop.call_soon_threadsafe(put, d))
         finished = False
         try:
             while not finished:

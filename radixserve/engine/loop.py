@@ -120,17 +120,28 @@ class EngineLoop:
         plan = self.scheduler.schedule()
         if plan.items:
             self.steps += 1
-            try:
-                result = self.runner.run(plan, self.scheduler.cache.slots)
-            except Exception as e:
-                log.exception("forward step failed; finishing its %d requests with an error", len(plan.items))
-                for it in plan.items:
-                    it.req.error = f"internal error in the forward step: {e!r}"
-                    it.req.finish(FinishReason.ERROR)
-            else:
-                self.scheduler.process(plan, result.tokens)
-                self._post(plan, result)
+            self._run(plan)
         self._reap()
+
+    def _run(self, plan: SchedulePlan) -> None:
+        """Run one forward step. If it fails, run its requests one at a time: only a request
+        that fails alone is finished with the error, the rest of the batch goes on (rerunning a
+        request writes the same K/V to the same slots)."""
+        try:
+            result = self.runner.run(plan, self.scheduler.cache.slots)
+        except Exception as e:
+            if len(plan.items) > 1:
+                log.warning("a forward step of %d requests failed (%r); running them one at a time", len(plan.items), e)
+                for it in plan.items:
+                    self._run(SchedulePlan([it]))
+                return
+            req = plan.items[0].req
+            log.exception("the forward step of %s failed; finishing it with an error", req.rid)
+            req.error = f"internal error in the forward step: {e!r}"
+            req.finish(FinishReason.ERROR)
+        else:
+            self.scheduler.process(plan, result.tokens)
+            self._post(plan, result)
 
     def _post(self, plan: SchedulePlan, result: StepResult) -> None:
         for it, tok, lp in zip(plan.items, result.tokens, result.logprobs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -54,9 +55,20 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """The server's configuration and KV accounting. `?check_integrity=1` (admin only) also
+    checks that every KV page is free, cached or owned by exactly one request."""
     state: ServerState = request.app["state"]
-    state.authenticate(request)
+    tenant = state.authenticate(request)
     e, c = state.engine, state.config
+    extra: dict[str, Any] = {}
+    if request.query.get("check_integrity") in ("1", "true"):
+        if not tenant.admin:
+            raise ApiError(403, "check_integrity: only an admin tenant may check the KV pool", code="not_admin")
+        try:
+            await state.off_loop(e.check_integrity)
+            extra["integrity"] = "ok"
+        except Exception as err:  # the message names the broken invariant
+            extra["integrity"] = f"{type(err).__name__}: {err}"
     return _json({
         "model": state.model_name,
         "model_path": str(e.model_path),
@@ -70,6 +82,7 @@ async def server_info(request: web.Request) -> web.Response:
         "radix_cache": not e.config.cache.disable_radix_cache,
         "queued": state.admission.queued,
         "kv": e.snapshot(),
+        **extra,
     })
 
 

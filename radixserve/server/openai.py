@@ -190,7 +190,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages, tool_specs = tools.render(_messages(b), offered, getattr(state.engine.tokenizer, "chat_template", None))
     render = _render(state, messages, tool_specs)
     params = [sampling_params(b, max_tokens, i, top, b.logprobs, schema, tag) for i in range(b.n)]
-    reqs, tickets = await state.prepare(tenant, [render] * b.n, params, request_options(b))
+    opts = request_options(b)
+    if b.max_completion_tokens is not None:  # errors name the field the client sent
+        opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
+    reqs, tickets = await state.prepare(tenant, [render] * b.n, params, opts)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not b.stream or offered:  # with tools, a stream carries each choice whole at its end
         outs = await state.collect(reqs, tickets, arrival)

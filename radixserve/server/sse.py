@@ -1,7 +1,10 @@
-"""Server-sent events: `data: <json>` per chunk, `data: [DONE]` at the end."""
+"""Server-sent events: `data: <json>` per chunk, `data: [DONE]` at the end. A write that waits
+longer than the stream write timeout on a client that stopped reading counts as a vanished
+client: the handler leaves, which aborts the request and frees its KV."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -9,20 +12,28 @@ from aiohttp import web
 
 
 class SSEWriter:
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, write_timeout: float) -> None:
         self.response = response
+        self.write_timeout = write_timeout
 
     @classmethod
     async def open(cls, request: web.Request) -> SSEWriter:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        return cls(resp)
+        return cls(resp, request.app["state"].config.stream_write_timeout)
 
     async def send(self, obj: Any) -> None:
-        """Raises ConnectionResetError when the client has gone; the caller's stream then aborts."""
-        await self.response.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+        """Raises ConnectionResetError when the client has gone (or stopped reading); the
+        caller's stream then aborts."""
+        await self._write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
 
     async def done(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
+        await self._write(b"data: [DONE]\n\n")
         await self.response.write_eof()
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.response.write(data), self.write_timeout)
+        except TimeoutError:
+            raise ConnectionResetError(f"the client read nothing for {self.write_timeout:g} s") from None

@@ -130,7 +130,7 @@ class ServerState:
         ttft: float | None = None
         out: Output | None = None
         try:
-            async with aclosing(self.engine.submit(req)) as stream:
+            async with aclosing(self.engine.submit(req, max_backlog=self.config.max_stream_backlog)) as stream:
                 async for d in stream:
                     if ttft is None and (d.token_ids or d.finished):
                         ttft = time.monotonic() - arrival
