@@ -81,6 +81,8 @@ def _special_cases(s: dict[str, Any], backend: str, ptr: str) -> Iterator[tuple[
             if isinstance(s.get(k), (int, float)) and abs(s[k]) > 2**53:
                 yield f"{ptr}/{k}", f"{k} (beyond 2^53)"
     if backend == "outlines":
+        if "minLength" in s or "maxLength" in s:  # outlines-core drops a pattern or format next to a length limit
+            yield from ((f"{ptr}/{k}", k) for k in ("pattern", "format") if k in s)
         if not any(k in s for k in ("type", "$ref", "enum", "const", "anyOf")) and s:
             yield ptr or "/", "a sub-schema without type"
         if isinstance(s.get("maxLength"), int) and s["maxLength"] > 256:

@@ -32,7 +32,7 @@ _import_triton_for_the_interpreter()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--long", action="store_true", help="the full soak (2,000 requests) instead of CI's bounded one")
+    parser.addoption("--long", action="store_true", help="the full soak (3,000 requests) instead of CI's bounded one (600)")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

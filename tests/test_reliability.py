@@ -102,6 +102,8 @@ BAD = [
         ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, 400, "temperature"),
         ("/generate", {"text": ["a", 5]}, 400, "text"),
+        ("/generate", {"text": []}, 400, "text: a batch of prompts must not be empty"),  # found by the fuzzer (a 200 with [])
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
         ("/generate", {"text": "hi", "input_ids": [5]}, 400, "exactly one"),
         ("/generate", {"input_ids": []}, 400, "input_ids"),
         ("/generate", {"input_ids": [-1]}, 400, "input_ids"),
@@ -281,7 +283,7 @@ def test_a_mixed_soak_ends_with_no_kv_in_use_a_clean_pool_and_no_5xx(tiny_llama,
 
     import aiohttp
 
-    n = 2000 if request.config.getoption("--long") else 240
+    n = 3000 if request.config.getoption("--long") else 600
     (tmp_path / "tenants.toml").write_text(
         '[[tenants]]\nid = "alice"\napi_key = "key-alice"\nadmin = true\nallow_public_prefix = true\n\n'
         '[[tenants]]\nid = "bob"\napi_key = "key-bob"\nallow_public_prefix = true\n')
@@ -319,12 +321,6 @@ def test_a_mixed_soak_ends_with_no_kv_in_use_a_clean_pool_and_no_5xx(tiny_llama,
 
 
 # -- fuzzing -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def api_schema(server):
-    return schemathesis.openapi.from_url(server.url + "/openapi.json")
-
-
-api = schemathesis.pytest.from_fixture("api_schema")
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens")
 
 
@@ -343,12 +339,30 @@ def _bounded(body):
             _bounded(v)
 
 
-@api.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-def test_fuzzing_the_api_finds_no_5xx_and_no_reply_off_its_schema(case):
-    if case.body is not None and not isinstance(case.body, (bytes, str)):
-        _bounded(case.body)
-    case.call_and_validate(checks=[not_a_server_error, response_schema_conformance])
+def test_fuzzing_the_api_from_its_openapi_schema_finds_no_5xx_and_no_reply_off_its_schema(server):
+    """schemathesis draws requests from /openapi.json (50 per operation); every reply must be
+    a non-5xx that conforms to the schema. (Its pytest plugin does not run on pytest 9, so the
+    cases are drawn with hypothesis here.)"""
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in ops} >= {"/generate", "/v1/chat/completions", "/v1/completions"}
+    codes: dict[int, int] = {}
+    for op in ops:
+        _fuzz(op, codes)
+    assert sum(codes.values()) >= 100 and codes.get(200, 0) > 0, codes
+
+
+def _fuzz(op, codes: dict[int, int]) -> None:
+    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(data=st.data())
+    def fuzz(data):
+        case = data.draw(op.as_strategy())
+        if isinstance(case.body, (dict, list)):
+            _bounded(case.body)
+        r = case.call_and_validate(checks=[not_a_server_error, response_schema_conformance])
+        codes[r.status_code] = codes.get(r.status_code, 0) + 1
+
+    fuzz()
 
 
 def _schemas():
@@ -370,7 +384,11 @@ def _schemas():
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_fuzzing_random_schemas_through_the_sampler_finds_no_invalid_finished_output(tiny_engine, schema, seed):
     params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=400, json_schema=json.dumps(schema))
-    out = tiny_engine.generate([[5, 6, 7, 8]], params)[0]
+    try:
+        out = tiny_engine.generate([[5, 6, 7, 8]], params)[0]
+    except ValueError as e:  # strict: a schema no backend enforces whole is refused, naming the keyword
+        assert "cannot be enforced" in str(e), e
+        return
     assert out.finish_reason in ("stop", "length"), out
     if out.finish_reason == "stop":
         jsonschema.validate(json.loads(out.text), schema)

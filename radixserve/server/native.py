@@ -22,8 +22,12 @@ def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:
     """The prompts and whether the request was a batch."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "text, input_ids: give exactly one of them", param="text")
+    if isinstance(body.text, str):
+        return [body.text], False
     if body.text is not None:
-        return ([body.text], False) if isinstance(body.text, str) else (list(body.text), True)
+        if not body.text:
+            raise ApiError(400, "text: a batch of prompts must not be empty", param="text")
+        return list(body.text), True
     return prompt_batch(body.input_ids or [], "input_ids", texts_ok=False)
 
 

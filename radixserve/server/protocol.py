@@ -312,8 +312,8 @@ REQUEST_TYPES: dict[str, type] = {
     "/v1/completions": CompletionRequest,
     "/abort_request": AbortRequest,
 }
-RESPONSE_TYPES: dict[str, type] = {
-    "/generate": GenerateResponse,
+RESPONSE_TYPES: dict[str, Any] = {
+    "/generate": GenerateResponse | list[GenerateResponse],  # a batch of prompts gets a list
     "/v1/chat/completions": ChatCompletionResponse,
     "/v1/completions": CompletionResponse,
     "/v1/models": ModelList,
