@@ -443,3 +443,30 @@ def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_
         sock.close()
     finally:
         assert server.stop() == 0
+
+
+# -- overload and isolation benchmark (its mechanics; the numbers are in the README) ---------------
+def test_bench_reliability_rejects_the_burst_excess_and_shows_no_cross_tenant_hit(tiny_llama, tmp_path):
+    import argparse
+    from pathlib import Path
+
+    from radixserve.bench import reliability
+
+    tenants = Path(__file__).resolve().parents[1] / "examples" / "agents" / "tenants.toml"
+    server = ServerProcess(tiny_llama, "--tenants", str(tenants), "--max-queued-requests", "8", "--kv-cache-tokens", "8192",
+                           log=tmp_path / "server.log")
+    try:
+        p = argparse.ArgumentParser()
+        reliability.add_args(p)
+        out = tmp_path / "rel.json"
+        args = p.parse_args(["--url", server.url, "--keys", "sk-alice-example,sk-bob-example", "--burst-factor", "4",
+                             "--trials", "2", "--prompt-words", "150", "--json", str(out)])
+        assert reliability.run(args) == 0
+    finally:
+        assert server.stop() == 0
+    data = json.loads(out.read_text())
+    o = data["overload"]
+    assert o["sent"] == 32 and o["accepted"] + o["rejected"] == 32 and o["rejected"] >= 24 and not o["other_statuses"]
+    iso = data["isolation"]
+    assert iso["A hit (same tenant)"]["cached_tokens_median"] > 100
+    assert iso["B, A's prompt (other tenant)"]["cached_tokens_median"] <= 8  # at most the nonce's leading bracket

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -49,6 +49,7 @@ class Metrics:
         self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float
     ) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.ttft = Histogram("radixserve_time_to_first_token_seconds", "TTFT", registry=r, buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("radixserve_time_per_output_token_seconds", "TPOT", registry=r, buckets=TPOT_BUCKETS)

@@ -1,0 +1,140 @@
+"""`radixserve bench reliability --url URL --keys KEY_A,KEY_B`: overload and tenant isolation,
+measured against a running server over HTTP.
+
+- Overload: a burst of `--burst-factor` x the server's queue capacity (max_queued_requests,
+  from /server_info), all sent at once. Reports how fast the excess is rejected (p50/p99,
+  next to the same burst of no-op GET /health requests: the client's and the loop's floor),
+  how many were accepted and whether they all completed, their latency against the same
+  requests sent unloaded, and the server's resident memory before and after (from /metrics).
+- Isolation timing: per trial a fresh long prompt; tenant A sends it cold, then again (a
+  same-tenant hit), then tenant B sends it. B's time to first token should match A's cold
+  one (no cross-tenant hit, and nothing measurable leaks through timing) and be clearly
+  slower than A's hit. Each row reports the median and the p10-p90 spread over the trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import time
+import uuid
+from typing import Any
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:30000")
+    p.add_argument("--keys", default=None, help="two tenants' API keys, comma-separated (isolation); omit on an open server")
+    p.add_argument("--burst-factor", type=float, default=10.0)
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--prompt-words", type=int, default=1200, help="length of the isolation prompt")
+    p.add_argument("--json", default=None)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
+
+
+async def _rss_mb(session: Any, url: str, h: dict[str, str]) -> float | None:
+    async with session.get(url + "/metrics", headers=h) as r:
+        m = re.search(r"^process_resident_memory_bytes (\S+)$", await r.text(), re.M)
+        return float(m.group(1)) / 2**20 if m else None
+
+
+async def _chat(session: Any, url: str, h: dict[str, str], i: int) -> tuple[int, float]:
+    body = {"messages": [{"role": "user", "content": f"Request {i}: name three colours."}], "max_tokens": 16, "ignore_eos": True}
+    t = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body, headers=h) as r:
+        await r.read()
+        return r.status, time.perf_counter() - t
+
+
+async def _health(session: Any, url: str) -> float:
+    t = time.perf_counter()
+    async with session.get(url + "/health") as r:
+        await r.read()
+    return time.perf_counter() - t
+
+
+async def overload(session: Any, args: argparse.Namespace, h: dict[str, str]) -> dict[str, Any]:
+    async with session.get(args.url + "/server_info", headers=h) as r:
+        cap = (await r.json())["max_queued_requests"]
+    n = int(cap * args.burst_factor)
+    unloaded = [(await _chat(session, args.url, h, -i))[1] for i in range(1, 4)]
+    floor = await asyncio.gather(*(_health(session, args.url) for _ in range(n)))  # the same burst of no-op requests
+    rss0 = await _rss_mb(session, args.url, h)
+    results = await asyncio.gather(*(_chat(session, args.url, h, i) for i in range(n)))
+    rss1 = await _rss_mb(session, args.url, h)
+    rejected = [t for s, t in results if s in (429, 503)]
+    accepted = [t for s, t in results if s == 200]
+    other = sorted({s for s, _ in results} - {200, 429, 503})
+    return {"queue_capacity": cap, "sent": n, "accepted": len(accepted), "rejected": len(rejected), "other_statuses": other,
+            "reject_p50_ms": 1e3 * _pct(rejected, 0.5), "reject_p99_ms": 1e3 * _pct(rejected, 0.99),
+            "noop_burst_p50_ms": 1e3 * _pct(floor, 0.5), "noop_burst_p99_ms": 1e3 * _pct(floor, 0.99),
+            "accepted_p50_s": _pct(accepted, 0.5), "accepted_p99_s": _pct(accepted, 0.99),
+            "unloaded_s": statistics.median(unloaded), "rss_before_mb": rss0, "rss_after_mb": rss1}
+
+
+async def _ttft(session: Any, url: str, key: str | None, text: str) -> tuple[float, int]:
+    """Time to the first streamed token, and the prompt tokens served from cache."""
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    t = time.perf_counter()
+    first, cached = None, 0
+    async with session.post(url + "/generate", json=body, headers=h) as r:
+        if r.status != 200:
+            raise RuntimeError(f"isolation: /generate answered {r.status}: {await r.text()}")
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                first = first or time.perf_counter() - t
+                cached = json.loads(line[6:])["meta_info"]["cached_tokens"]
+    return first or float("nan"), cached
+
+
+async def isolation(session: Any, args: argparse.Namespace, keys: list[str | None]) -> dict[str, Any]:
+    a, b = keys
+    rows: dict[str, list[tuple[float, int]]] = {"A cold": [], "A hit (same tenant)": [], "B, A's prompt (other tenant)": []}
+    words = ("the quick brown fox jumps over the lazy dog while agents call tools and read json " * 200).split()
+    for _ in range(args.trials):
+        prompt = f"[{uuid.uuid4().hex}] " + " ".join(words[: args.prompt_words])
+        rows["A cold"].append(await _ttft(session, args.url, a, prompt + " Question one?"))
+        rows["A hit (same tenant)"].append(await _ttft(session, args.url, a, prompt + " Question two?"))
+        rows["B, A's prompt (other tenant)"].append(await _ttft(session, args.url, b, prompt + " Question two?"))
+    return {name: {"ttft_p50_ms": 1e3 * _pct([t for t, _ in r], 0.5), "ttft_p10_ms": 1e3 * _pct([t for t, _ in r], 0.1),
+                   "ttft_p90_ms": 1e3 * _pct([t for t, _ in r], 0.9), "cached_tokens_median": statistics.median(c for _, c in r)}
+            for name, r in rows.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    keys: list[str | None] = args.keys.split(",") if args.keys else [None, None]
+    if len(keys) != 2:
+        raise ValueError("keys: give two API keys, comma-separated")
+
+    async def main() -> dict[str, Any]:
+        h = {"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
+        conn = aiohttp.TCPConnector(limit=0)  # the whole burst at once, not 100 connections at a time
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
+            return {"overload": await overload(session, args, h), "isolation": await isolation(session, args, keys)}
+
+    out = asyncio.run(main())
+    o = out["overload"]
+    print(f"overload: {o['sent']} requests at once against a queue of {o['queue_capacity']}: {o['accepted']} accepted "
+          f"(all completed: {not o['other_statuses']}), {o['rejected']} rejected in p50 {o['reject_p50_ms']:.1f} ms / "
+          f"p99 {o['reject_p99_ms']:.1f} ms (the same burst of GET /health: p50 {o['noop_burst_p50_ms']:.1f} ms / "
+          f"p99 {o['noop_burst_p99_ms']:.1f} ms)")
+    print(f"  accepted latency p50 {o['accepted_p50_s']:.2f} s, p99 {o['accepted_p99_s']:.2f} s (unloaded {o['unloaded_s']:.2f} s); "
+          f"server RSS {o['rss_before_mb']:.0f} -> {o['rss_after_mb']:.0f} MiB")
+    if keys[0] is None:
+        print("isolation: an open server has one tenant; the rows below compare the same tenant")
+    print(f"{'isolation (TTFT over ' + str(args.trials) + ' trials)':<34}{'p50 ms':>9}{'p10 ms':>9}{'p90 ms':>9}{'cached':>8}")
+    for name, r in out["isolation"].items():
+        print(f"{name:<34}{r['ttft_p50_ms']:>9.1f}{r['ttft_p10_ms']:>9.1f}{r['ttft_p90_ms']:>9.1f}{r['cached_tokens_median']:>8.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **out}, f, indent=1)
+    return 0
