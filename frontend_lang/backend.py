@@ -80,6 +80,7 @@ class RuntimeEndpoint:
                 if data == b"[DONE]":
                     return
                 yield json.loads(data)
+        raise FrontendError(f"{what}: the stream from {self.base_url + path} ended before [DONE] (cut off)")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -65,19 +65,20 @@ def flush_cache(backend: RuntimeEndpoint | None = None) -> Any:
 
 class _Stream:
     """What a streaming program has appended so far, for readers on any thread or event loop:
-    (variable or None, text) chunks, a (variable, None) mark once a variable is complete, then
+    text chunks tagged with the variables they belong to (the gen that wrote them, and every
+    open var_scope), a (variable,) end mark with no text once a variable is complete, then
     the end, with the program's error if it failed."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[str | None, str | None]] = []
+        self.events: list[tuple[tuple[str, ...], str | None]] = []
         self.done = False
         self.error: BaseException | None = None
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
-    def push(self, var: str | None, chunk: str | None) -> None:
+    def push(self, tags: tuple[str, ...], chunk: str | None) -> None:
         with self._cond:
-            self.events.append((var, chunk))
+            self.events.append((tags, chunk))
             self._wake()
 
     def finish(self, error: BaseException | None) -> None:
@@ -88,7 +89,10 @@ class _Stream:
     def _wake(self) -> None:
         self._cond.notify_all()
         for loop, fut in self._waiters:
-            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+            try:
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+            except RuntimeError:  # that reader's event loop is closed: nobody to wake
+                pass
         self._waiters.clear()
 
     def _ready(self, seen: int) -> bool:
@@ -101,26 +105,34 @@ class _Stream:
     async def wait_async(self, seen: int) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
+        waiter = (loop, fut)
         with self._cond:
             if self._ready(seen):
                 return
-            self._waiters.append((loop, fut))
-        await fut
+            self._waiters.append(waiter)
+        try:
+            await fut
+        finally:  # a cancelled reader leaves no waiter behind
+            with self._cond:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
 
     def take(self, seen: int, var: str | None) -> tuple[list[str], int, bool]:
         """The text chunks (of `var`, or all) after event `seen`, the new position, and whether
-        the reader is done; raises the program's error once everything before it was read."""
+        the reader is done; the program's error is raised once everything before it was read."""
         with self._cond:
             events, done, error = self.events[seen:], self.done, self.error
         chunks = []
-        for v, chunk in events:
+        for tags, chunk in events:
             seen += 1
             if chunk is None:
-                if var is not None and v == var:
+                if var is not None and tags == (var,):
                     return chunks, seen, True
-            elif chunk and (var is None or v == var):
+            elif chunk and (var is None or var in tags):
                 chunks.append(chunk)
         if done and error is not None:
+            if chunks:
+                return chunks, seen, False  # hand these out first; the error comes on the next read
             raise error
         return chunks, seen, done
 
@@ -205,7 +217,7 @@ class ProgramState:
     def _emit(self, text: str, var: str | None = None) -> None:
         self._text += text
         if self._stream is not None and text:
-            self._stream.push(var, text)
+            self._stream.push(tuple(n for n in (var, *self._scopes) if n is not None), text)
 
     def _set(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
         if name is not None:
@@ -213,7 +225,7 @@ class ProgramState:
             self.meta[name] = meta
             self.assigned.add(name)
             if self._stream is not None:
-                self._stream.push(name, None)
+                self._stream.push((name,), None)
 
     # -- reading -------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -279,12 +291,13 @@ class ProgramState:
 
         async def end() -> None:
             err = error
-            if prev is not None and err is None:
-                try:
+            try:
+                if prev is not None and err is None:
                     await asyncio.wrap_future(prev)
-                except Exception as e:
-                    err = e
-            stream.finish(err)
+            except BaseException as e:  # a cancelled step too: the readers must still see the end
+                err = e
+            finally:
+                stream.finish(err)
 
         _submit(end())
 

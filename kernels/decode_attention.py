@@ -56,7 +56,7 @@ def decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
-    assert q.stride(2) == 1 and out.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and table.stride(1) == 1
     block_n = 64 if not interpreting() else 32
     splits = splits or num_splits(batch * kv_heads, width, block_n)
     mid_o = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)

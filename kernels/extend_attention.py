@@ -53,7 +53,7 @@ def extend_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                             sm_scale: float | None = None) -> None:
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k_pool.shape[1]
-    assert q.stride(2) == 1 and out.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and table.stride(1) == 1
     block = 32 if interpreting() or dim > 128 else 64
     kernel = built("extend_attention", _build)
     grid = (table.shape[0], heads, -(-max_q_len // block))

@@ -253,6 +253,9 @@ def test_var_scope_captures_the_text_a_block_appends(backend):
 
     s = scoped.run(backend=ep)
     assert s["middle"] == "Middle " + s["g"] and s.text() == "Intro. " + s["middle"] + " End."
+    streamed = scoped.run(backend=ep, stream=True)
+    assert "".join(streamed.text_iter("middle")) == streamed["middle"]  # a scope streams too
+    assert "".join(streamed.text_iter()) == streamed.text()  # ...and its text only once in the whole
 
 
 def test_the_openai_backend_streams(backend):

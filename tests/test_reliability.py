@@ -210,6 +210,24 @@ def test_a_detokenizer_failure_fails_only_its_request(tiny_engine, monkeypatch):
     assert_no_leak(tiny_engine)
 
 
+# -- memory pressure -----------------------------------------------------------------------------
+def test_many_long_requests_on_a_small_pool_finish_with_their_solo_outputs_and_an_impossible_one_is_refused(tiny_llama):
+    from radixserve import Engine
+
+    prompts = [p + p for p in _prompts(10, seed=3)]  # 10..180 tokens each
+    params = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+    with Engine(str(tiny_llama), kv_cache_tokens=8192) as big:
+        solo = [big.generate([p], params)[0].token_ids for p in prompts]
+    need = sum(len(p) for p in prompts) + 60 * len(prompts)
+    with Engine(str(tiny_llama), kv_cache_tokens=need // 3, chunked_prefill_size=64) as small:
+        with pytest.raises(ValueError, match="exceeds the whole KV pool"):  # up front, not a deadlock later
+            small.generate([[5] * 390], SamplingParams(max_new_tokens=need // 3))
+        outs = small.generate(prompts, params)  # together they need 3x the pool: retraction and re-admission
+        assert [o.token_ids for o in outs] == solo
+        assert small.stats()["retractions"] > 0
+        assert_no_leak(small)
+
+
 # -- soak ----------------------------------------------------------------------------------------
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99}}, "required": ["x"],
          "additionalProperties": False}
@@ -312,7 +330,9 @@ def test_a_mixed_soak_ends_with_no_kv_in_use_a_clean_pool_and_no_5xx(tiny_llama,
         after = _rss_mb(server.proc.pid)
     finally:
         code = server.stop()
-    assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
+    log = (tmp_path / "server.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "key-alice" not in log and "key-bob" not in log and "Question 1" not in log  # no keys, no request bodies
     assert sum(statuses.values()) == n and all(s < 500 for s in statuses), statuses
     assert statuses[400] > 0 and statuses[200] > n / 2, statuses
     assert info["integrity"] == "ok" and kv["kv_in_use_slots"] == 0, (info, kv)
@@ -401,10 +421,11 @@ def test_a_consumer_that_stops_reading_gets_its_request_aborted_and_its_kv_freed
 
     async def main() -> list:
         params = SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True)
+        finished = tiny_engine.stats()["finished"]
         stream = tiny_engine.submit([5, 6, 7], params, max_backlog=8)
         await anext(stream)
         deadline = time.monotonic() + 60
-        while tiny_engine.snapshot()["running"] and time.monotonic() < deadline:  # not reading meanwhile
+        while tiny_engine.snapshot()["finished"] == finished and time.monotonic() < deadline:  # not reading meanwhile
             await asyncio.sleep(0.02)
         return [d async for d in stream]
 
@@ -415,14 +436,15 @@ def test_a_consumer_that_stops_reading_gets_its_request_aborted_and_its_kv_freed
     assert_no_leak(tiny_engine)
 
 
-def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_llama, tmp_path):
-    """A raw socket with a tiny receive window that never reads: the stream's backlog or its
-    write timeout aborts the request; its KV is freed and the server goes on."""
+@pytest.mark.parametrize(("backlog", "write_timeout"), [(16, 600), (100000, 2)])
+def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_llama, tmp_path, backlog, write_timeout):
+    """A raw socket with a tiny receive window that never reads: the stream's backlog (first
+    case) or its write timeout (second) aborts the request; its KV is freed, the server goes on."""
     import socket
     import time
 
-    server = ServerProcess(tiny_llama, "--kv-cache-tokens", "4096", "--max-stream-backlog", "16", "--stream-write-timeout", "2",
-                           log=tmp_path / "server.log")
+    server = ServerProcess(tiny_llama, "--kv-cache-tokens", "4096", "--max-stream-backlog", str(backlog),
+                           "--stream-write-timeout", str(write_timeout), log=tmp_path / "server.log")
     try:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)

@@ -126,7 +126,8 @@ class EngineLoop:
     def _run(self, plan: SchedulePlan) -> None:
         """Run one forward step. If it fails, run its requests one at a time: only a request
         that fails alone is finished with the error, the rest of the batch goes on (rerunning a
-        request writes the same K/V to the same slots)."""
+        request writes the same K/V to the same slots). A failure after sampling has advanced
+        seeded generators: a seeded request rerun this way may then sample differently."""
         try:
             result = self.runner.run(plan, self.scheduler.cache.slots)
         except Exception as e:

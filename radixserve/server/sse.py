@@ -30,10 +30,13 @@ class SSEWriter:
 
     async def done(self) -> None:
         await self._write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+        await self._bounded(self.response.write_eof())
 
     async def _write(self, data: bytes) -> None:
+        await self._bounded(self.response.write(data))
+
+    async def _bounded(self, write: Any) -> None:
         try:
-            await asyncio.wait_for(self.response.write(data), self.write_timeout)
+            await asyncio.wait_for(write, self.write_timeout)
         except TimeoutError:
             raise ConnectionResetError(f"the client read nothing for {self.write_timeout:g} s") from None

@@ -162,15 +162,20 @@ class ServerState:
                 task.cancel()
 
     async def merged(self, reqs: list[Req], tickets: list[Ticket], arrival: float) -> AsyncIterator[tuple[int, Delta]]:
-        """Deltas of several requests as they come, tagged with the request's index."""
-        q: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
+        """Deltas of several requests as they come, tagged with the request's index. The queue is
+        bounded: a consumer that stops reading stops the pumps, so each request's own backlog
+        (max_stream_backlog) fills and aborts it."""
+        q: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue(maxsize=max(self.config.max_stream_backlog, 1))
 
         async def pump(i: int, req: Req, ticket: Ticket) -> None:
             try:
-                async for d in self.run(req, ticket, arrival):
-                    await q.put((i, d))
+                async with aclosing(self.run(req, ticket, arrival)) as stream:  # closed (aborting) even if cancelled
+                    async for d in stream:
+                        await q.put((i, d))
             finally:
-                await q.put(None)
+                task = asyncio.current_task()
+                if task is None or not task.cancelling():  # cancelled: the consumer has gone, nobody waits for the end
+                    await q.put(None)
 
         tasks = [asyncio.ensure_future(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, tickets))]
         try:
