@@ -64,56 +64,6 @@ def extend_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 def _build():
-    import triton
-    import triton.language as tl
+    from kernels import _paged_jit as jit
 
-    @triton.jit
-    def extend_kernel(q, k_pool, v_pool, out, q_starts, q_lens, prefix_lens, table,
-                      s_qt, s_qh, s_ks, s_kh, s_vs, s_vh, s_ot, s_oh, s_tb, scale, group, dim,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISE: tl.constexpr):
-        i = tl.program_id(0)
-        h = tl.program_id(1)
-        m0 = tl.program_id(2) * BLOCK_M
-        q_len = tl.load(q_lens + i)
-        prefix = tl.load(prefix_lens + i)
-        q_start = tl.load(q_starts + i).to(tl.int64)
-        kh = h // group
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        m_ok = offs_m < q_len
-        d_ok = offs_d < dim
-        qv = tl.load(q + (q_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                     other=0.0)
-        pos = prefix + offs_m  # each query's position: it sees keys 0 .. pos
-        kv_end = tl.where(m0 < q_len, prefix + tl.minimum(m0 + BLOCK_M, q_len), 0)  # a block past the chunk does nothing
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        denom = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n0 in range(0, kv_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_end
-            slot = tl.load(table + i.to(tl.int64) * s_tb + offs_n, mask=n_ok, other=0).to(tl.int64)
-            kv_ok = n_ok[:, None] & d_ok[None, :]
-            kt = tl.load(k_pool + slot[:, None] * s_ks + kh * s_kh + offs_d[None, :], mask=kv_ok, other=0.0)
-            vt = tl.load(v_pool + slot[:, None] * s_vs + kh * s_vh + offs_d[None, :], mask=kv_ok, other=0.0)
-            if PRECISE:
-                s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(qv, tl.trans(kt))
-            visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-            s = tl.where(visible, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))  # finite: key 0 is visible to every row in the first block
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, 1)
-            if PRECISE:
-                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-        res = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(out + (q_start + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :], res.to(out.dtype.element_ty),
-                 mask=m_ok[:, None] & d_ok[None, :])
-
-    return extend_kernel
+    return jit.extend_kernel
