@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import built, interpreting, next_pow2, precise, use_triton
+from kernels._triton import interpreting, next_pow2, precise, use_triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
@@ -62,17 +62,13 @@ def decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     mid_o = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     scale = dim**-0.5 if sm_scale is None else sm_scale
-    partial, reduce = built("decode_attention", _build)
-    partial[(batch, kv_heads, splits)](
+    from kernels import _paged_jit as jit  # imports triton: only once a kernel runs
+
+    jit.decode_partial[(batch, kv_heads, splits)](
         q, k_pool, v_pool, table, seq_lens, q_rows, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), table.stride(0),
         scale, group, dim, splits,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(dim)), PRECISE=precise(q.dtype))
-    reduce[(batch, heads)](mid_o, mid_lse, out, q_rows, out.stride(0), out.stride(1), dim, splits,
-                           BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=max(16, next_pow2(dim)))
+    jit.decode_reduce[(batch, heads)](mid_o, mid_lse, out, q_rows, out.stride(0), out.stride(1), dim, splits,
+                                     BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=max(16, next_pow2(dim)))
 
-
-def _build():
-    from kernels import _paged_jit as jit
-
-    return jit.decode_partial, jit.decode_reduce

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import built, interpreting, next_pow2, precise, use_triton
+from kernels._triton import interpreting, next_pow2, precise, use_triton
 
 
 def extend_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_starts: torch.Tensor,
@@ -55,15 +55,11 @@ def extend_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     group = heads // k_pool.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and table.stride(1) == 1
     block = 32 if interpreting() or dim > 128 else 64
-    kernel = built("extend_attention", _build)
+    from kernels import _paged_jit as jit  # imports triton: only once a kernel runs
+
     grid = (table.shape[0], heads, -(-max_q_len // block))
-    kernel[grid](q, k_pool, v_pool, out, q_starts, q_lens, prefix_lens, table,
-                 q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-                 out.stride(0), out.stride(1), table.stride(0), dim**-0.5 if sm_scale is None else sm_scale, group, dim,
-                 BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, next_pow2(dim)), PRECISE=precise(q.dtype))
+    jit.extend_kernel[grid](q, k_pool, v_pool, out, q_starts, q_lens, prefix_lens, table,
+                            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+                            out.stride(0), out.stride(1), table.stride(0), dim**-0.5 if sm_scale is None else sm_scale, group,
+                            dim, BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, next_pow2(dim)), PRECISE=precise(q.dtype))
 
-
-def _build():
-    from kernels import _paged_jit as jit
-
-    return jit.extend_kernel
