@@ -1,0 +1,9 @@
+"""Benchmarks, run as `radixserve bench ...`; each compares against a baseline in the same run."""
+
+from __future__ import annotations
+
+
+def percentile(xs: list[float], q: float, empty: float | None = float("nan")) -> float | None:
+    """The q-quantile (0..1) of xs by rank (no interpolation); `empty` when there is none."""
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else empty

@@ -23,6 +23,8 @@ import time
 import uuid
 from typing import Any
 
+from radixserve.bench import percentile
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:30000")
@@ -31,11 +33,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--prompt-words", type=int, default=1200, help="length of the isolation prompt")
     p.add_argument("--json", default=None)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
 async def _rss_mb(session: Any, url: str, h: dict[str, str]) -> float | None:
@@ -72,9 +69,9 @@ async def overload(session: Any, args: argparse.Namespace, h: dict[str, str]) ->
     accepted = [t for s, t in results if s == 200]
     other = sorted({s for s, _ in results} - {200, 429, 503})
     return {"queue_capacity": cap, "sent": n, "accepted": len(accepted), "rejected": len(rejected), "other_statuses": other,
-            "reject_p50_ms": 1e3 * _pct(rejected, 0.5), "reject_p99_ms": 1e3 * _pct(rejected, 0.99),
-            "noop_burst_p50_ms": 1e3 * _pct(floor, 0.5), "noop_burst_p99_ms": 1e3 * _pct(floor, 0.99),
-            "accepted_p50_s": _pct(accepted, 0.5), "accepted_p99_s": _pct(accepted, 0.99),
+            "reject_p50_ms": 1e3 * percentile(rejected, 0.5), "reject_p99_ms": 1e3 * percentile(rejected, 0.99),
+            "noop_burst_p50_ms": 1e3 * percentile(floor, 0.5), "noop_burst_p99_ms": 1e3 * percentile(floor, 0.99),
+            "accepted_p50_s": percentile(accepted, 0.5), "accepted_p99_s": percentile(accepted, 0.99),
             "unloaded_s": statistics.median(unloaded), "rss_before_mb": rss0, "rss_after_mb": rss1}
 
 
@@ -103,9 +100,12 @@ async def isolation(session: Any, args: argparse.Namespace, keys: list[str | Non
         rows["A cold"].append(await _ttft(session, args.url, a, prompt + " Question one?"))
         rows["A hit (same tenant)"].append(await _ttft(session, args.url, a, prompt + " Question two?"))
         rows["B, A's prompt (other tenant)"].append(await _ttft(session, args.url, b, prompt + " Question two?"))
-    return {name: {"ttft_p50_ms": 1e3 * _pct([t for t, _ in r], 0.5), "ttft_p10_ms": 1e3 * _pct([t for t, _ in r], 0.1),
-                   "ttft_p90_ms": 1e3 * _pct([t for t, _ in r], 0.9), "cached_tokens_median": statistics.median(c for _, c in r)}
-            for name, r in rows.items()}
+    out = {}
+    for name, r in rows.items():
+        ttfts = [t for t, _ in r]
+        out[name] = {"ttft_p50_ms": 1e3 * percentile(ttfts, 0.5), "ttft_p10_ms": 1e3 * percentile(ttfts, 0.1),
+                     "ttft_p90_ms": 1e3 * percentile(ttfts, 0.9), "cached_tokens_median": statistics.median(c for _, c in r)}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

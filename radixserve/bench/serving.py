@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.bench import percentile
 from radixserve.bench.prefix import QUESTIONS, documentation
 
 
@@ -122,10 +123,6 @@ def summarize(results: list[Result], wall: float, args: argparse.Namespace) -> d
     ok = [r for r in results if r.status == 200 and r.error is None]
     good = [r for r in ok if r.ttft is not None and r.ttft <= args.slo_ttft_ms / 1e3 and (r.tpot() or 0.0) <= args.slo_tpot_ms / 1e3]
 
-    def pct(xs: list[float], q: float) -> float | None:
-        xs = sorted(xs)
-        return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else None
-
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [t for r in ok if (t := r.tpot()) is not None]
     return {
@@ -133,9 +130,9 @@ def summarize(results: list[Result], wall: float, args: argparse.Namespace) -> d
         "errors": sum(1 for r in results if r.status not in (200, 429, 503) or (r.status == 200 and r.error)),
         "wall_s": wall, "output_tok_s": sum(r.tokens for r in ok) / wall, "request_s": len(ok) / wall,
         "goodput_req_s": len(good) / wall,
-        **{f"ttft_p{q}_ms": _ms(pct(ttft, q / 100)) for q in (50, 95, 99)},
-        **{f"tpot_p{q}_ms": _ms(pct(tpot, q / 100)) for q in (50, 95, 99)},
-        "e2e_p50_s": pct([r.e2e for r in ok], 0.5),
+        **{f"ttft_p{q}_ms": _ms(percentile(ttft, q / 100, None)) for q in (50, 95, 99)},
+        **{f"tpot_p{q}_ms": _ms(percentile(tpot, q / 100, None)) for q in (50, 95, 99)},
+        "e2e_p50_s": percentile([r.e2e for r in ok], 0.5, None),
         "first_error": next((f"{r.status}: {r.error}" for r in results if r.error), None),
     }
 

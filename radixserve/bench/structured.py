@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+from radixserve.bench import percentile
 from radixserve.cli_args import add_engine_args, engine_kwargs
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench"
@@ -119,8 +120,8 @@ def coverage(model_dir: str, subsets: dict[str, list[dict[str, Any]]], timeout: 
                     reasons[key] = reasons.get(key, 0) + 1
             out.setdefault(name, {})[backend] = {
                 "schemas": len(rows), "coverage": ok / len(rows) if rows else 0.0,
-                "compile_ms_p50": _pct(cold, 0.5), "compile_ms_p95": _pct(cold, 0.95),
-                "warm_ms_p50": _pct(warm, 0.5), "warm_ms_p95": _pct(warm, 0.95),
+                "compile_ms_p50": 1e3 * percentile(cold, 0.5), "compile_ms_p95": 1e3 * percentile(cold, 0.95),
+                "warm_ms_p50": 1e3 * percentile(warm, 0.5), "warm_ms_p95": 1e3 * percentile(warm, 0.95),
                 "top_rejections": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:3]),
             }
             r = out[name][backend]
@@ -128,11 +129,6 @@ def coverage(model_dir: str, subsets: dict[str, list[dict[str, Any]]], timeout: 
                   f"{r['compile_ms_p95']:.1f} ms  warm p50 {r['warm_ms_p50']:.3f} ms", flush=True)
         pool.shutdown(wait=False, cancel_futures=True)
     return out
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)] * 1e3 if xs else float("nan")
 
 
 # -- compliance and speed (the engine) --------------------------------------------------------------
