@@ -154,3 +154,15 @@ def tiny_engine(tiny_llama: Path):
 
     with Engine(str(tiny_llama), kv_cache_tokens=4096, chunked_prefill_size=64) as e:
         yield e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A `radixserve serve` on the tiny model with small chunks and a small body limit, per module."""
+    from server_helpers import MAX_BODY, ServerProcess
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--chunked-prefill-size", "128",
+                      "--max-request-bytes", str(MAX_BODY), log=log)
+    yield s
+    assert s.stop() == 0, log.read_text()

@@ -19,6 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MAX_BODY = 65536  # the small --max-request-bytes of the shared test server
+USER = [{"role": "user", "content": "Agents call tools and read JSON."}]
+
+
 class ServerProcess:
     def __init__(self, model: Path, *args: str, log: Path) -> None:
         self.port = free_port()

@@ -29,13 +29,19 @@ def _batch(spec: list[tuple[list[int], int]], backend, heads: int, kv_heads: int
     return batch, q, k, v
 
 
+def _random_pool(slots: int, kv_heads: int, dim: int, seed: int) -> KVPool:
+    """A one-layer pool whose every slot holds fresh random K/V."""
+    pool = KVPool(1, slots, kv_heads, dim, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    pool.k[0][:slots] = torch.randn(slots, kv_heads, dim, generator=g)
+    pool.v[0][:slots] = torch.randn(slots, kv_heads, dim, generator=g)
+    return pool
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (9, 3, 64), (8, 1, 128)])
 def test_fast_backend_matches_the_reference_on_forks_chunks_and_scattered_slots(heads, kv_heads, dim):
     rng = random.Random(heads * 100 + dim)
-    pool = KVPool(1, 4096, kv_heads, dim, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(7)
-    pool.k[0][:4096] = torch.randn(4096, kv_heads, dim, generator=g)
-    pool.v[0][:4096] = torch.randn(4096, kv_heads, dim, generator=g)
+    pool = _random_pool(4096, kv_heads, dim, seed=7)
     free = list(range(200, 4096))
     rng.shuffle(free)
     prompt = list(range(0, 150))  # a contiguous cached prompt shared by a fork
@@ -68,10 +74,7 @@ def test_the_triton_backend_matches_the_reference_on_a_mixed_batch(heads, kv_hea
     """Under TRITON_INTERPRET=1: decode rows and chunks over prefixes in one batch, scattered slots."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rng = random.Random(heads * 10 + dim)
-    pool = KVPool(1, 1024, kv_heads, dim, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(11)
-    pool.k[0][:1024] = torch.randn(1024, kv_heads, dim, generator=g)
-    pool.v[0][:1024] = torch.randn(1024, kv_heads, dim, generator=g)
+    pool = _random_pool(1024, kv_heads, dim, seed=11)
     free = list(range(1024))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(60)]

@@ -14,18 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from server_helpers import ServerProcess
-
-MAX_BODY = 65536
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--chunked-prefill-size", "128",
-                      "--max-request-bytes", str(MAX_BODY), log=log)
-    yield s
-    assert s.stop() == 0, log.read_text()
+from server_helpers import USER, ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +32,6 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 380) for _ in range(n)]
 
 
-USER = [{"role": "user", "content": "Agents call tools and read JSON."}]
 
 
 def test_openai_chat_returns_text_and_usage_with_cached_tokens(client, model):
