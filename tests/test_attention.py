@@ -29,6 +29,14 @@ def _batch(spec: list[tuple[list[int], int]], backend, heads: int, kv_heads: int
     return batch, q, k, v
 
 
+def _forward(name: str, pool: KVPool, spec, heads: int, kv_heads: int, dim: int, seed: int):
+    """Backend `name`'s attention output for the batch `spec` describes, and the batch."""
+    backend = create_backend(name, pool, torch.device("cpu"))
+    batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed)
+    backend.prepare(batch)
+    return backend.forward(q, k, v, 0, batch), batch
+
+
 def _random_pool(slots: int, kv_heads: int, dim: int, seed: int) -> KVPool:
     """A one-layer pool whose every slot holds fresh random K/V."""
     pool = KVPool(1, slots, kv_heads, dim, torch.float32, torch.device("cpu"))
@@ -55,13 +63,8 @@ def test_fast_backend_matches_the_reference_on_forks_chunks_and_scattered_slots(
     spec.append((prompt[:100] + [free.pop() for _ in range(37)], 37))  # a chunk over a contiguous prefix
     spec.append((scattered[:61] + [free.pop() for _ in range(20)], 20))  # over a scattered prefix
     spec.append(([free.pop() for _ in range(50)], 50))  # a first chunk, no prefix
-    outs = {}
-    for name in ("torch_ref", "torch"):
-        backend = create_backend(name, pool, torch.device("cpu"))
-        batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed=3)
-        backend.prepare(batch)
-        outs[name] = backend.forward(q, k, v, 0, batch)
-    ref, got = outs["torch_ref"], outs["torch"]
+    ref, _ = _forward("torch_ref", pool, spec, heads, kv_heads, dim, seed=3)
+    got, batch = _forward("torch", pool, spec, heads, kv_heads, dim, seed=3)
     groups = batch.attn_meta["dec_groups"]
     assert sorted(len(x.members) for x in groups) == [3, 5]  # both forks were read once per group
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
@@ -81,13 +84,8 @@ def test_the_triton_backend_matches_the_reference_on_a_mixed_batch(heads, kv_hea
     spec = [(shared + [free.pop()], 1), (shared + [free.pop() for _ in range(3)], 1)]  # a fork, decoding
     spec += [([free.pop() for _ in range(n)], 1) for n in (1, 2, 130)]  # lone decodes
     spec += [(shared[:40] + [free.pop() for _ in range(25)], 25), ([free.pop() for _ in range(70)], 70)]  # chunks
-    outs = {}
-    for name in ("torch_ref", "triton"):
-        backend = create_backend(name, pool, torch.device("cpu"))
-        batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed=5)
-        backend.prepare(batch)
-        outs[name] = backend.forward(q, k, v, 0, batch)
-    ref, got = outs["torch_ref"], outs["triton"]
+    ref, _ = _forward("torch_ref", pool, spec, heads, kv_heads, dim, seed=5)
+    got, _ = _forward("triton", pool, spec, heads, kv_heads, dim, seed=5)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
