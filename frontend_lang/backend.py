@@ -106,11 +106,14 @@ class RuntimeEndpoint:
         if public_chars:
             head = prompt[:public_chars]
             if head not in self._token_counts:
-                r = await self.request("POST", "/generate", what, {"text": head, "sampling_params": {"max_new_tokens": 0},
-                                                                   **opts})
-                self._token_counts[head] = r["meta_info"]["prompt_tokens"]
+                self._token_counts[head] = (await self._measure(head, what, opts))["prompt_tokens"]
             opts["public_prefix_len"] = max(self._token_counts[head] - 1, 0)
         return opts
+
+    async def _measure(self, text: str, what: str, opts: dict[str, Any]) -> dict[str, Any]:
+        """The server's meta_info for `text` with nothing generated: its length in tokens."""
+        r = await self.request("POST", "/generate", what, {"text": text, "sampling_params": {"max_new_tokens": 0}, **opts})
+        return r["meta_info"]
 
     async def _gen_body(self, prompt: str, g: Gen, what: str, public_chars: int) -> dict[str, Any]:
         body: dict[str, Any] = {"text": prompt, "sampling_params": g.params, **await self._options(prompt, public_chars, what)}
@@ -136,10 +139,10 @@ class RuntimeEndpoint:
         """Score every choice from prompt logprobs in one batched request (plus one to measure the prefix)."""
         opts = await self._options(prompt, public_chars, what)
         zero = {"max_new_tokens": 0}
-        prefix = await self.request("POST", "/generate", what, {"text": prompt, "sampling_params": zero, **opts})
+        prefix = await self._measure(prompt, what, opts)
         # A few tokens before the prefix's end: the last prefix token may merge with a choice
         # ("is " + "Paris" -> "is", " Paris"); the choices' tokens start where they first differ.
-        start = max(prefix["meta_info"]["prompt_tokens"] - 8, 0)
+        start = max(prefix["prompt_tokens"] - 8, 0)
         scored = await self.request("POST", "/generate", what, {
             "text": [prompt + c for c in s.choices], "sampling_params": zero, "return_logprob": True, "logprob_start_len": start,
             **opts})
@@ -156,7 +159,7 @@ class RuntimeEndpoint:
             base = [[t[0] for t in r["meta_info"]["input_token_logprobs"] if t[0] is not None] or [0.0] for r in alone]
             scores = [sc - sum(b) / len(b) for sc, b in zip(scores, base)]
         best = max(range(len(scores)), key=scores.__getitem__)
-        cached = sum(r["meta_info"].get("cached_tokens", 0) for r in [prefix, *scored])
+        cached = prefix.get("cached_tokens", 0) + sum(r["meta_info"].get("cached_tokens", 0) for r in scored)
         return s.choices[best], {"normalized_prompt_logprobs": scores, "input_token_logprobs": lps, "cached_tokens": cached}
 
 
