@@ -52,7 +52,12 @@ class ServerConfig:
     tenants: str | None = None  # TOML or JSON file: api key -> tenant
     served_model_name: str | None = None  # default: the model's name
     max_queued_requests: int = 256  # accepted requests without a first token yet; over it: 503
-    max_request_bytes: int = 8 << 20  # larger bodies: 413
+    max_request_bytes: int = 8 << 20  # larger bodies: 413 (a declared Content-Length over it: at once)
+    body_read_timeout: float = 30.0  # seconds for a request's whole body to arrive; then 408
+    keepalive_timeout: float = 15.0  # seconds a connection may sit idle, or take to send its headers; then closed
+    max_connections: int = 4096  # open connections in all; more are answered 503 and closed at once
+    max_connections_per_client: int = 512  # open connections from one client address; more: 503 and closed
+    metrics_key: str | None = None  # a key for GET /metrics besides admin keys (open only when no key is configured)
     slo_ttft_ms: float = 2000.0  # goodput counts requests within both SLOs
     slo_tpot_ms: float = 200.0
     drain_timeout: float = 30.0  # seconds running requests may take to finish on SIGTERM

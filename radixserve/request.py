@@ -14,13 +14,15 @@ tokens are looked up in, and offered to, the shared public namespace instead.
 from __future__ import annotations
 
 import enum
-import itertools
+import json
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from grammars.spec import GrammarError, GrammarSpec
+from radixserve.limits import MAX_JSON_DEPTH, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, too_deep
 
 
 class FinishReason(enum.StrEnum):
@@ -35,9 +37,6 @@ class ReqStatus(enum.StrEnum):
     RUNNING = "running"
     FINISHED = "finished"
 
-
-MAX_STOPS = 16  # stop strings are checked against the output's tail at every token
-MAX_STOP_CHARS = 2048
 
 
 @dataclass
@@ -81,9 +80,9 @@ class SamplingParams:
         if not isinstance(source, str) or not source:
             raise GrammarError(f"{kind}: expected a non-empty string", kind)
         if kind == "json_schema":
-            return GrammarSpec.json_schema(source, strict=self.strict_json_schema)
+            return GrammarSpec.json_schema(_json_text(kind, source), strict=self.strict_json_schema)
         if kind == "structural_tag":
-            return GrammarSpec.structural_tag(source)
+            return GrammarSpec.structural_tag(_json_text(kind, source))
         return GrammarSpec(kind, source)
 
     @property
@@ -122,9 +121,25 @@ class SamplingParams:
                 raise ValueError(f"stop: at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters in all")
         if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after):
             raise ValueError("grammar_after: expected a non-empty string")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+
+
+def _json_text(kind: str, source: str) -> Any:
+    """An embedded JSON text (a schema, a structural tag), parsed under the nesting cap."""
+    deep = GrammarError(f"{kind}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", kind)
+    try:
+        value = json.loads(source)
+    except RecursionError:
+        raise deep from None
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"{kind}: not valid JSON: {e}", kind) from None
+    if too_deep(value):
+        raise deep
+    return value
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
@@ -155,11 +170,9 @@ class TokenLogprob:
     top: list[tuple[float, int]] = field(default_factory=list)
 
 
-_rid_counter = itertools.count()
-
-
 def new_rid() -> str:
-    return f"req-{next(_rid_counter)}-{time.monotonic_ns() % 10**9}"
+    """Random: a rid says nothing about how many requests anyone else sent."""
+    return f"req-{uuid.uuid4().hex}"
 
 
 class Req:
@@ -194,6 +207,7 @@ class Req:
         self.finish_matched: int | str | None = None
         self.error: str | None = None
         self.retractions = 0
+        self.stop_ids = frozenset(params.stop_token_ids or ())  # checked at every token: a set, built once
         self.grammar_spec: GrammarSpec | None = params.grammar_spec()
         self.grammar: Any = None  # its grammars.base.Matcher once compiled; constrains every sample once active
         self.grammar_active = params.grammar_after is None

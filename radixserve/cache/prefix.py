@@ -89,6 +89,11 @@ class PrefixCache(ABC):
     def evicted_tokens(self) -> int:
         return 0
 
+    @property
+    def namespaces(self) -> int:
+        """Distinct namespaces with at least one cached node."""
+        return 0
+
 
 class NullPrefixCache(PrefixCache):
     """Shares nothing: every match is empty and every insert is refused."""

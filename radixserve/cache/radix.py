@@ -71,6 +71,19 @@ class RadixCache(PrefixCache):
         self._evictable = 0
         self._tick = 0
         self.tenant_tokens: Counter[str | None] = Counter()
+        self._namespaces: dict[Namespace, list[Any]] = {}  # ns -> [its one shared instance, nodes in it]
+
+    def _intern(self, ns: Namespace) -> Namespace:
+        """Every node of a namespace holds the same key object (a salt is kept once, not per node)."""
+        entry = self._namespaces.setdefault(ns, [ns, 0])
+        entry[1] += 1
+        return entry[0]
+
+    def _drop_ns(self, ns: Namespace) -> None:
+        entry = self._namespaces[ns]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._namespaces[ns]
 
     # -- lookup -----------------------------------------------------------------------------
     def _child_key(self, tokens: list[int], i: int) -> Any:
@@ -104,7 +117,7 @@ class RadixCache(PrefixCache):
         """Cut `child`'s edge after n tokens; the new upper node takes the first n."""
         parent = child.parent
         assert parent is not None
-        upper = Node(child.ns, child.key[:n], child.slots[:n], parent, child.owner)
+        upper = Node(self._intern(child.ns), child.key[:n], child.slots[:n], parent, child.owner)
         upper.lock_ref, upper.last_access, upper.priority = child.lock_ref, child.last_access, child.priority
         parent.children[(child.ns, self._child_key(child.key, 0))] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
@@ -126,9 +139,9 @@ class RadixCache(PrefixCache):
         i = dup
         while i < total:  # the rest is new: one node for the public part, one for the private
             cur, end = (PUBLIC, plen) if i < plen else (ns, total)
-            child = Node(cur, tokens[i:end], slots[i:end], node, ns.tenant)
+            child = Node(self._intern(cur), tokens[i:end], slots[i:end], node, ns.tenant)
             child.last_access, child.priority = self._tick, priority
-            node.children[(cur, self._child_key(tokens, i))] = child
+            node.children[(child.ns, self._child_key(tokens, i))] = child
             self._account(child, +1)
             node, i = child, end
         return dup
@@ -184,6 +197,7 @@ class RadixCache(PrefixCache):
             del parent.children[(node.ns, self._child_key(node.key, 0))]
             node.parent = None
             self._account(node, -1)
+            self._drop_ns(node.ns)
             self._evicted += len(node.key)
             freed.extend(node.slots)
             if parent is not self.root and not parent.children and parent.lock_ref == 0 and eligible(parent):
@@ -220,10 +234,15 @@ class RadixCache(PrefixCache):
     def evicted_tokens(self) -> int:
         return self._evicted
 
+    @property
+    def namespaces(self) -> int:
+        return len(self._namespaces)
+
     def check_integrity(self) -> list[int]:
         slots: list[int] = []
         cached = evictable = 0
         tenants: Counter[str | None] = Counter()
+        per_ns: Counter[Namespace] = Counter()
         for node in self._nodes():
             for (ns, first), child in node.children.items():
                 _check(child.parent is node, f"{child!r} has the wrong parent")
@@ -240,9 +259,12 @@ class RadixCache(PrefixCache):
             cached += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
             tenants[node.owner] += len(node.key)
+            per_ns[node.ns] += 1
+            _check(self._namespaces.get(node.ns, [None])[0] is node.ns, f"{node!r} holds a namespace that is not interned")
         _check(len(set(slots)) == len(slots), "a slot is held by two cached tokens")
         _check(cached == self._cached, f"cached count {self._cached} != {cached} in the tree")
         _check(evictable == self._evictable, f"evictable count {self._evictable} != {evictable} in the tree")
+        _check(per_ns == {ns: e[1] for ns, e in self._namespaces.items()}, "namespace node counts do not match the tree")
         _check(+tenants == +self.tenant_tokens, f"per-tenant counts {dict(self.tenant_tokens)} != {dict(tenants)}")
         return slots
 

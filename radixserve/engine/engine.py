@@ -21,6 +21,7 @@ from radixserve.engine.loop import EngineLoop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
+from radixserve.limits import MAX_CACHE_SALT_CHARS
 from radixserve.models.loader import load_model
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
@@ -270,6 +271,7 @@ class Engine:
             "kv_evictable_tokens": prefix.evictable_tokens,
             "kv_locked_tokens": prefix.locked_tokens,
             "evicted_tokens": prefix.evicted_tokens,
+            "kv_namespaces": prefix.namespaces,
             "cache_hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             "running": len(s.running),
             "waiting": len(s.waiting),
@@ -312,6 +314,8 @@ def _check_namespace(tenant: str | None, cache_salt: str | None, public_prefix_l
     for name, v in (("tenant", tenant), ("cache_salt", cache_salt)):
         if v is not None and (not isinstance(v, str) or not v):
             raise ValueError(f"{name}: expected a non-empty string or None, got {v!r}")
+    if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt: {len(cache_salt)} characters, more than the limit of {MAX_CACHE_SALT_CHARS}")
     k = public_prefix_len
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= prompt_len):
         raise ValueError(f"public_prefix_len: {k!r} is not an integer in [0, {prompt_len}] (the prompt length)")

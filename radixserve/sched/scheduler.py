@@ -177,7 +177,7 @@ class Scheduler:
     def _check_stop(self, req: Req, tok: int) -> None:
         p = req.params
         if req.output_len > p.min_new_tokens:  # the first min_new_tokens were sampled with stops banned
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ()):
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in req.stop_ids:
                 req.finish(FinishReason.STOP, tok)
                 return
         if req.output_len >= req.max_new_tokens or len(req.token_ids) >= self.context_len:

@@ -13,8 +13,11 @@ from radixserve.server.errors import ApiError
 
 @dataclass
 class Ticket:
+    """One admitted request's place in the queue. Only `leave` frees it, and only once."""
+
     tenant: str
     queued: bool = True
+    left: bool = False
 
 
 class Admission:
@@ -23,7 +26,8 @@ class Admission:
         self.retry_after = str(retry_after_s)
         self.queued = 0
         self.in_flight = 0
-        self.by_tenant: Counter[str] = Counter()
+        self.by_tenant: Counter[str] = Counter()  # queued, per tenant
+        self.in_flight_by_tenant: Counter[str] = Counter()
         self.draining = False
 
     def enter(self, tenant: Tenant, n: int = 1) -> list[Ticket]:
@@ -44,6 +48,7 @@ class Admission:
         self.queued += n
         self.in_flight += n
         self.by_tenant[tenant.id] += n
+        self.in_flight_by_tenant[tenant.id] += n
         return [Ticket(tenant.id) for _ in range(n)]
 
     def started(self, t: Ticket) -> None:
@@ -54,5 +59,9 @@ class Admission:
             self.by_tenant[t.tenant] -= 1
 
     def leave(self, t: Ticket) -> None:
+        if t.left:
+            return
         self.started(t)
+        t.left = True
         self.in_flight -= 1
+        self.in_flight_by_tenant[t.tenant] -= 1

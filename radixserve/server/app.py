@@ -3,7 +3,9 @@ small endpoints (health, server_info, flush_cache, abort_request, metrics, opena
 
 from __future__ import annotations
 
+import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,7 +13,9 @@ import msgspec
 from aiohttp import web
 
 from radixserve.server import completions, native, openai
-from radixserve.server.errors import ApiError, decode_body
+from radixserve.server.auth import request_key
+from radixserve.server.body import read_body, too_large
+from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
 from radixserve.server.protocol import AbortRequest
 from radixserve.server.state import ServerState, engine_rids
@@ -27,13 +31,13 @@ def _json(obj: object, status: int = 200) -> web.Response:
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     state: ServerState = request.app["state"]
+    arrival = time.monotonic()
     try:
         return await handler(request)
     except ApiError as e:
         err = e
     except web.HTTPRequestEntityTooLarge:
-        limit = state.config.max_request_bytes
-        err = ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+        err = too_large(state.config.max_request_bytes)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -44,7 +48,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         log.exception("unhandled error in %s %s", request.method, request.path)
         err = ApiError(500, "internal server error", code="internal_error")
     state.metrics.rejected.labels(err.code or str(err.status)).inc()
-    return err.response()
+    if err.status in (429, 503):
+        state.metrics.rejection_latency.observe(time.monotonic() - arrival)
+    resp = err.response()
+    if err.status in (408, 413):  # the rest of the body is never read: close rather than drain it
+        resp.force_close()
+    return resp
 
 
 async def health(request: web.Request) -> web.Response:
@@ -61,6 +70,13 @@ async def server_info(request: web.Request) -> web.Response:
     tenant = state.authenticate(request)
     e, c = state.engine, state.config
     extra: dict[str, Any] = {}
+    if tenant.admin:  # the global counters say what every tenant sent: admins only
+        adm = state.admission
+        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=e.snapshot(),
+                     tenants={t: vars(u) for t, u in state.usage.items()},
+                     open_connections=state.connections.open if state.connections else None)
+    else:
+        extra["tenant"] = state.tenant_info(tenant)
     if request.query.get("check_integrity") in ("1", "true"):
         if not tenant.admin:
             raise ApiError(403, "check_integrity: only an admin tenant may check the KV pool", code="not_admin")
@@ -80,8 +96,6 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": e.config.sched.max_running_requests,
         "page_size": e.config.cache.page_size,
         "radix_cache": not e.config.cache.disable_radix_cache,
-        "queued": state.admission.queued,
-        "kv": e.snapshot(),
         **extra,
     })
 
@@ -100,7 +114,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     tenant = state.authenticate(request)
-    body = decode_body(await request.read(), AbortRequest)
+    body = await read_body(request, AbortRequest)
     for rid in (engine_rids(tenant, body.rid, 1)[0], body.rid):  # the caller's rid, or a server-made one
         req = state.active.get(rid)
         if req is not None and req.tenant == tenant.id:  # another tenant's request is as good as unknown
@@ -110,7 +124,17 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text. Its counters describe every tenant's traffic, so when keys are configured
+    it needs an admin key or --metrics-key."""
     state: ServerState = request.app["state"]
+    if not state.auth.open or state.config.metrics_key:
+        key = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        metrics_key = state.config.metrics_key
+        if not (metrics_key and key and hmac.compare_digest(key.encode("utf-8", "surrogateescape"), metrics_key.encode())):
+            if state.auth.open:
+                raise ApiError(401, "metrics: send the --metrics-key as 'Authorization: Bearer <key>'", code="invalid_api_key")
+            if not state.authenticate(request).admin:
+                raise ApiError(403, "metrics: only an admin key or the --metrics-key may read /metrics", code="not_admin")
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 

@@ -81,9 +81,7 @@ class Auth:
     def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> Tenant:
         if self.open:
             return OPEN_TENANT
-        key = x_api_key
-        if authorization and authorization.lower().startswith("bearer "):
-            key = authorization[7:].strip()
+        key = request_key(authorization, x_api_key)
         if not key:
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
         given, found = key.encode("utf-8", "surrogateescape"), None
@@ -93,6 +91,13 @@ class Auth:
         if found is None:
             raise ApiError(401, "invalid API key", code="invalid_api_key")
         return found
+
+
+def request_key(authorization: str | None, x_api_key: str | None = None) -> str | None:
+    """The key a request sends: `Authorization: Bearer <key>`, else `x-api-key`."""
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return x_api_key
 
 
 def load_tenants(path: Path) -> list[Tenant]:

@@ -23,7 +23,7 @@ from radixserve.server.openai import (
 )
 from radixserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from radixserve.server.sse import SSEWriter
-from radixserve.server.state import ServerState
+from radixserve.server.state import Flight, ServerState
 
 
 def _completion_prompts(b: CompletionRequest) -> list[str | list[int]]:
@@ -63,23 +63,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = [sampling_params(b, max_tokens, i % b.n, top or 0, top is not None) for i in range(len(flat))]
     opts = request_options(b)
     opts.rename = {**RENAME, "prompt": "prompt", "input_ids": "prompt"}
-    reqs, tickets = await state.prepare(tenant, flat, params, opts)
+    async with state.admit(tenant, flat, params, opts, arrival) as flight:
+        return await _reply(request, state, b, flight, flat, len(prompts))
+
+
+async def _reply(request: web.Request, state: ServerState, b: CompletionRequest, flight: Flight,
+                 flat: list[str | list[int]], n_prompts: int) -> web.StreamResponse:
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    top = b.logprobs
 
     def echo(i: int) -> str:
         p = flat[i]
         return (p if isinstance(p, str) else state.engine.tokenizer.decode(p)) if b.echo else ""
 
     if not b.stream:
-        outs = await state.collect(reqs, tickets, arrival)
+        outs = await state.collect(flight)
         choices = [CompletionChoice(i, echo(i) + o.text, finish_reason(o), _completion_logprobs(state, o.logprobs, 0))
                    for i, o in enumerate(outs)]
-        resp = CompletionResponse(cid, created, state.model_name, choices, usage(outs, len(prompts)))
+        resp = CompletionResponse(cid, created, state.model_name, choices, usage(outs, n_prompts))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
     sse = await SSEWriter.open(request)
-    outs: list[Output | None] = [None] * len(flat)
-    started = [False] * len(flat)
-    async for i, d in state.merged(reqs, tickets, arrival):
+    outs: list[Output | None] = [None] * len(flight.reqs)
+    started = [False] * len(flight.reqs)
+    async for i, d in state.merged(flight):
         reason = None
         if d.finished and d.output is not None:
             outs[i] = d.output
@@ -90,6 +96,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if text or reason or lps:
             await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
     if include_usage(b):
-        await sse.send(CompletionResponse(cid, created, state.model_name, [], usage([o for o in outs if o], len(prompts))))
+        await sse.send(CompletionResponse(cid, created, state.model_name, [], usage([o for o in outs if o], n_prompts)))
     await sse.done()
     return sse.response

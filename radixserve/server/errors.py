@@ -16,6 +16,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -56,6 +57,10 @@ def decode_body(body: bytes, typ: type) -> Any:
         raise ApiError(400, f"{path}: {text}" if path else text, param=path) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        from radixserve.limits import MAX_JSON_DEPTH
+
+        raise ApiError(400, f"the request body nests deeper than the limit of {MAX_JSON_DEPTH} levels") from None
 
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> ApiError:

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+REJECT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -29,6 +30,7 @@ class _EngineCollector(Collector):
             "radixserve_kv_in_use_tokens": ("KV tokens held by requests", s.get("kv_in_use_slots", 0)),
             "radixserve_kv_cached_tokens": ("KV tokens held by the prefix cache", s.get("kv_cached_tokens", 0)),
             "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.get("cache_hit_rate", 0.0)),
+            "radixserve_kv_namespaces": ("prefix-cache namespaces (tenant, cache_salt) holding tokens", s.get("kv_namespaces", 0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -57,6 +59,8 @@ class Metrics:
         self.finished = Counter("radixserve_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
         self.goodput = Counter("radixserve_goodput_requests", "finished requests within the TTFT and TPOT SLOs", registry=r)
         self.rejected = Counter("radixserve_rejected_requests", "requests rejected by reason", ["reason"], registry=r)
+        self.rejection_latency = Histogram("radixserve_rejection_latency_seconds", "arrival to a 429/503 answer (overload)",
+                                           registry=r, buckets=REJECT_BUCKETS)
         r.register(_EngineCollector(snapshot, queued))
 
     def observe(self, ttft: float | None, e2e: float, completion_tokens: int, finish_reason: str) -> None:

@@ -10,10 +10,11 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.request import FinishReason, SamplingParams
-from radixserve.server.errors import ApiError, decode_body, prompt_batch
+from radixserve.server.body import read_body
+from radixserve.server.errors import ApiError, prompt_batch
 from radixserve.server.protocol import GenerateRequest, GenerateResponse, MetaInfo, NativeFinishReason, NativeSamplingParams
 from radixserve.server.sse import SSEWriter
-from radixserve.server.state import RequestOptions, ServerState, public_rid
+from radixserve.server.state import Flight, RequestOptions, ServerState, public_rid
 
 GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -61,7 +62,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
-    body = decode_body(await request.read(), GenerateRequest)
+    body = await read_body(request, GenerateRequest)
     prompts, batched = _prompts(body)
     if batched and body.stream:
         raise ApiError(400, "stream: streaming a batch of prompts is not supported; send them as separate requests",
@@ -69,19 +70,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params = _params(body, body.sampling_params or NativeSamplingParams())
     opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
                           rename={"prompt": "text", "input_ids": "input_ids", **{k: f"sampling_params.{k}" for k in GRAMMARS}})
-    reqs, tickets = await state.prepare(tenant, prompts, [params] * len(prompts), opts)
-    if not body.stream:
-        outs = await state.collect(reqs, tickets, arrival)
-        resp = [_response(state, o, o.text, o.token_ids, arrival, True) for o in outs]
-        return web.Response(body=msgspec.json.encode(resp if batched else resp[0]), content_type="application/json")
+    async with state.admit(tenant, prompts, [params] * len(prompts), opts, arrival) as flight:
+        if not body.stream:
+            outs = await state.collect(flight)
+            resp = [_response(state, o, o.text, o.token_ids, arrival, True) for o in outs]
+            return web.Response(body=msgspec.json.encode(resp if batched else resp[0]), content_type="application/json")
+        return await _stream(request, state, flight, params.return_logprob)
+
+
+async def _stream(request: web.Request, state: ServerState, flight: Flight, logprobs: bool) -> web.StreamResponse:
     sse = await SSEWriter.open(request)
-    req, text, ids = reqs[0], "", []
-    async for _, d in state.merged(reqs, tickets, arrival):
+    req, text, ids = flight.reqs[0], "", []
+    async for _, d in state.merged(flight):
         # text and output_ids are cumulative (SGLang's shape); logprobs are those of the new tokens only
         text, ids = text + d.text, ids + d.token_ids
         out = d.output or Output(req.rid, "", [], "", req.prompt_len, len(ids), req.cached_tokens)
-        new_lps = d.logprobs if params.return_logprob else None
+        new_lps = d.logprobs if logprobs else None
         out = Output(**{**vars(out), "logprobs": new_lps, "prompt_logprobs": out.prompt_logprobs if d.finished else None})
-        await sse.send(_response(state, out, text, ids, arrival, d.finished))
+        await sse.send(_response(state, out, text, ids, flight.arrival, d.finished))
     await sse.done()
     return sse.response

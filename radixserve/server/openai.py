@@ -14,7 +14,8 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams, TokenLogprob
 from radixserve.server import tools
-from radixserve.server.errors import ApiError, decode_body
+from radixserve.server.body import read_body
+from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -34,7 +35,7 @@ from radixserve.server.protocol import (
     _OpenAISampling,
 )
 from radixserve.server.sse import SSEWriter
-from radixserve.server.state import RequestOptions, ServerState
+from radixserve.server.state import Flight, RequestOptions, ServerState
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -160,7 +161,7 @@ async def begin(request: web.Request, typ: type) -> tuple[ServerState, float, An
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
-    b = decode_body(await request.read(), typ)
+    b = await read_body(request, typ)
     state.check_model(b.model)
     check_common(b)
     return state, arrival, tenant, b
@@ -193,17 +194,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
-    reqs, tickets = await state.prepare(tenant, [render] * b.n, params, opts)
+    async with state.admit(tenant, [render] * b.n, params, opts, arrival) as flight:
+        if not b.stream or offered:  # with tools, a stream carries each choice whole at its end
+            return await _chat_whole(request, state, b, flight, mode, offered)
+        return await _chat_stream(request, state, b, flight)
+
+
+async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight, mode: str,
+                      offered: list[tools.Tool]) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if not b.stream or offered:  # with tools, a stream carries each choice whole at its end
-        outs = await state.collect(reqs, tickets, arrival)
-        choices = [_chat_choice(state, i, o, mode, offered) for i, o in enumerate(outs)]
-        if not b.stream:
-            resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
-            return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
-        return await _stream_whole(request, cid, created, state.model_name, choices, usage(outs) if include_usage(b) else None)
+    outs = await state.collect(flight)
+    choices = [_chat_choice(state, i, o, mode, offered) for i, o in enumerate(outs)]
+    if not b.stream:
+        resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
+        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+    return await _stream_whole(request, cid, created, state.model_name, choices, usage(outs) if include_usage(b) else None)
+
+
+async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight) -> web.StreamResponse:
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     sse = await SSEWriter.open(request)
-    with_usage = include_usage(b)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(cid, created, state.model_name, choices, usage)
@@ -211,7 +221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     for i in range(b.n):
         await sse.send(chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
     outs: list[Output | None] = [None] * b.n
-    async for i, d in state.merged(reqs, tickets, arrival):
+    async for i, d in state.merged(flight):
         lps = _chat_logprobs(state, d.logprobs) if b.logprobs and d.logprobs else None
         reason = None
         if d.finished and d.output is not None:
@@ -223,7 +233,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             reason = d.output.finish_reason
         if d.text or lps or reason:
             await sse.send(chunk([ChatChunkChoice(i, ChatDelta(content=d.text or None), reason, lps)]))
-    if with_usage:
+    if include_usage(b):
         await sse.send(chunk([], usage([o for o in outs if o is not None])))
     await sse.done()
     return sse.response

@@ -4,11 +4,18 @@ source of /openapi.json). Request Structs forbid unknown fields, so a typo is a 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
-Stop = str | list[str] | None
+from radixserve.limits import MAX_CACHE_SALT_CHARS, MAX_MESSAGES, MAX_RID_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOOLS
+
+# Caps (radixserve/limits.py) live in the types: over one is a 400 naming the field and the cap.
+Stop = str | Annotated[list[str], Meta(max_length=MAX_STOPS)] | None
+StopTokenIds = Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None
+CacheSalt = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None
+Rid = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
 
 
 class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -43,7 +50,7 @@ class NativeSamplingParams(_In):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: Stop = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -62,9 +69,9 @@ class GenerateRequest(_In):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    rid: str | None = None
+    rid: Rid = None
     priority: int | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     public_prefix_len: int | None = None
 
 
@@ -149,24 +156,24 @@ class _OpenAISampling(_In):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool = True
     priority: int | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     public_prefix_len: int | None = None
-    rid: str | None = None
+    rid: Rid = None
     regex: str | None = None
     ebnf: str | None = None
     grammar_after: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
-    messages: list[ChatMessage] = []
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] = []
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None

@@ -49,11 +49,15 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
     from aiohttp import web
 
     from radixserve.server.app import build_app
+    from radixserve.server.connections import ConnectionLimits, GuardedRunner, fit_fd_limit
     from radixserve.server.state import ServerState
 
     state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name)
     await state.build_token_table()
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    state.connections = ConnectionLimits(fit_fd_limit(cfg.max_connections), cfg.max_connections_per_client,
+                                         on_refuse=state.metrics.rejected.labels("too_many_connections").inc)
+    runner = GuardedRunner(build_app(state), state.connections, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=cfg.keepalive_timeout)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

@@ -37,6 +37,7 @@ class SSEWriter:
 
     async def _bounded(self, write: Any) -> None:
         try:
-            await asyncio.wait_for(write, self.write_timeout)
+            async with asyncio.timeout(self.write_timeout):  # no inner task whose error nobody would retrieve
+                await write
         except TimeoutError:
             raise ConnectionResetError(f"the client read nothing for {self.write_timeout:g} s") from None

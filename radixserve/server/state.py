@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -52,6 +53,32 @@ class RequestOptions:
 
 
 @dataclass
+class Flight:
+    """One call's admitted requests and their tickets (index i of each belongs together)."""
+
+    tickets: list[Ticket]
+    arrival: float
+    reqs: list[Req] = field(default_factory=list)
+
+
+@dataclass
+class TenantUsage:
+    """What one tenant's finished requests used: /server_info shows a tenant only its own."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: Output | None) -> None:
+        self.requests += 1
+        if out is not None:
+            self.prompt_tokens += out.prompt_tokens
+            self.cached_tokens += out.cached_tokens
+            self.completion_tokens += out.completion_tokens
+
+
+@dataclass
 class ServerState:
     engine: Any
     config: ServerConfig
@@ -63,6 +90,8 @@ class ServerState:
     active: dict[str, Req | None] = field(default_factory=dict)  # engine rid -> request, while in flight
     created: int = field(default_factory=lambda: int(time.time()))
     token_texts: list[str] | None = None
+    usage: defaultdict[str, TenantUsage] = field(default_factory=lambda: defaultdict(TenantUsage))
+    connections: Any = None  # the server's ConnectionLimits, once it listens
 
     def __post_init__(self) -> None:
         c = self.config
@@ -71,6 +100,12 @@ class ServerState:
 
     def authenticate(self, request: web.Request) -> Tenant:
         return self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+
+    def tenant_info(self, tenant: Tenant) -> dict[str, Any]:
+        """One tenant's own view: its queue, in-flight requests and usage, nothing of others'."""
+        adm = self.admission
+        return {"id": tenant.id, "queued": adm.by_tenant[tenant.id], "in_flight": adm.in_flight_by_tenant[tenant.id],
+                **vars(self.usage[tenant.id])}
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -81,35 +116,46 @@ class ServerState:
                            param=param, code="model_not_found")
 
     # -- requests ---------------------------------------------------------------------------
-    async def prepare(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]],
-                      params: Sequence[SamplingParams], opts: RequestOptions) -> tuple[list[Req], list[Ticket]]:
-        """Admit (at once, or an ApiError), then tokenize and validate off the event loop.
-        A prompt may be a callable (e.g. rendering a chat template), run off the loop too."""
+    @asynccontextmanager
+    async def admit(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]],
+                    params: Sequence[SamplingParams], opts: RequestOptions, arrival: float) -> AsyncIterator[Flight]:
+        """Admit (at once, or an ApiError), then tokenize and compile grammars off the event loop.
+        A prompt may be a callable (e.g. rendering a chat template), run off the loop too.
+
+        NOTE: the block owns the admission tickets. Leaving it by any path (finish, error, a
+        client gone at any await) aborts what still runs and releases each ticket exactly once."""
         if opts.public_prefix_len and not tenant.allow_public_prefix:
             raise ApiError(403, f"public_prefix_len: tenant {tenant.id!r} may not use the public prefix", param="public_prefix_len")
         priority = request_priority(tenant, opts.priority)
         rids = engine_rids(tenant, opts.rid, len(prompts))
         if rids is not None and any(r in self.active for r in rids):
             raise ApiError(400, f"rid: {opts.rid!r} is already in flight", param="rid")
-        tickets = self.admission.enter(tenant, len(prompts))
+        flight = Flight(self.admission.enter(tenant, len(prompts)), arrival)
         for r in rids or ():
             self.active[r] = None  # claimed before the first await: a concurrent twin gets the 400
         try:
-            reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, rids, opts, priority)
-            for r in reqs:  # compiled on the grammar pool; the request waits here, outside the run queue
+            flight.reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, rids, opts, priority)
+            for r in flight.reqs:
+                self.active[r.rid] = r
+            for r in flight.reqs:  # compiled in the grammar workers; the request waits here, outside the run queue
                 try:
                     await self.engine.prepare_grammar(r)
                 except ValueError as e:
                     raise value_error(e, opts.rename) from None
-        except BaseException:
-            for t in tickets:
-                self.admission.leave(t)
-            for r in rids or ():
-                self.active.pop(r, None)
-            raise
-        for r in reqs:
-            self.active[r.rid] = r
-        return reqs, tickets
+            yield flight
+        finally:
+            self._land(flight, rids or [])
+
+    def _land(self, flight: Flight, claimed: list[str]) -> None:
+        for req, ticket in zip(flight.reqs, flight.tickets):
+            if not ticket.left and self.active.get(req.rid) is req:
+                self.engine.abort(req.rid)  # a no-op for a request the engine never saw
+        for ticket in flight.tickets:
+            if not ticket.left:
+                self.admission.leave(ticket)
+                self.metrics.observe(None, time.monotonic() - flight.arrival, 0, "abort")
+        for rid in [*claimed, *(r.rid for r in flight.reqs)]:
+            self.active.pop(rid, None)
 
     def _make_reqs(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]], params: Sequence[SamplingParams],
                    rids: list[str] | None, opts: RequestOptions, priority: int) -> list[Req]:
@@ -139,29 +185,31 @@ class ServerState:
                         out = d.output
                     yield d
         finally:
-            self.admission.leave(ticket)
+            if not ticket.left:
+                self.admission.leave(ticket)
+                reason = out.finish_reason if out is not None else "abort"
+                self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
+                self.usage[ticket.tenant].add(out)
             self.active.pop(req.rid, None)
-            reason = out.finish_reason if out is not None else "abort"
-            self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
 
-    async def collect(self, reqs: list[Req], tickets: list[Ticket], arrival: float) -> list[Output]:
+    async def collect(self, flight: Flight) -> list[Output]:
         """Run requests together to completion (siblings share their prompt through the cache)."""
 
         async def one(req: Req, ticket: Ticket) -> Output:
             out = None
-            async for d in self.run(req, ticket, arrival):
+            async for d in self.run(req, ticket, flight.arrival):
                 out = d.output if d.finished else out
             assert out is not None
             return out
 
-        tasks = [asyncio.ensure_future(one(r, t)) for r, t in zip(reqs, tickets)]
+        tasks = [asyncio.ensure_future(one(r, t)) for r, t in zip(flight.reqs, flight.tickets)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
                 task.cancel()
 
-    async def merged(self, reqs: list[Req], tickets: list[Ticket], arrival: float) -> AsyncIterator[tuple[int, Delta]]:
+    async def merged(self, flight: Flight) -> AsyncIterator[tuple[int, Delta]]:
         """Deltas of several requests as they come, tagged with the request's index. The queue is
         bounded: a consumer that stops reading stops the pumps, so each request's own backlog
         (max_stream_backlog) fills and aborts it."""
@@ -169,7 +217,7 @@ class ServerState:
 
         async def pump(i: int, req: Req, ticket: Ticket) -> None:
             try:
-                async with aclosing(self.run(req, ticket, arrival)) as stream:  # closed (aborting) even if cancelled
+                async with aclosing(self.run(req, ticket, flight.arrival)) as stream:  # closed (aborting) even if cancelled
                     async for d in stream:
                         await q.put((i, d))
             finally:
@@ -177,7 +225,7 @@ class ServerState:
                 if task is None or not task.cancelling():  # cancelled: the consumer has gone, nobody waits for the end
                     await q.put(None)
 
-        tasks = [asyncio.ensure_future(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, tickets))]
+        tasks = [asyncio.ensure_future(pump(i, r, t)) for i, (r, t) in enumerate(zip(flight.reqs, flight.tickets))]
         try:
             done = 0
             while done < len(tasks):

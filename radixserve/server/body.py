@@ -1,0 +1,47 @@
+"""Reading a request body, bounded: a declared length over --max-request-bytes is refused from
+the header (413 before a byte of the body is read), a body that does not arrive within
+--body-read-timeout is a 408, and no JSON value nests deeper than MAX_JSON_DEPTH (a 400
+naming the field). Both 413 and 408 close the connection, so no unread body is drained."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from radixserve.limits import MAX_JSON_DEPTH, too_deep
+from radixserve.server.errors import ApiError, decode_body
+
+
+async def read_body(request: web.Request, typ: type) -> Any:
+    config = request.app["state"].config
+    declared = request.content_length
+    if declared is not None and declared > config.max_request_bytes:
+        raise too_large(config.max_request_bytes, declared)
+    try:
+        raw = await asyncio.wait_for(request.read(), config.body_read_timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within the body_read_timeout of {config.body_read_timeout:g} s",
+                       code="body_timeout") from None
+    body = decode_body(raw, typ)
+    check_depth(body, "")
+    return body
+
+
+def too_large(limit: int, declared: int | None = None) -> ApiError:
+    size = f" ({declared} bytes declared)" if declared is not None else ""
+    return ApiError(413, f"the request body is larger than the limit of {limit} bytes{size}", code="request_too_large")
+
+
+def check_depth(value: Any, path: str) -> None:
+    """Every free-form JSON field of a decoded body (schemas, tools, ...) within the nesting cap."""
+    if isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            check_depth(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, list) and value and isinstance(value[0], msgspec.Struct):
+        for i, item in enumerate(value):
+            check_depth(item, f"{path}[{i}]")
+    elif isinstance(value, (dict, list)) and too_deep(value, MAX_JSON_DEPTH):
+        raise ApiError(400, f"{path}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", param=path)
