@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixserve.limits import MAX_JSON_DEPTH
 from radixserve.server.protocol import ErrorDetail, ErrorResponse
 
 ERROR_TYPES = {
@@ -58,9 +59,31 @@ def decode_body(body: bytes, typ: type) -> Any:
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
-        from radixserve.limits import MAX_JSON_DEPTH
+        path = deep_path(body[:DEEP_SCAN_BYTES], MAX_JSON_DEPTH)
+        where = f"{path}: nests" if path else "the request body nests"
+        raise ApiError(400, f"{where} deeper than the limit of {MAX_JSON_DEPTH} levels", param=path) from None
 
-        raise ApiError(400, f"the request body nests deeper than the limit of {MAX_JSON_DEPTH} levels") from None
+
+DEEP_SCAN_BYTES = 1 << 16  # how far deep_path looks for the field (bounded work on a hostile body)
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"\s*:?|[\[\]{}]')
+
+
+def deep_path(body: bytes, limit: int) -> str | None:
+    """The field (its first three keys) where a JSON text first nests deeper than `limit`."""
+    keys: list[str] = []  # the key each open level was opened under ("" in a list)
+    pending = ""
+    for m in _TOKEN.finditer(body):
+        t = m.group()
+        if t[0] == 34:  # a string; "key": names what opens next
+            pending = t.rstrip(b" \t\r\n:")[1:-1].decode("utf-8", "replace") if t.endswith(b":") else ""
+        elif t in (b"[", b"{"):
+            keys.append(pending)
+            pending = ""
+            if len(keys) > limit:
+                return ".".join([k for k in keys if k][:3]) or None
+        elif keys:
+            keys.pop()
+    return None
 
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
