@@ -465,19 +465,26 @@ def test_bench_reliability_rejects_the_burst_excess_and_shows_no_cross_tenant_hi
 
     tenants = Path(__file__).resolve().parents[1] / "examples" / "agents" / "tenants.toml"
     server = ServerProcess(tiny_llama, "--tenants", str(tenants), "--max-queued-requests", "8", "--kv-cache-tokens", "8192",
-                           log=tmp_path / "server.log")
+                           "--grammar-compile-timeout", "1", log=tmp_path / "server.log")
     try:
         p = argparse.ArgumentParser()
         reliability.add_args(p)
         out = tmp_path / "rel.json"
         args = p.parse_args(["--url", server.url, "--keys", "sk-alice-example,sk-bob-example", "--burst-factor", "4",
-                             "--trials", "2", "--prompt-words", "150", "--json", str(out)])
+                             "--trials", "2", "--prompt-words", "150", "--storm", "8", "--bombs", "1", "--json", str(out)])
         assert reliability.run(args) == 0
     finally:
         assert server.stop() == 0
     data = json.loads(out.read_text())
     o = data["overload"]
     assert o["sent"] == 32 and o["accepted"] + o["rejected"] == 32 and o["rejected"] >= 24 and not o["other_statuses"]
+    assert 0 < o["server_reject_p50_ms"] <= o["server_reject_p99_ms"] < 1000, o  # from the server's own histogram
+    st = data["storm"]
+    assert st["integrity"] == "ok" and st["queued_after"] == 0 and st["in_flight_after"] == 0, st
+    assert st["b_ok"] == st["b_sent"] > 0 and sum(st["outcomes"].values()) == 8, st
+    assert all(k.endswith(":400") for k in st["outcomes"] if k.startswith("grammar:")), st
+    gb = data["grammar_bomb"]
+    assert gb["bomb_statuses"] == [400, 400] and gb["trivial_status"] == 200 and gb["recovery_s"] is not None, gb
     iso = data["isolation"]
     assert iso["A hit (same tenant)"]["cached_tokens_median"] > 100
     assert iso["B, A's prompt (other tenant)"]["cached_tokens_median"] <= 8  # at most the nonce's leading bracket

@@ -6,6 +6,9 @@ measured against a running server over HTTP.
   next to the same burst of no-op GET /health requests: the client's and the loop's floor),
   how many were accepted and whether they all completed, their latency against the same
   requests sent unloaded, and the server's resident memory before and after (from /metrics).
+- Server-side rejection latency: the same burst's 429/503s as the server measured them, from
+  its `radixserve_rejection_latency_seconds` histogram (arrival to answer, no client or network).
+- The storm and the grammar bomb of bench/hostile.py.
 - Isolation timing: per trial a fresh long prompt; tenant A sends it cold, then again (a
   same-tenant hit), then tenant B sends it. B's time to first token should match A's cold
   one (no cross-tenant hit, and nothing measurable leaks through timing) and be clearly
@@ -17,13 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import time
 import uuid
 from typing import Any
 
-from radixserve.bench import percentile
+from radixserve.bench import hostile, percentile
+from radixserve.bench.prom import histogram_quantile, scrape
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,13 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-factor", type=float, default=10.0)
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--prompt-words", type=int, default=1200, help="length of the isolation prompt")
+    p.add_argument("--storm", type=int, default=200, help="streams in the mixed storm (0: skip it)")
+    p.add_argument("--bombs", type=int, default=4, help="exploding regexes in the grammar bomb, besides one memory bomb (0: skip)")
     p.add_argument("--json", default=None)
-
-
-async def _rss_mb(session: Any, url: str, h: dict[str, str]) -> float | None:
-    async with session.get(url + "/metrics", headers=h) as r:
-        m = re.search(r"^process_resident_memory_bytes (\S+)$", await r.text(), re.M)
-        return float(m.group(1)) / 2**20 if m else None
 
 
 async def _chat(session: Any, url: str, h: dict[str, str], i: int) -> tuple[int, float]:
@@ -62,9 +61,12 @@ async def overload(session: Any, args: argparse.Namespace, h: dict[str, str]) ->
     n = int(cap * args.burst_factor)
     unloaded = [(await _chat(session, args.url, h, -i))[1] for i in range(1, 4)]
     floor = await asyncio.gather(*(_health(session, args.url) for _ in range(n)))  # the same burst of no-op requests
-    rss0 = await _rss_mb(session, args.url, h)
+    key = h.get("Authorization", " ").split(" ")[-1] or None
+    m0 = await scrape(session, args.url, key)
     results = await asyncio.gather(*(_chat(session, args.url, h, i) for i in range(n)))
-    rss1 = await _rss_mb(session, args.url, h)
+    m1 = await scrape(session, args.url, key)
+    rss0, rss1 = (m.get("process_resident_memory_bytes", float("nan")) / 2**20 for m in (m0, m1))
+    name = "radixserve_rejection_latency_seconds"
     rejected = [t for s, t in results if s in (429, 503)]
     accepted = [t for s, t in results if s == 200]
     other = sorted({s for s, _ in results} - {200, 429, 503})
@@ -72,7 +74,9 @@ async def overload(session: Any, args: argparse.Namespace, h: dict[str, str]) ->
             "reject_p50_ms": 1e3 * percentile(rejected, 0.5), "reject_p99_ms": 1e3 * percentile(rejected, 0.99),
             "noop_burst_p50_ms": 1e3 * percentile(floor, 0.5), "noop_burst_p99_ms": 1e3 * percentile(floor, 0.99),
             "accepted_p50_s": percentile(accepted, 0.5), "accepted_p99_s": percentile(accepted, 0.99),
-            "unloaded_s": statistics.median(unloaded), "rss_before_mb": rss0, "rss_after_mb": rss1}
+            "unloaded_s": statistics.median(unloaded), "rss_before_mb": rss0, "rss_after_mb": rss1,
+            "server_reject_p50_ms": 1e3 * (histogram_quantile(0.5, m0, m1, name) or float("nan")),
+            "server_reject_p99_ms": 1e3 * (histogram_quantile(0.99, m0, m1, name) or float("nan"))}
 
 
 async def _ttft(session: Any, url: str, key: str | None, text: str) -> tuple[float, int]:
@@ -119,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
         h = {"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
         conn = aiohttp.TCPConnector(limit=0)  # the whole burst at once, not 100 connections at a time
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
-            return {"overload": await overload(session, args, h), "isolation": await isolation(session, args, keys)}
+            out = {"overload": await overload(session, args, h)}
+            if args.storm:
+                out["storm"] = await hostile.storm(session, args.url, keys[0], keys[1], args.storm)
+            if args.bombs:
+                out["grammar_bomb"] = await hostile.grammar_bomb(session, args.url, keys[0], keys[1], args.bombs)
+            out["isolation"] = await isolation(session, args, keys)
+            return out
 
     out = asyncio.run(main())
     o = out["overload"]
@@ -127,8 +137,14 @@ def run(args: argparse.Namespace) -> int:
           f"(all completed: {not o['other_statuses']}), {o['rejected']} rejected in p50 {o['reject_p50_ms']:.1f} ms / "
           f"p99 {o['reject_p99_ms']:.1f} ms (the same burst of GET /health: p50 {o['noop_burst_p50_ms']:.1f} ms / "
           f"p99 {o['noop_burst_p99_ms']:.1f} ms)")
+    print(f"  server-side (its histogram): rejected in p50 {o['server_reject_p50_ms']:.2f} ms / "
+          f"p99 {o['server_reject_p99_ms']:.2f} ms")
     print(f"  accepted latency p50 {o['accepted_p50_s']:.2f} s, p99 {o['accepted_p99_s']:.2f} s (unloaded {o['unloaded_s']:.2f} s); "
           f"server RSS {o['rss_before_mb']:.0f} -> {o['rss_after_mb']:.0f} MiB")
+    if "storm" in out:
+        hostile.report(out["storm"], out.get("grammar_bomb"))
+    elif "grammar_bomb" in out:
+        hostile.report(None, out["grammar_bomb"])
     if keys[0] is None:
         print("isolation: an open server has one tenant; the rows below compare the same tenant")
     print(f"{'isolation (TTFT over ' + str(args.trials) + ' trials)':<34}{'p50 ms':>9}{'p10 ms':>9}{'p90 ms':>9}{'cached':>8}")

@@ -16,14 +16,16 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], connections: Callable[[], int]) -> None:
         self.snapshot = snapshot
         self.queued = queued
+        self.connections = connections
 
     def collect(self) -> Iterator[Any]:
         s = self.snapshot()
         gauges = {
             "radixserve_queued_requests": ("requests accepted that have no first token yet", self.queued()),
+            "radixserve_open_connections": ("client connections open", self.connections()),
             "radixserve_running_requests": ("requests the scheduler is running", s.get("running", 0)),
             "radixserve_waiting_requests": ("requests waiting in the scheduler", s.get("waiting", 0)),
             "radixserve_kv_total_tokens": ("KV pool size in tokens", s.get("kv_total_slots", 0)),
@@ -48,7 +50,8 @@ class _EngineCollector(Collector):
 
 class Metrics:
     def __init__(
-        self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float
+        self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float,
+        connections: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
@@ -61,7 +64,7 @@ class Metrics:
         self.rejected = Counter("radixserve_rejected_requests", "requests rejected by reason", ["reason"], registry=r)
         self.rejection_latency = Histogram("radixserve_rejection_latency_seconds", "arrival to a 429/503 answer (overload)",
                                            registry=r, buckets=REJECT_BUCKETS)
-        r.register(_EngineCollector(snapshot, queued))
+        r.register(_EngineCollector(snapshot, queued, connections))
 
     def observe(self, ttft: float | None, e2e: float, completion_tokens: int, finish_reason: str) -> None:
         self.finished.labels(finish_reason).inc()

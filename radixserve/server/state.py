@@ -59,6 +59,7 @@ class Flight:
     tickets: list[Ticket]
     arrival: float
     reqs: list[Req] = field(default_factory=list)
+    admitted: bool = False  # tokenized, validated and compiled: handed to the route
 
 
 @dataclass
@@ -96,7 +97,8 @@ class ServerState:
     def __post_init__(self) -> None:
         c = self.config
         self.admission = Admission(c.max_queued_requests)
-        self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3)
+        self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3,
+                               lambda: self.connections.open if self.connections is not None else 0)
 
     def authenticate(self, request: web.Request) -> Tenant:
         return self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
@@ -142,6 +144,7 @@ class ServerState:
                     await self.engine.prepare_grammar(r)
                 except ValueError as e:
                     raise value_error(e, opts.rename) from None
+            flight.admitted = True
             yield flight
         finally:
             self._land(flight, rids or [])
@@ -153,7 +156,8 @@ class ServerState:
         for ticket in flight.tickets:
             if not ticket.left:
                 self.admission.leave(ticket)
-                self.metrics.observe(None, time.monotonic() - flight.arrival, 0, "abort")
+                if flight.admitted:  # it never ran: its client left first (a refused request is no abort)
+                    self.metrics.observe(None, time.monotonic() - flight.arrival, 0, "abort")
         for rid in [*claimed, *(r.rid for r in flight.reqs)]:
             self.active.pop(rid, None)
 
