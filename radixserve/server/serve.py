@@ -16,6 +16,7 @@ from radixserve.cli_args import add_engine_args, add_flags, engine_kwargs, scala
 from radixserve.config import ServerConfig
 
 log = logging.getLogger("radixserve.server")
+LINGER_S = 2.0  # after refusing a body (413/408), read and drop what the client still sends this long, then close
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
     state.connections = ConnectionLimits(fit_fd_limit(cfg.max_connections), cfg.max_connections_per_client,
                                          on_refuse=state.metrics.rejected.labels("too_many_connections").inc)
     runner = GuardedRunner(build_app(state), state.connections, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=cfg.keepalive_timeout)
+                           keepalive_timeout=cfg.keepalive_timeout, lingering_time=LINGER_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
