@@ -1,7 +1,9 @@
-"""Grammar-constrained generation: specs, backends (xgrammar, outlines-core), a compile cache.
+"""Grammar-constrained generation: specs, backends (xgrammar, outlines-core), a compile cache
+whose compiles run in killable worker processes (grammars.cache, grammars.pool).
 
 `create_backend(name, tokenizer, vocab_size, stop_token_ids)` is the one place a backend name
-becomes a class; backends import their libraries lazily.
+becomes a class; backends import their libraries lazily. A `functools.partial` of it is the
+picklable factory the compile cache builds its backends with.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from grammars.spec import KINDS, GrammarError, GrammarSpec
 
 BACKENDS = ("auto", "xgrammar", "outlines")
 
-__all__ = ["BACKENDS", "KINDS", "GrammarError", "GrammarSpec", "create_backend"]
+__all__ = ["BACKENDS", "KINDS", "GrammarError", "GrammarSpec", "check_backend_name", "create_backend"]
+_MEMBERS = {"auto": ["xgrammar", "outlines"], "xgrammar": ["xgrammar"], "outlines": ["outlines"]}
+
+
+def check_backend_name(name: str) -> None:
+    if name not in _MEMBERS:
+        raise ValueError(f"grammar_backend: {name!r} is not supported; choose from: {', '.join(BACKENDS)}")
 
 
 def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
@@ -20,10 +28,8 @@ def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: l
     enforce. Every choice checks strict JSON schemas against what the backend enforces."""
     from grammars.chain import Chain
 
-    names = {"auto": ["xgrammar", "outlines"], "xgrammar": ["xgrammar"], "outlines": ["outlines"]}.get(name)
-    if names is None:
-        raise ValueError(f"grammar_backend: {name!r} is not supported; choose from: {', '.join(BACKENDS)}")
-    return Chain([_one(n, tokenizer, vocab_size, stop_token_ids) for n in names])
+    check_backend_name(name)
+    return Chain([_one(n, tokenizer, vocab_size, stop_token_ids) for n in _MEMBERS[name]])
 
 
 def _one(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:

@@ -1,99 +1,126 @@
-"""Compiled grammars, cached by (backend, spec key); compiled on a thread pool with a timeout.
+"""Compiled grammars, cached by spec; compiled in killable worker processes (grammars.pool).
 
-The timeout counts from the moment a compile starts, not from when it was queued, so slow
-grammars ahead in the queue do not time out the ones behind them; a compile that cannot
-even start within the timeout fails with its own message. Failures are cached too, so a bad
-grammar sent again fails at once. A compile that outlives its timeout keeps running on its
-pool thread (Python cannot stop it) and is cached when it ends. The pool is bounded, so
-pathological grammars cannot take more than `workers` threads.
+`CompileCache(factory, ...)`: `factory()` builds the backend, once in each worker and once
+here (in the background), where it turns what a worker compiled back into a Compiled.
+
+What is cached: a compiled grammar; a grammar the backend refused (GrammarError); a compile
+that ran past the timeout or the memory cap (the same grammar would do it again: resending
+a grammar bomb fails at once instead of taking a worker for another `timeout_s`). Not
+cached (the next request for the grammar compiles it again): a compile that could not
+start in time (busy), a worker that crashed (a crash may be the machine's, e.g. the OOM
+killer, not the grammar's), a cache shut down. Cache hits never touch a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from grammars.base import Backend, Compiled
+from grammars import errors
+from grammars.base import Backend, BackendFactory, Compiled
+from grammars.errors import NotCompiled
+from grammars.pool import CompilePool, Job
 from grammars.spec import GrammarError, GrammarSpec
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     result: Future[Compiled] = field(default_factory=Future)
-    started: Future[float] = field(default_factory=Future)  # resolves to the monotonic start time
+    job: Job | None = None
 
 
 class CompileCache:
-    def __init__(self, backend: Backend, timeout_s: float = 10.0, workers: int = 4, max_entries: int = 4096) -> None:
-        self.backend = backend
+    """`workers` compile processes; at most `tenant_compiles` (default: half the workers, at
+    least 1) compiles of one tenant at once; each compile stopped at `timeout_s` seconds from
+    its start or `memory_mb` MiB over its worker's memory at its start."""
+
+    def __init__(self, factory: BackendFactory, timeout_s: float = 10.0, workers: int = 2, tenant_compiles: int | None = None,
+                 memory_mb: int = 1024, max_entries: int = 4096) -> None:
+        self.factory = factory
         self.timeout_s = timeout_s
         self.max_entries = max_entries
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixserve-grammar")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar-load")
+        self._backend = self._loader.submit(factory)  # built in the background: importing xgrammar takes a while
+        per_tenant = max(1, workers // 2) if tenant_compiles is None else tenant_compiles
+        self._pool = CompilePool(factory, workers=workers, tenant_compiles=per_tenant, timeout_s=timeout_s, memory_mb=memory_mb)
         self._entries: dict[tuple, _Entry] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def submit(self, spec: GrammarSpec) -> _Entry:
-        key = (self.backend.name, spec.key)
+    def submit(self, spec: GrammarSpec, tenant: Hashable = None) -> Future[Compiled]:
+        key = spec.key
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self.hits += 1
-                return entry
+                if entry.job is not None and not entry.result.done():
+                    self._pool.join(entry.job, tenant)  # may start from this tenant's share too
+                return entry.result
             self.misses += 1
             if len(self._entries) >= self.max_entries:
                 self._entries.pop(next(iter(self._entries)))  # oldest first
             entry = self._entries[key] = _Entry()
-        self._pool.submit(self._compile, spec, entry)
-        return entry
+            entry.job = job = self._pool.submit(spec, tenant)
+        job.result.add_done_callback(lambda done: self._load_later(spec, entry, done))
+        return entry.result
 
-    def _compile(self, spec: GrammarSpec, entry: _Entry) -> None:
-        entry.started.set_result(time.monotonic())
+    def get(self, spec: GrammarSpec, tenant: Hashable = None) -> Compiled:
+        """Blocking: the compiled grammar, or GrammarError (the timeouts and limits included)."""
+        result = self.submit(spec, tenant)
         try:
-            entry.result.set_result(self.backend.compile(spec))
-        except BaseException as e:  # cached: the same grammar fails at once next time
-            entry.result.set_exception(e if isinstance(e, GrammarError) else GrammarError(f"{spec.kind}: {e!r}", spec.kind))
-
-    def get(self, spec: GrammarSpec) -> Compiled:
-        """Blocking: the compiled grammar, or GrammarError (including the timeouts)."""
-        entry = self.submit(spec)
-        if entry.result.done():
-            return entry.result.result()
-        try:
-            start = entry.started.result(self.timeout_s)
+            return result.result(self._pool.max_wait_s)
         except FutureTimeout:
-            raise self._busy(spec) from None
-        try:
-            return entry.result.result(max(start + self.timeout_s - time.monotonic(), 0.0))
-        except FutureTimeout:
-            raise self._timeout(spec) from None
+            raise errors.timeout(spec, self.timeout_s) from None
 
-    async def get_async(self, spec: GrammarSpec) -> Compiled:
+    async def get_async(self, spec: GrammarSpec, tenant: Hashable = None) -> Compiled:
         """For event loops: waits without blocking the loop (and never cancels the shared compile)."""
-        entry = self.submit(spec)
-        if entry.result.done():  # a hit: however long ago it compiled (a 0 s wait_for below would time out)
-            return entry.result.result()
+        result = self.submit(spec, tenant)
+        if result.done():  # a hit
+            return result.result()
         try:
-            start = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.started)), self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(result)), self._pool.max_wait_s)
         except TimeoutError:
-            raise self._busy(spec) from None
-        remaining = max(start + self.timeout_s - time.monotonic(), 0.0)
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.result)), remaining)
-        except TimeoutError:
-            raise self._timeout(spec) from None
+            raise errors.timeout(spec, self.timeout_s) from None
 
-    def _timeout(self, spec: GrammarSpec) -> GrammarError:
-        return GrammarError(f"{spec.kind}: compiling the grammar took longer than the grammar_compile_timeout of "
-                            f"{self.timeout_s:g} s", spec.kind)
-
-    def _busy(self, spec: GrammarSpec) -> GrammarError:
-        return GrammarError(f"{spec.kind}: every grammar compiler is busy with slow grammars; its compile did not start "
-                            f"within the grammar_compile_timeout of {self.timeout_s:g} s", spec.kind)
+    def worker_pids(self, busy: bool = False) -> list[int]:
+        """The live worker processes (busy: only those compiling now)."""
+        return self._pool.pids(busy)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Kill the workers (no process is left behind) and fail compiles still pending."""
+        self._pool.shutdown()
+        self._loader.shutdown(wait=False)  # its queued loads still run: they resolve their entries (shut down)
+
+    # -- results: deserialized on the loader thread, never on the pool's monitor thread -----------
+    def _load_later(self, spec: GrammarSpec, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
+        try:
+            self._loader.submit(self._load, spec, entry, done)
+        except RuntimeError:  # shut down
+            entry.result.set_exception(errors.other(spec, "the grammar compile cache is shut down"))
+
+    def _load(self, spec: GrammarSpec, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
+        try:
+            backend, data = done.result()
+            compiled = self._parent_backend(spec).deserialize(backend, data)
+        except NotCompiled as e:
+            with self._lock:
+                if self._entries.get(spec.key) is entry:
+                    del self._entries[spec.key]
+            entry.result.set_exception(e)
+        except GrammarError as e:
+            entry.result.set_exception(e)
+        except BaseException as e:
+            entry.result.set_exception(GrammarError(f"{spec.kind}: {e!r}", spec.kind))
+        else:
+            entry.result.set_result(compiled)
+        entry.job = None
+
+    def _parent_backend(self, spec: GrammarSpec) -> Backend:
+        try:
+            return self._backend.result()
+        except Exception as e:
+            raise errors.other(spec, f"the grammar backend could not be built: {e!r}") from None

@@ -1,6 +1,7 @@
 """Backends in order of preference, with "no silent weakening": for a strict JSON schema, a
 backend that would drop or loosen a keyword is skipped; if none enforces the schema, the
-error names the keyword and its JSON pointer."""
+error names the keyword and its JSON pointer. The result is the member's own Compiled, so its
+`backend` says which member compiled it, and `deserialize` hands it back to that member."""
 
 from __future__ import annotations
 
@@ -30,3 +31,9 @@ class Chain(Backend):
             except GrammarError as e:
                 errors.append(e)
         raise errors[0]
+
+    def deserialize(self, backend: str, data: bytes) -> Compiled:
+        for b in self.backends:
+            if b.name == backend:
+                return b.deserialize(backend, data)
+        raise GrammarError(f"a grammar compiled by {backend!r} cannot be loaded by the {self.name!r} backend")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from grammars.base import Backend, Compiled, Matcher
+from grammars.base import Backend, Compiled, Matcher, check_backend
 from grammars.spec import GrammarError, GrammarSpec
 
 
@@ -54,8 +54,14 @@ class OutlinesMatcher(Matcher):
 
 
 class OutlinesCompiled(Compiled):
+    backend = "outlines"
+
     def __init__(self, index: Any, stop_ids: set[int]) -> None:
         self._index, self._stop = index, stop_ids
+
+    def serialize(self) -> bytes:
+        _, (data,) = self._index.__reduce__()  # (Index.from_binary, (bytes,)): the bytes, not a pickle
+        return bytes(data)
 
     def matcher(self) -> Matcher:
         return OutlinesMatcher(self._index, self._stop)
@@ -75,6 +81,15 @@ class OutlinesBackend(Backend):
 
             self._vocab = Vocabulary(min(self._stop), token_bytes(self._tokenizer, self._stop))
         return self._vocab
+
+    def deserialize(self, backend: str, data: bytes) -> Compiled:
+        from outlines_core import Index
+
+        check_backend(self.name, backend)
+        try:
+            return OutlinesCompiled(Index.from_binary(data), self._stop)
+        except Exception as e:
+            raise GrammarError(f"the compiled outlines index could not be loaded: {e}") from None
 
     def compile(self, spec: GrammarSpec) -> Compiled:
         from outlines_core import Index

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from grammars.base import Backend, Compiled, Matcher
+from grammars.base import Backend, Compiled, Matcher, check_backend
 from grammars.spec import GrammarError, GrammarSpec
 
 
@@ -33,8 +33,13 @@ class XGrammarMatcher(Matcher):
 
 
 class XGrammarCompiled(Compiled):
+    backend = "xgrammar"
+
     def __init__(self, compiled: Any) -> None:
         self._c = compiled
+
+    def serialize(self) -> bytes:
+        return self._c.serialize_json().encode()
 
     def matcher(self) -> Matcher:
         import xgrammar as xgr
@@ -48,8 +53,17 @@ class XGrammarBackend(Backend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
+
+    def deserialize(self, backend: str, data: bytes) -> Compiled:
+        import xgrammar as xgr
+
+        check_backend(self.name, backend)
+        try:  # checks the tokenizer too: a grammar compiled for another vocabulary is refused
+            return XGrammarCompiled(xgr.CompiledGrammar.deserialize_json(data.decode(), self._info))
+        except Exception as e:
+            raise GrammarError(f"the compiled xgrammar grammar could not be loaded: {_first_line(e)}") from None
 
     def compile(self, spec: GrammarSpec) -> Compiled:
         c = self._compiler

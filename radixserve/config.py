@@ -73,7 +73,16 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | torch_ref | triton
     default_max_new_tokens: int = 128
     grammar_backend: str = "auto"  # auto (xgrammar, then outlines-core) | xgrammar | outlines
-    grammar_compile_timeout: float = 10.0  # seconds; a slower compile fails its request with a 400
+    grammar_compile_timeout: float = 10.0  # seconds from a compile's start in a worker; then the worker is killed, a 400
+    # Compiles run in killable worker processes. 2: a compile is CPU-bound on about one core and an
+    # idle worker holds ~240 MiB (torch + xgrammar), so on the 2-core reference machine more workers
+    # would only slow each other and the model's forward.
+    grammar_compile_workers: int = 2
+    grammar_tenant_compiles: int | None = None  # compiles one tenant may run at once (None: half the workers, at least 1)
+    # A compile whose worker grows this many MiB past its memory at the compile's start is killed (a 400).
+    # Measured on SmolLM2's vocabulary: ordinary schemas and regexes +2..15 MiB, an exploding regex
+    # +190 MiB in its 10 s; 1024 leaves large schemas and vocabularies room and stops a memory bomb in ~3 s.
+    grammar_compile_memory_mb: int = 1024
     grammar_max_whitespace: int = 2  # JSON: most whitespace characters in a row (-1: unbounded)
     disable_jump_forward: bool = False  # True: sample every token, even ones the grammar forces
 

@@ -1,22 +1,23 @@
 """Grammars: backend masks against a brute-force oracle on a small vocabulary, rollback, the
-compile cache (hits, cached failures, timeouts), the bitmask kernel against its reference,
+compile cache (hits, cached failures and timeouts, busy), the bitmask kernel against its reference,
 and constrained generation end to end (every finished output validates)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
-import threading
 import time
 
 import jsonschema
 import pytest
 import regex
 import torch
+from grammar_fakes import FakeBackend, compiles, fake
 
 from grammars import GrammarError, GrammarSpec, create_backend
-from grammars.base import Backend, Compiled, bitmask_words
+from grammars.base import bitmask_words
 from grammars.cache import CompileCache
 from grammars.schema_check import unenforced
 from kernels.bitmask import apply_bitmask_ref, apply_bitmask_triton
@@ -151,14 +152,19 @@ def test_strict_schemas_are_refused_naming_the_unenforced_keyword_and_pointer(to
 def test_the_chain_falls_back_to_the_next_backend_and_reports_the_first_failure():
     from grammars.chain import Chain
 
-    class Fails(Backend):
+    class Fails(FakeBackend):
         name = "xgrammar"
 
         def compile(self, spec):
             raise GrammarError(f"{spec.kind}: first backend cannot", spec.kind)
 
-    class Works(_CountingBackend):
+    class Works(FakeBackend):
         name = "outlines"
+        calls = 0
+
+        def compile(self, spec):
+            self.calls += 1
+            return super().compile(spec)
 
     works = Works()
     assert Chain([Fails(), works]).compile(GrammarSpec("regex", "a+")) is not None and works.calls == 1
@@ -197,61 +203,52 @@ def test_bad_grammars_fail_with_a_message_naming_the_kind(backend):
         SamplingParams(regex="a", ebnf='root ::= "a"').grammar_spec()
 
 
-class _CountingBackend(Backend):
-    name = "counting"
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.calls = 0
-        self.delay = delay
-        self.release = threading.Event()
-
-    def compile(self, spec: GrammarSpec) -> Compiled:
-        self.calls += 1
-        if self.delay:
-            self.release.wait(self.delay)
-        if spec.source == "bad":
-            raise GrammarError("regex: bad on purpose", "regex")
-        return object()  # type: ignore[return-value]
-
-
-def test_compile_cache_hits_caches_failures_and_times_out():
-    b = _CountingBackend()
-    cache = CompileCache(b, timeout_s=5)
-    ok = GrammarSpec("regex", "a+")
-    assert cache.get(ok) is cache.get(ok) and b.calls == 1
-    for _ in range(2):
-        with pytest.raises(GrammarError, match="bad on purpose"):
-            cache.get(GrammarSpec("regex", "bad"))
-    assert b.calls == 2  # the failure was cached
-    slow = _CountingBackend(delay=30)
-    cache = CompileCache(slow, timeout_s=0.2, workers=3)
-    for src in ("x", "y"):  # two pathological grammars keep two compile threads busy
-        with pytest.raises(GrammarError, match="took longer than the grammar_compile_timeout of 0.2 s"):
-            cache.get(GrammarSpec("regex", src))
-    slow.delay = 0.0
-    assert cache.get(GrammarSpec("regex", "fast")) is not None  # timed from its own start, not the queue's
-    slow.release.set()
-    cache.shutdown()
+def test_compile_cache_hits_and_caches_failures_and_timeouts_but_not_busy(tmp_path):
+    log = tmp_path / "compiles.log"
+    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=0.5, workers=2, tenant_compiles=1)
+    try:
+        ok = GrammarSpec("regex", "a+")
+        assert cache.get(ok) is cache.get(ok) and compiles(log) == ["a+"]
+        for _ in range(2):
+            with pytest.raises(GrammarError, match="bad on purpose"):
+                cache.get(GrammarSpec("regex", "bad"))
+        assert compiles(log).count("bad") == 1  # the failure was cached
+        for _ in range(2):
+            with pytest.raises(GrammarError, match="took longer than the grammar_compile_timeout of 0.5 s"):
+                cache.get(GrammarSpec("regex", "spin"))
+        assert compiles(log).count("spin") == 1  # so was the timeout: a resent bomb takes no worker
+        # one tenant, one compile at a time: "late" waits behind two slow ones and cannot start in time
+        first, second, late = (cache.submit(GrammarSpec("regex", s)) for s in ("spin1", "spin2", "late"))
+        with pytest.raises(GrammarError, match="busy with slow grammars; its compile did not start within the "
+                                               "grammar_compile_timeout of 0.5 s"):
+            late.result(10)
+        for f in (first, second):
+            with pytest.raises(GrammarError, match="took longer"):
+                f.result(10)
+        assert cache.get(GrammarSpec("regex", "late")).source == "late"  # busy is not cached
+    finally:
+        cache.shutdown()
 
 
-def test_a_compile_cache_hit_never_times_out_however_old(monkeypatch):
+def test_a_compile_cache_hit_never_times_out_however_old(monkeypatch, tmp_path):
     """A hit compiled longer than timeout_s ago used to fail in get_async: its remaining time was
     0 s and wait_for saw the wrapped (not yet copied) future as pending."""
-    import grammars.cache as gc
-
-    b = _CountingBackend()
-    cache = CompileCache(b, timeout_s=5)
-    spec, bad = GrammarSpec("regex", "a+"), GrammarSpec("regex", "bad")
-    compiled = asyncio.run(cache.get_async(spec))
-    with pytest.raises(GrammarError, match="bad on purpose"):
-        asyncio.run(cache.get_async(bad))
-    now = time.monotonic()
-    monkeypatch.setattr(gc.time, "monotonic", lambda: now + 60)  # a minute later
-    assert asyncio.run(cache.get_async(spec)) is compiled and cache.get(spec) is compiled
-    with pytest.raises(GrammarError, match="bad on purpose"):  # a cached failure stays that failure, not a timeout
-        asyncio.run(cache.get_async(bad))
-    assert b.calls == 2
-    cache.shutdown()
+    log = tmp_path / "compiles.log"
+    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=5)
+    try:
+        spec, bad = GrammarSpec("regex", "a+"), GrammarSpec("regex", "bad")
+        compiled = asyncio.run(cache.get_async(spec))
+        with pytest.raises(GrammarError, match="bad on purpose"):
+            asyncio.run(cache.get_async(bad))
+        now = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: now + 60)  # a minute later
+        assert asyncio.run(cache.get_async(spec)) is compiled and cache.get(spec) is compiled
+        with pytest.raises(GrammarError, match="bad on purpose"):  # a cached failure stays that failure, not a timeout
+            asyncio.run(cache.get_async(bad))
+        assert len(compiles(log)) == 2
+    finally:
+        monkeypatch.undo()
+        cache.shutdown()
 
 
 @pytest.mark.parametrize("vocab", [31, 32, 257, 1000])

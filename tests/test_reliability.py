@@ -156,21 +156,24 @@ def test_a_forward_step_that_fails_for_one_request_fails_only_that_request(tiny_
 
 
 def test_a_grammar_compile_that_raises_fails_only_its_request(tiny_engine, monkeypatch):
-    backend = tiny_engine.grammars().backend
-    real = backend.compile
+    import functools
 
-    def compile_or_raise(spec):
-        if "poison" in spec.source:
-            raise MemoryError("injected compile fault")  # not a GrammarError: any exception
-        return real(spec)
+    from grammar_fakes import poisoned
 
-    monkeypatch.setattr(backend, "compile", compile_or_raise)
-    ok = SamplingParams(temperature=0.0, max_new_tokens=8, regex="[a-z]{2,6}")
-    with pytest.raises(ValueError, match="injected compile fault"):
-        tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, regex="poison|[0-9]+"))
-    out = tiny_engine.generate([[5, 6, 7]], ok)[0]
-    assert re.fullmatch("[a-z]{2,6}", out.text), out
-    assert_no_leak(tiny_engine)
+    from grammars.cache import CompileCache
+
+    real = tiny_engine.grammars()  # the engine's backend, compiling in workers that raise on "poison"
+    cache = CompileCache(functools.partial(poisoned, real.factory), timeout_s=real.timeout_s)
+    monkeypatch.setattr(tiny_engine, "_grammar_cache", cache)
+    try:
+        ok = SamplingParams(temperature=0.0, max_new_tokens=8, regex="[a-z]{2,6}")
+        with pytest.raises(ValueError, match="injected compile fault"):  # a MemoryError, not a GrammarError
+            tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, regex="poison|[0-9]+"))
+        out = tiny_engine.generate([[5, 6, 7]], ok)[0]
+        assert re.fullmatch("[a-z]{2,6}", out.text), out
+        assert_no_leak(tiny_engine)
+    finally:
+        cache.shutdown()
 
 
 def test_a_detokenizer_failure_fails_only_its_request(tiny_engine, monkeypatch):
@@ -471,17 +474,17 @@ def test_bench_reliability_rejects_the_burst_excess_and_shows_no_cross_tenant_hi
         reliability.add_args(p)
         out = tmp_path / "rel.json"
         args = p.parse_args(["--url", server.url, "--keys", "sk-alice-example,sk-bob-example", "--burst-factor", "4",
-                             "--trials", "2", "--prompt-words", "150", "--storm", "8", "--bombs", "1", "--json", str(out)])
+                             "--trials", "2", "--prompt-words", "150", "--storm", "6", "--bombs", "1", "--json", str(out)])
         assert reliability.run(args) == 0
     finally:
         assert server.stop() == 0
     data = json.loads(out.read_text())
     o = data["overload"]
-    assert o["sent"] == 32 and o["accepted"] + o["rejected"] == 32 and o["rejected"] >= 24 and not o["other_statuses"]
+    assert o["sent"] == 32 and o["accepted"] + o["rejected"] == 32 and o["rejected"] >= 16 and not o["other_statuses"]
     assert 0 < o["server_reject_p50_ms"] <= o["server_reject_p99_ms"] < 1000, o  # from the server's own histogram
     st = data["storm"]
     assert st["integrity"] == "ok" and st["queued_after"] == 0 and st["in_flight_after"] == 0, st
-    assert st["b_ok"] == st["b_sent"] > 0 and sum(st["outcomes"].values()) == 8, st
+    assert st["b_ok"] == st["b_sent"] > 0 and sum(st["outcomes"].values()) == 6, st
     assert all(k.endswith(":400") for k in st["outcomes"] if k.startswith("grammar:")), st
     gb = data["grammar_bomb"]
     assert gb["bomb_statuses"] == [400, 400] and gb["trivial_status"] == 200 and gb["recovery_s"] is not None, gb

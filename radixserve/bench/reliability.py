@@ -20,10 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlparse
 
 from radixserve.bench import hostile, percentile
 from radixserve.bench.prom import histogram_quantile, scrape
@@ -55,22 +59,42 @@ async def _health(session: Any, url: str) -> float:
     return time.perf_counter() - t
 
 
+@asynccontextmanager
+async def _sources(url: str, n: int, per_client: int) -> AsyncIterator[list[Any]]:
+    """Client sessions for a burst of n connections: on a loopback server, as many source
+    addresses (127.0.0.1, .2, ...) as keep each under the server's per-client connection cap,
+    so the burst measures admission, not the connection limit."""
+    import aiohttp
+
+    k = math.ceil(n / max(per_client - 8, 1)) if urlparse(url).hostname in ("127.0.0.1", "localhost") else 1
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, local_addr=(f"127.0.0.{i + 1}", 0) if k > 1 else None),
+                                      timeout=aiohttp.ClientTimeout(total=600)) for i in range(min(k, 250))]
+    try:
+        yield sessions
+    finally:
+        for sess in sessions:
+            await sess.close()
+
+
 async def overload(session: Any, args: argparse.Namespace, h: dict[str, str]) -> dict[str, Any]:
     async with session.get(args.url + "/server_info", headers=h) as r:
-        cap = (await r.json())["max_queued_requests"]
+        info = await r.json()
+    cap = info["max_queued_requests"]
     n = int(cap * args.burst_factor)
     unloaded = [(await _chat(session, args.url, h, -i))[1] for i in range(1, 4)]
-    floor = await asyncio.gather(*(_health(session, args.url) for _ in range(n)))  # the same burst of no-op requests
     key = h.get("Authorization", " ").split(" ")[-1] or None
-    m0 = await scrape(session, args.url, key)
-    results = await asyncio.gather(*(_chat(session, args.url, h, i) for i in range(n)))
-    m1 = await scrape(session, args.url, key)
+    async with _sources(args.url, n, info.get("max_connections_per_client", n + 8)) as ss:
+        floor = await asyncio.gather(*(_health(ss[i % len(ss)], args.url) for i in range(n)))  # the same burst of no-op requests
+        m0 = await scrape(session, args.url, key)
+        results = await asyncio.gather(*(_chat(ss[i % len(ss)], args.url, h, i) for i in range(n)))
+        m1 = await scrape(session, args.url, key)
     rss0, rss1 = (m.get("process_resident_memory_bytes", float("nan")) / 2**20 for m in (m0, m1))
     name = "radixserve_rejection_latency_seconds"
     rejected = [t for s, t in results if s in (429, 503)]
     accepted = [t for s, t in results if s == 200]
     other = sorted({s for s, _ in results} - {200, 429, 503})
-    return {"queue_capacity": cap, "sent": n, "accepted": len(accepted), "rejected": len(rejected), "other_statuses": other,
+    return {"queue_capacity": cap, "sent": n, "sources": len(ss), "accepted": len(accepted), "rejected": len(rejected),
+            "other_statuses": other,
             "reject_p50_ms": 1e3 * percentile(rejected, 0.5), "reject_p99_ms": 1e3 * percentile(rejected, 0.99),
             "noop_burst_p50_ms": 1e3 * percentile(floor, 0.5), "noop_burst_p99_ms": 1e3 * percentile(floor, 0.99),
             "accepted_p50_s": percentile(accepted, 0.5), "accepted_p99_s": percentile(accepted, 0.99),

@@ -63,13 +63,18 @@ def _worker_init(model_dir: str) -> None:
 
 
 def _compile_one(backend: str, schema: Any) -> tuple[bool, str, float, float]:
+    """Cold: a compile as the server runs it (in a compile worker process, then loaded here);
+    warm: the same schema again, a compile-cache hit."""
+    import functools
+
     from grammars import GrammarError, GrammarSpec, create_backend
     from grammars.cache import CompileCache
 
     tok = _WORKER["tok"]
-    if backend not in _WORKER:
-        _WORKER[backend] = create_backend(backend, tok, len(tok), [tok.eos_token_id])
-    cache = CompileCache(_WORKER[backend], timeout_s=1e9, workers=1)
+    if backend not in _WORKER:  # the caller's per-schema timeout bounds it (this process is killed)
+        factory = functools.partial(create_backend, backend, tok, len(tok), [tok.eos_token_id])
+        _WORKER[backend] = CompileCache(factory, timeout_s=1e9, workers=1, memory_mb=1 << 20)
+    cache = _WORKER[backend]
     try:
         spec = GrammarSpec.json_schema(schema)
         t = time.perf_counter()
@@ -81,8 +86,6 @@ def _compile_one(backend: str, schema: Any) -> tuple[bool, str, float, float]:
         return True, "", cold, warm
     except GrammarError as e:
         return False, str(e)[:160], 0.0, 0.0
-    finally:
-        cache.shutdown()
 
 
 def _pool(model_dir: str) -> ProcessPoolExecutor:

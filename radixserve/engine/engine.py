@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -55,7 +56,7 @@ class Engine:
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
-        self._grammar_cache: Any = None
+        self._grammar_cache = self._new_grammar_cache()  # warms a compile worker in the background
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
@@ -123,14 +124,19 @@ class Engine:
 
     # -- grammars ---------------------------------------------------------------------------
     def grammars(self) -> Any:
-        """The compile cache (built on first use: importing xgrammar is not free)."""
-        if self._grammar_cache is None:
-            from grammars import create_backend
-            from grammars.cache import CompileCache
-
-            backend = create_backend(self.config.grammar_backend, self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids))
-            self._grammar_cache = CompileCache(backend, self.config.grammar_compile_timeout)
+        """The compile cache (grammars.cache.CompileCache)."""
         return self._grammar_cache
+
+    def _new_grammar_cache(self) -> Any:
+        """Cheap here: xgrammar is imported, and the first compile worker started, in the background."""
+        from grammars import check_backend_name, create_backend
+        from grammars.cache import CompileCache
+
+        c = self.config
+        check_backend_name(c.grammar_backend)
+        factory = functools.partial(create_backend, c.grammar_backend, self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids))
+        return CompileCache(factory, c.grammar_compile_timeout, c.grammar_compile_workers, c.grammar_tenant_compiles,
+                            c.grammar_compile_memory_mb)
 
     def _spec(self, req: Req) -> Any:
         ws = self.config.grammar_max_whitespace
@@ -140,12 +146,12 @@ class Engine:
         """Compile (or fetch) the request's grammar on the compile pool, waiting here; raises
         GrammarError (a ValueError naming the field and the problem)."""
         if req.grammar_spec is not None and req.grammar is None:
-            req.grammar = self.grammars().get(self._spec(req)).matcher()
+            req.grammar = self.grammars().get(self._spec(req), req.tenant).matcher()
 
     async def prepare_grammar(self, req: Req) -> None:
         """The same for event loops: the request waits here, outside the run queue."""
         if req.grammar_spec is not None and req.grammar is None:
-            req.grammar = (await self.grammars().get_async(self._spec(req))).matcher()
+            req.grammar = (await self.grammars().get_async(self._spec(req), req.tenant)).matcher()
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render messages (and tools, for templates that take them) with the model's own chat
@@ -300,8 +306,7 @@ class Engine:
     def shutdown(self) -> None:
         self._loop.stop()
         self.runner.close()
-        if self._grammar_cache is not None:
-            self._grammar_cache.shutdown()
+        self._grammar_cache.shutdown()  # kills its compile workers
 
     def __enter__(self) -> Engine:
         return self

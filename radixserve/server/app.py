@@ -93,6 +93,7 @@ async def server_info(request: web.Request) -> web.Response:
         "vocab_size": e.vocab_size,
         "max_queued_requests": c.max_queued_requests,
         "max_request_bytes": c.max_request_bytes,
+        "max_connections_per_client": c.max_connections_per_client,
         "max_running_requests": e.config.sched.max_running_requests,
         "page_size": e.config.cache.page_size,
         "radix_cache": not e.config.cache.disable_radix_cache,

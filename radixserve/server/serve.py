@@ -38,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
     quotas = {t.id: t.max_cached_tokens for t in auth.tenants if t.max_cached_tokens is not None}
     if auth.open and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no API key configured and listening on %s: anyone who can reach it can use it", cfg.host)
-    engine = Engine(args.model, **engine_kwargs(args), tenant_max_cached_tokens=quotas)
+    kwargs = engine_kwargs(args)
+    if len(auth.tenants) <= 1 and kwargs.get("grammar_tenant_compiles") is None:  # no other tenant to be fair to
+        kwargs["grammar_tenant_compiles"] = kwargs["grammar_compile_workers"]
+    engine = Engine(args.model, **kwargs, tenant_max_cached_tokens=quotas)
     try:
         asyncio.run(serve(engine, cfg, auth, t0))
     finally:
