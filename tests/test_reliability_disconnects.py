@@ -122,8 +122,5 @@ async def _cut_every_await(engine: Any, method: str, path: str, body: dict | Non
 
 @pytest.mark.parametrize("exc", [asyncio.CancelledError, ConnectionResetError], ids=["cancelled", "reset"])
 def test_a_client_gone_at_any_await_of_any_route_leaves_no_ticket_rid_or_kv(tiny_engine, exc):
-    awaits = {}
-    for method, path, body in CASES:
-        awaits[path + (" stream" if body and body.get("stream") else "")] = asyncio.run(
-            _cut_every_await(tiny_engine, method, path, body, exc))
-    assert min(awaits.values()) >= 1 and max(awaits.values()) > 5, awaits  # the cuts really went through the handlers
+    awaits = [asyncio.run(_cut_every_await(tiny_engine, method, path, body, exc)) for method, path, body in CASES]
+    assert min(awaits) >= 1 and sum(awaits) >= 2 * len(CASES), awaits  # the cuts really went through the handlers

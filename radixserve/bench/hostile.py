@@ -1,6 +1,7 @@
 """The hostile parts of `radixserve bench reliability`: a mixed storm and a grammar bomb.
 
-- Storm: tenant A opens `--storm` streams at once (a quarter read to the end, a quarter vanish
+- Storm: after a warm-up round of the same storm (the KV pool's first touch) and a cache
+  flush, tenant A opens `--storm` streams at once (a quarter read to the end, a quarter vanish
   after a few chunks, a quarter read slowly, a quarter send grammars that cannot compile in
   time or nest too deep) while tenant B sends plain chats one after another. Reports B's
   latency against its unloaded latency, A's statuses, and afterwards the integrity check, the
@@ -89,18 +90,31 @@ async def _settle(session: Any, url: str, key: str | None) -> dict[str, Any]:
         return await r.json()
 
 
-async def storm(session: Any, url: str, a: str | None, b: str | None, n: int) -> dict[str, Any]:
-    unloaded = [(await plain(session, url, b))[1] for _ in range(3)]
-    await asyncio.gather(*(_stream(session, url, a, "read", -i) for i in range(8)))  # warm-up: the KV pool's first touch
-    await _settle(session, url, a)
-    rss0 = await _rss_mb(session, url, a)
+async def _flush(session: Any, url: str, key: str | None) -> None:
+    async with session.post(url + "/flush_cache", headers=_h(key)) as r:
+        await r.read()
+
+
+async def _storm_round(session: Any, url: str, a: str | None, b: str | None, n: int) -> tuple[Counter, list[tuple[int, float]]]:
     kinds = ("read", "vanish", "slow", "grammar")
     tasks = [asyncio.ensure_future(_stream(session, url, a, kinds[i % 4], i)) for i in range(n)]
     b_results: list[tuple[int, float]] = []
     while not all(t.done() for t in tasks):
         b_results.append(await plain(session, url, b))
-    outcomes = Counter(f"{kinds[i % 4]}:{t.result()}" for i, t in enumerate(tasks))
+    return Counter(f"{kinds[i % 4]}:{t.result()}" for i, t in enumerate(tasks)), b_results
+
+
+async def storm(session: Any, url: str, a: str | None, b: str | None, n: int) -> dict[str, Any]:
+    """A is an admin key: it checks the pool and flushes the cache, so that the round measured
+    reuses the KV slots a warm-up round touched first (RSS then shows leaks, not first touch)."""
+    unloaded = [(await plain(session, url, b))[1] for _ in range(3)]
+    await _storm_round(session, url, a, b, n)  # warm-up: the KV pool's first touch, compiled grammars, buffers
+    await _settle(session, url, a)
+    await _flush(session, url, a)
+    rss0 = await _rss_mb(session, url, a)
+    outcomes, b_results = await _storm_round(session, url, a, b, n)
     info = await _settle(session, url, a)
+    await _flush(session, url, a)
     await asyncio.sleep(1.0)  # let freed memory go back
     rss1 = await _rss_mb(session, url, a)
     b_ok = [t for s, t in b_results if s == 200]

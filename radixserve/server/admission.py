@@ -30,12 +30,10 @@ class Admission:
         self.in_flight_by_tenant: Counter[str] = Counter()
         self.draining = False
 
-    def enter(self, tenant: Tenant, n: int = 1) -> list[Ticket]:
-        """n tickets (n > 1 for siblings of one call), or an ApiError: 503 draining or globally
-        full, 429 over the tenant's share."""
-        if n > self.max_queued or (tenant.max_queued_requests is not None and n > tenant.max_queued_requests):
-            cap = min(self.max_queued, tenant.max_queued_requests or self.max_queued)
-            raise ApiError(400, f"n: {n} requests at once can never be admitted (the queue takes {cap})", param="n")
+    def check(self, tenant: Tenant, n: int = 1) -> None:
+        """Whether n more requests would be admitted now, or the ApiError: 503 draining or globally
+        full, 429 over the tenant's share. Routes check before reading the body, so under
+        overload a rejection costs no await (it never queues behind the burst again)."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": self.retry_after})
         if self.queued + n > self.max_queued:
@@ -45,6 +43,14 @@ class Admission:
         if cap is not None and self.by_tenant[tenant.id] + n > cap:
             raise ApiError(429, f"tenant {tenant.id!r} has {self.by_tenant[tenant.id]} requests queued (max {cap})",
                            code="tenant_queue_full", headers={"Retry-After": self.retry_after})
+
+    def enter(self, tenant: Tenant, n: int = 1) -> list[Ticket]:
+        """n tickets (n > 1 for siblings of one call), or an ApiError (see `check`; 400 if n
+        requests could never be admitted)."""
+        if n > self.max_queued or (tenant.max_queued_requests is not None and n > tenant.max_queued_requests):
+            cap = min(self.max_queued, tenant.max_queued_requests or self.max_queued)
+            raise ApiError(400, f"n: {n} requests at once can never be admitted (the queue takes {cap})", param="n")
+        self.check(tenant, n)
         self.queued += n
         self.in_flight += n
         self.by_tenant[tenant.id] += n

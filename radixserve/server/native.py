@@ -62,6 +62,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
+    state.admission.check(tenant)  # overloaded: refused before the body is read
     body = await read_body(request, GenerateRequest)
     prompts, batched = _prompts(body)
     if batched and body.stream:

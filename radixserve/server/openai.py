@@ -161,6 +161,7 @@ async def begin(request: web.Request, typ: type) -> tuple[ServerState, float, An
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
+    state.admission.check(tenant)  # overloaded: refused before the body is read
     b = await read_body(request, typ)
     state.check_model(b.model)
     check_common(b)
