@@ -1,4 +1,4 @@
-"""Compiled grammars, cached by spec; compiled in killable worker processes (grammars.pool).
+"""Compiled grammars, cached by (tenant, spec); compiled in killable worker processes (grammars.pool).
 
 `CompileCache(factory, ...)`: `factory()` builds the backend, once in each worker and once
 here (in the background), where it turns what a worker compiled back into a Compiled.
@@ -52,7 +52,9 @@ class CompileCache:
         self.hits = self.misses = 0
 
     def submit(self, spec: GrammarSpec, tenant: Hashable = None) -> Future[Compiled]:
-        key = spec.key
+        """NOTE: entries are per tenant, like the prefix cache's namespaces: a hit on a grammar
+        that another tenant compiled would tell, by its speed, that the other tenant used it."""
+        key = (tenant, spec.key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -65,7 +67,7 @@ class CompileCache:
                 self._entries.pop(next(iter(self._entries)))  # oldest first
             entry = self._entries[key] = _Entry()
             entry.job = job = self._pool.submit(spec, tenant)
-        job.result.add_done_callback(lambda done: self._load_later(spec, entry, done))
+        job.result.add_done_callback(lambda done: self._load_later(spec, key, entry, done))
         return entry.result
 
     def get(self, spec: GrammarSpec, tenant: Hashable = None) -> Compiled:
@@ -81,8 +83,10 @@ class CompileCache:
         result = self.submit(spec, tenant)
         if result.done():  # a hit
             return result.result()
+        shared = asyncio.wrap_future(result)
+        shared.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiter may have left (a client gone)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(result)), self._pool.max_wait_s)
+            return await asyncio.wait_for(asyncio.shield(shared), self._pool.max_wait_s)
         except TimeoutError:
             raise errors.timeout(spec, self.timeout_s) from None
 
@@ -96,20 +100,20 @@ class CompileCache:
         self._loader.shutdown(wait=False)  # its queued loads still run: they resolve their entries (shut down)
 
     # -- results: deserialized on the loader thread, never on the pool's monitor thread -----------
-    def _load_later(self, spec: GrammarSpec, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
+    def _load_later(self, spec: GrammarSpec, key: tuple, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
         try:
-            self._loader.submit(self._load, spec, entry, done)
+            self._loader.submit(self._load, spec, key, entry, done)
         except RuntimeError:  # shut down
             entry.result.set_exception(errors.other(spec, "the grammar compile cache is shut down"))
 
-    def _load(self, spec: GrammarSpec, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
+    def _load(self, spec: GrammarSpec, key: tuple, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
         try:
             backend, data = done.result()
             compiled = self._parent_backend(spec).deserialize(backend, data)
         except NotCompiled as e:
             with self._lock:
-                if self._entries.get(spec.key) is entry:
-                    del self._entries[spec.key]
+                if self._entries.get(key) is entry:
+                    del self._entries[key]
             entry.result.set_exception(e)
         except GrammarError as e:
             entry.result.set_exception(e)

@@ -203,6 +203,18 @@ def test_bad_grammars_fail_with_a_message_naming_the_kind(backend):
         SamplingParams(regex="a", ebnf='root ::= "a"').grammar_spec()
 
 
+def test_compile_cache_entries_are_per_tenant_so_a_hit_tells_nothing_of_another_tenant(tmp_path):
+    log = tmp_path / "compiles.log"
+    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=5, workers=1)
+    try:
+        spec = GrammarSpec("regex", "a+")
+        assert cache.get(spec, "alice") is cache.get(spec, "alice") and compiles(log) == ["a+"]
+        cache.get(spec, "bob")  # no faster for bob because alice compiled it: his own compile
+        assert compiles(log) == ["a+", "a+"] and cache.hits == 1
+    finally:
+        cache.shutdown()
+
+
 def test_compile_cache_hits_and_caches_failures_and_timeouts_but_not_busy(tmp_path):
     log = tmp_path / "compiles.log"
     cache = CompileCache(functools.partial(fake, str(log)), timeout_s=0.5, workers=2, tenant_compiles=1)

@@ -49,6 +49,10 @@ HOSTILE = [
     ("/v1/chat/completions", _chat(b'"response_format": {"type": "structural_tag", "structures": ' + DEEP + b"}"),
      "response_format.structures", LEVELS),
     ("/v1/chat/completions", _chat(b'"tool_choice": ' + DEEP), "tool_choice", LEVELS),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": DEEP.decode()}}]}, *USER]}, "messages[1].tool_calls[0].function.arguments", LEVELS),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": _deep_dict(70)}}]}, *USER]}, "messages[1].tool_calls[0].function.arguments", LEVELS),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": DEEP.decode()}}, "sampling_params.json_schema", LEVELS),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": _deep_dict(100)}}, "sampling_params.json_schema", LEVELS),
     ("/generate", {"text": "hi", "sampling_params": {"structural_tag": '{"structures": ' + DEEP.decode() + "}"}},
@@ -77,6 +81,16 @@ def test_stop_token_ids_are_capped_and_checked_as_a_set(tiny_engine):
     assert isinstance(req.stop_ids, frozenset) and free[j] in req.stop_ids
     out = tiny_engine.generate([[5, 6, 7]], params)[0]
     assert out.finish_reason == "stop" and out.token_ids == free[: j + 1], (out, free)
+
+
+def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(tiny_engine, monkeypatch):
+    longest = max(map(len, tiny_engine.tokenizer.get_vocab()))
+    text = "x" * (tiny_engine.context_len * longest + 1)
+    monkeypatch.setattr(tiny_engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless prompt"))
+    with pytest.raises(ValueError, match="cannot fit the context window"):
+        tiny_engine.make_req(text, SamplingParams())
+    with pytest.raises(ValueError, match="cannot fit the context window"):
+        tiny_engine.chat_ids([{"role": "user", "content": text}])
 
 
 def test_cache_salts_are_capped_and_their_namespaces_interned_and_counted(tiny_engine):
@@ -208,6 +222,18 @@ def test_metrics_need_a_key_and_a_tenant_sees_only_its_own_counters_and_random_r
     assert all(re.fullmatch("req-[0-9a-f]{32}", r) for r in rids) and rids[0] != rids[1], rids
     _, bob_done = tight.get("/server_info", "key-bob")
     assert bob_done["tenant"]["requests"] == bob_before["tenant"]["requests"] + 2
+    sock = _connect(tight)  # a stream bob abandons still counts the tokens it made
+    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode()
+    sock.sendall(_post_head(len(body)) + body)
+    while sock.recv(65536).count(b"data:") < 1:
+        pass
+    time.sleep(0.3)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while (used := tight.get("/server_info", "key-bob")[1]["tenant"])["requests"] == bob_done["tenant"]["requests"]:
+        assert time.monotonic() < deadline, used
+        time.sleep(0.05)
+    assert used["completion_tokens"] > bob_done["tenant"]["completion_tokens"], (used, bob_done)
 
 
 def _get_text(s: ServerProcess, path: str, key: str) -> tuple[int, str]:

@@ -57,6 +57,7 @@ class Engine:
         self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # warms a compile worker in the background
+        self._max_token_chars: int | None = None  # the longest vocabulary entry, once needed
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
@@ -108,6 +109,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: the prompt is empty")
+            self._check_text_fits(len(prompt))
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -156,9 +158,19 @@ class Engine:
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render messages (and tools, for templates that take them) with the model's own chat
         template, ready for generation."""
+        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or "")))
         extra = {"tools": tools} if tools else {}
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                        return_dict=False, **extra))
+
+    def _check_text_fits(self, chars: int) -> None:
+        """A text longer than the context window could hold even at the longest token is refused
+        before it is tokenized (tokenizing megabytes only to refuse them would tie up a thread)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        if chars > self.context_len * self._max_token_chars:
+            raise ValueError(f"prompt: {chars} characters cannot fit the context window of {self.context_len} tokens "
+                             f"(a token is at most {self._max_token_chars} characters)")
 
     def generate(
         self,

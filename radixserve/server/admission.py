@@ -18,6 +18,7 @@ class Ticket:
     tenant: str
     queued: bool = True
     left: bool = False
+    ran: bool = False  # handed to the engine (its run counts its use)
 
 
 class Admission:

@@ -3,6 +3,7 @@ small endpoints (health, server_info, flush_cache, abort_request, metrics, opena
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -42,8 +43,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
-    except (ConnectionResetError, ConnectionError):
-        raise  # the client left mid-stream; its request was aborted on the way out
+    except ConnectionError:  # the client left; its request was aborted on the way out
+        raise asyncio.CancelledError from None  # how aiohttp itself reports a gone client (no traceback in the log)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         err = ApiError(500, "internal server error", code="internal_error")

@@ -15,7 +15,7 @@ from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams, TokenLogprob
 from radixserve.server import tools
 from radixserve.server.body import read_body
-from radixserve.server.errors import ApiError
+from radixserve.server.errors import ApiError, value_error
 from radixserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -121,15 +121,21 @@ def _messages(b: ChatCompletionRequest) -> list[dict[str, Any]]:
                                    param=f"messages[{i}].content[{j}].type")
             content = "".join(p.text or "" for p in content)
         if m.role == "assistant" and m.tool_calls:
-            content = "\n".join(x for x in (content, tools.history_text(m.tool_calls)) if x)
+            content = "\n".join(x for x in (content, tools.history_text(m.tool_calls, f"messages[{i}].tool_calls")) if x)
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return out
 
 
-def _render(state: ServerState, messages: list[dict[str, Any]], tool_specs: Any = None) -> Callable[[], list[int]]:
+def _render(state: ServerState, b: ChatCompletionRequest, offered: list[tools.Tool]) -> Callable[[], list[int]]:
+    """The prompt, built off the event loop: a long tool-call history is real work."""
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+
     def render() -> list[int]:
+        messages, tool_specs = tools.render(_messages(b), offered, template)
         try:
             return state.engine.chat_ids(messages, tool_specs)
+        except ValueError as e:  # e.g. a text that cannot fit the context window
+            raise value_error(e, RENAME) from None
         except Exception as e:  # the template's own checks (e.g. role order)
             raise ApiError(400, f"messages: the model's chat template rejected them: {e}", param="messages") from None
 
@@ -189,8 +195,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    messages, tool_specs = tools.render(_messages(b), offered, getattr(state.engine.tokenizer, "chat_template", None))
-    render = _render(state, messages, tool_specs)
+    render = _render(state, b, offered)
     params = [sampling_params(b, max_tokens, i, top, b.logprobs, schema, tag) for i in range(b.n)]
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent

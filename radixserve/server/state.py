@@ -52,6 +52,12 @@ class RequestOptions:
     rename: dict[str, str] = field(default_factory=dict)  # engine field name -> this API's name
 
 
+def _aborted(req: Req) -> Output:
+    """What a request left early had used (its engine-side state is final once it is reaped;
+    read here, the counts may miss the last step's token)."""
+    return Output(req.rid, "", [], "abort", req.prompt_len, req.output_len, req.cached_tokens)
+
+
 @dataclass
 class Flight:
     """One call's admitted requests and their tickets (index i of each belongs together)."""
@@ -156,7 +162,7 @@ class ServerState:
         for ticket in flight.tickets:
             if not ticket.left:
                 self.admission.leave(ticket)
-                if flight.admitted:  # it never ran: its client left first (a refused request is no abort)
+                if flight.admitted and not ticket.ran:  # its client left first (a refused request is no abort)
                     self.metrics.observe(None, time.monotonic() - flight.arrival, 0, "abort")
         for rid in [*claimed, *(r.rid for r in flight.reqs)]:
             self.active.pop(rid, None)
@@ -179,6 +185,7 @@ class ServerState:
         """Stream one request. Leaving early (a vanished client) aborts it, freeing its KV."""
         ttft: float | None = None
         out: Output | None = None
+        ticket.ran = True
         try:
             async with aclosing(self.engine.submit(req, max_backlog=self.config.max_stream_backlog)) as stream:
                 async for d in stream:
@@ -188,12 +195,11 @@ class ServerState:
                     if d.finished:
                         out = d.output
                     yield d
-        finally:
-            if not ticket.left:
-                self.admission.leave(ticket)
-                reason = out.finish_reason if out is not None else "abort"
-                self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
-                self.usage[ticket.tenant].add(out)
+        finally:  # a run ends once: whoever releases the ticket, the request's use is counted here
+            self.admission.leave(ticket)
+            reason = out.finish_reason if out is not None else "abort"
+            self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
+            self.usage[ticket.tenant].add(out if out is not None else _aborted(req))
             self.active.pop(req.rid, None)
 
     async def collect(self, flight: Flight) -> list[Output]:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.limits import MAX_JSON_DEPTH, too_deep
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import FunctionCall, ToolCall
 
@@ -115,16 +116,22 @@ def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall
     return rest or None, calls
 
 
-def history_text(tool_calls: list[Any] | None) -> str:
+def history_text(tool_calls: list[Any] | None, param: str) -> str:
     """An assistant message's earlier tool calls, rendered back in the tagged format."""
     out = []
-    for c in tool_calls or []:
+    for k, c in enumerate(tool_calls or []):
         fn = c.get("function", {}) if isinstance(c, dict) else {}
         args = fn.get("arguments", "{}")
+        deep = False
         try:
             args = json.loads(args) if isinstance(args, str) else args
         except json.JSONDecodeError:
             pass
+        except RecursionError:
+            deep = True
+        if deep or too_deep(args):
+            where = f"{param}[{k}].function.arguments"
+            raise ApiError(400, f"{where}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", param=where)
         out.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>")
     return "\n".join(out)
 
