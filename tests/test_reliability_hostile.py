@@ -39,6 +39,7 @@ HOSTILE = [
     ("/generate", {"text": "hi", "rid": "r" * 257}, "rid", "256"),
     ("/v1/chat/completions", {"messages": USER, "tools": [FN] * 129}, "tools", "128"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}] * 2049}, "messages", "2048"),
+    ("/v1/chat/completions", {"messages": USER, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16"),
     ("/v1/chat/completions", _chat(b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
                                    + DEEP + b"}}"), "response_format.json_schema.schema", LEVELS),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {

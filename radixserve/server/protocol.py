@@ -9,7 +9,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from radixserve.limits import MAX_CACHE_SALT_CHARS, MAX_MESSAGES, MAX_RID_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOOLS
+from radixserve.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_MESSAGES,
+    MAX_METADATA_KEYS,
+    MAX_RID_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOPS,
+    MAX_TOOLS,
+)
 
 # Caps (radixserve/limits.py) live in the types: over one is a 400 naming the field and the cap.
 Stop = str | Annotated[list[str], Meta(max_length=MAX_STOPS)] | None
@@ -147,7 +155,7 @@ class _OpenAISampling(_In):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_KEYS)] | None = None
     store: bool | None = None
     service_tier: str | None = None
     # extras
