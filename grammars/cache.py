@@ -18,19 +18,12 @@ import threading
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 
 from grammars import errors
 from grammars.base import Backend, BackendFactory, Compiled
 from grammars.errors import NotCompiled
-from grammars.pool import CompilePool, Job
+from grammars.pool import CompilePool
 from grammars.spec import GrammarError, GrammarSpec
-
-
-@dataclass(eq=False)
-class _Entry:
-    result: Future[Compiled] = field(default_factory=Future)
-    job: Job | None = None
 
 
 class CompileCache:
@@ -47,7 +40,7 @@ class CompileCache:
         self._backend = self._loader.submit(factory)  # built in the background: importing xgrammar takes a while
         per_tenant = max(1, workers // 2) if tenant_compiles is None else tenant_compiles
         self._pool = CompilePool(factory, workers=workers, tenant_compiles=per_tenant, timeout_s=timeout_s, memory_mb=memory_mb)
-        self._entries: dict[tuple, _Entry] = {}
+        self._entries: dict[tuple, Future[Compiled]] = {}  # (tenant, spec key) -> its compiled grammar
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -59,16 +52,14 @@ class CompileCache:
             entry = self._entries.get(key)
             if entry is not None:
                 self.hits += 1
-                if entry.job is not None and not entry.result.done():
-                    self._pool.join(entry.job, tenant)  # may start from this tenant's share too
-                return entry.result
+                return entry
             self.misses += 1
             if len(self._entries) >= self.max_entries:
                 self._entries.pop(next(iter(self._entries)))  # oldest first
-            entry = self._entries[key] = _Entry()
-            entry.job = job = self._pool.submit(spec, tenant)
+            entry = self._entries[key] = Future()
+            job = self._pool.submit(spec, tenant)
         job.result.add_done_callback(lambda done: self._load_later(spec, key, entry, done))
-        return entry.result
+        return entry
 
     def get(self, spec: GrammarSpec, tenant: Hashable = None) -> Compiled:
         """Blocking: the compiled grammar, or GrammarError (the timeouts and limits included)."""
@@ -100,13 +91,13 @@ class CompileCache:
         self._loader.shutdown(wait=False)  # its queued loads still run: they resolve their entries (shut down)
 
     # -- results: deserialized on the loader thread, never on the pool's monitor thread -----------
-    def _load_later(self, spec: GrammarSpec, key: tuple, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
+    def _load_later(self, spec: GrammarSpec, key: tuple, entry: Future[Compiled], done: Future[tuple[str, bytes]]) -> None:
         try:
             self._loader.submit(self._load, spec, key, entry, done)
         except RuntimeError:  # shut down
-            entry.result.set_exception(errors.other(spec, "the grammar compile cache is shut down"))
+            entry.set_exception(errors.other(spec, "the grammar compile cache is shut down"))
 
-    def _load(self, spec: GrammarSpec, key: tuple, entry: _Entry, done: Future[tuple[str, bytes]]) -> None:
+    def _load(self, spec: GrammarSpec, key: tuple, entry: Future[Compiled], done: Future[tuple[str, bytes]]) -> None:
         try:
             backend, data = done.result()
             compiled = self._parent_backend(spec).deserialize(backend, data)
@@ -114,14 +105,13 @@ class CompileCache:
             with self._lock:
                 if self._entries.get(key) is entry:
                     del self._entries[key]
-            entry.result.set_exception(e)
+            entry.set_exception(e)
         except GrammarError as e:
-            entry.result.set_exception(e)
+            entry.set_exception(e)
         except BaseException as e:
-            entry.result.set_exception(GrammarError(f"{spec.kind}: {e!r}", spec.kind))
+            entry.set_exception(GrammarError(f"{spec.kind}: {e!r}", spec.kind))
         else:
-            entry.result.set_result(compiled)
-        entry.job = None
+            entry.set_result(compiled)
 
     def _parent_backend(self, spec: GrammarSpec) -> Backend:
         try:

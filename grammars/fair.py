@@ -3,8 +3,7 @@
 A tenant runs at most `limit` compiles at once; its further compiles wait in its own queue.
 A free worker goes to the tenant with the fewest compiles running, ties to the one whose
 head compile has waited longest, so one tenant's slow grammars never starve another's.
-A compile several tenants wait for (the same grammar) sits in each of their queues and
-starts from whichever queue reaches it first; it runs on that tenant's share.
+A compile belongs to one tenant (the compile cache is per tenant).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ class Waiting:
     def __init__(self, queued_at: float) -> None:
         self.queued_at = queued_at
         self.taken = False  # started, or dropped (expired, shut down)
-        self.tenants: set[Hashable] = set()
+        self.tenant: Hashable = None
 
 
 class TenantQueues:
@@ -31,9 +30,8 @@ class TenantQueues:
         self._queues: dict[Hashable, deque[Waiting]] = {}
 
     def push(self, w: Waiting, tenant: Hashable) -> None:
-        if tenant not in w.tenants:
-            w.tenants.add(tenant)
-            self._queues.setdefault(tenant, deque()).append(w)
+        w.tenant = tenant
+        self._queues.setdefault(tenant, deque()).append(w)
 
     def pop(self) -> tuple[Waiting, Hashable] | None:
         """The next compile to start and the tenant it runs for (its running count goes up)."""
@@ -64,21 +62,18 @@ class TenantQueues:
         return sum(min(sum(1 for w in q if not w.taken), self.limit - self.running[t]) for t, q in self._queues.items())
 
     def remove(self, w: Waiting) -> None:
-        w.taken = True  # dropped lazily from every queue it is in
-        for q in self._queues.values():
+        w.taken = True  # dropped from its queue lazily
+        q = self._queues.get(w.tenant)
+        if q is not None:
             self._head(q)
         self._forget_empty()
 
     def waiting(self) -> Iterator[Waiting]:
-        seen: set[int] = set()
         for q in self._queues.values():
-            for w in q:
-                if not w.taken and id(w) not in seen:
-                    seen.add(id(w))
-                    yield w
+            yield from (w for w in q if not w.taken)
 
     def is_runnable(self, w: Waiting) -> bool:
-        return any(self.running[t] < self.limit for t in w.tenants)
+        return self.running[w.tenant] < self.limit
 
     def _head(self, q: deque[Waiting]) -> Waiting | None:
         while q and q[0].taken:

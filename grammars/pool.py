@@ -87,13 +87,6 @@ class CompilePool:
             self._wake()
         return job
 
-    def join(self, job: Job, tenant: Hashable = None) -> None:
-        """Another tenant waits for `job` too: it may also start from that tenant's queue."""
-        with self._lock:
-            if not job.taken:
-                self._queues.push(job, tenant)
-                self._wake()
-
     def pids(self, busy: bool = False) -> list[int]:
         with self._lock:
             return [w.pid for w in self._workers if w.job is not None or not busy]

@@ -4,6 +4,7 @@ a 400 naming the field and the cap, decided before any engine work."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 MAX_JSON_DEPTH = 64  # nesting of any JSON value: a body's fields, schemas, tool parameters, structural tags
@@ -15,6 +16,22 @@ MAX_RID_CHARS = 256
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128  # OpenAI's own cap
 MAX_METADATA_KEYS = 16  # OpenAI's own cap
+
+
+class TooDeep(ValueError):
+    """A JSON value nests more than MAX_JSON_DEPTH levels."""
+
+
+def loads(text: str) -> Any:
+    """json.loads under the nesting cap: TooDeep past it (also where json's own recursion gives
+    up), json.JSONDecodeError for text that is not JSON."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise TooDeep(f"nests deeper than the limit of {MAX_JSON_DEPTH} levels") from None
+    if too_deep(value):
+        raise TooDeep(f"nests deeper than the limit of {MAX_JSON_DEPTH} levels")
+    return value
 
 
 def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:

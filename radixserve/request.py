@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grammars.spec import GrammarError, GrammarSpec
-from radixserve.limits import MAX_JSON_DEPTH, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, too_deep
+from radixserve.limits import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, TooDeep, loads
 
 
 class FinishReason(enum.StrEnum):
@@ -130,16 +130,12 @@ class SamplingParams:
 
 def _json_text(kind: str, source: str) -> Any:
     """An embedded JSON text (a schema, a structural tag), parsed under the nesting cap."""
-    deep = GrammarError(f"{kind}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", kind)
     try:
-        value = json.loads(source)
-    except RecursionError:
-        raise deep from None
+        return loads(source)
+    except TooDeep as e:
+        raise GrammarError(f"{kind}: {e}", kind) from None
     except json.JSONDecodeError as e:
         raise GrammarError(f"{kind}: not valid JSON: {e}", kind) from None
-    if too_deep(value):
-        raise deep
-    return value
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:

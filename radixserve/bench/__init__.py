@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def bearer(key: str | None) -> dict[str, str]:
+    """The request headers that send an API key (none for an open server)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def percentile(xs: list[float], q: float, empty: float | None = float("nan")) -> float | None:
     """The q-quantile (0..1) of xs by rank (no interpolation); `empty` when there is none."""
     xs = sorted(xs)

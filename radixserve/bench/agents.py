@@ -28,6 +28,8 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from radixserve.bench import bearer
+
 BRIEFING_PART = (
     "You sit on a panel that reviews a small city's transport plan. The plan proposes three options: "
     "(A) a tram line along the river, (B) twice as many buses on the existing routes, and (C) protected "
@@ -182,8 +184,7 @@ def run_openai(url: str, api_key: str | None, program: str, kwargs: list[dict[st
 # -- the sweep ------------------------------------------------------------------------------------
 def _http(url: str, path: str, api_key: str | None, body: Any = None) -> Any:
     req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
+                                 headers={"Content-Type": "application/json", **bearer(api_key)})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 

@@ -23,15 +23,11 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from radixserve.bench import percentile
+from radixserve.bench import bearer, percentile
 from radixserve.bench.prom import scrape
 
 MEMORY_BOMB = {"type": "array", "minItems": 50, "items": {"type": "array", "minItems": 50, "items": {"type": "array",
                "minItems": 50}}}  # refused by xgrammar; outlines-core expands it without end
-
-
-def _h(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _regex_bomb() -> str:
@@ -45,7 +41,7 @@ def _chat_body(text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
 
 async def plain(session: Any, url: str, key: str | None) -> tuple[int, float]:
     t = time.perf_counter()
-    async with session.post(url + "/v1/chat/completions", json=_chat_body("Name three colours.", 16), headers=_h(key)) as r:
+    async with session.post(url + "/v1/chat/completions", json=_chat_body("Name three colours.", 16), headers=bearer(key)) as r:
         await r.read()
         return r.status, time.perf_counter() - t
 
@@ -58,7 +54,7 @@ async def _stream(session: Any, url: str, key: str | None, kind: str, i: int) ->
             "type": "json_schema", "json_schema": {"name": "b", "schema": {**MEMORY_BOMB, "title": uuid.uuid4().hex}}}
     stop_after = random.randint(1, 5) if kind == "vanish" else None
     try:
-        async with session.post(url + "/v1/chat/completions", json=body, headers=_h(key)) as r:
+        async with session.post(url + "/v1/chat/completions", json=body, headers=bearer(key)) as r:
             chunks = 0
             async for _ in r.content:
                 chunks += 1
@@ -80,18 +76,18 @@ async def _rss_mb(session: Any, url: str, key: str | None) -> float | None:
 async def _settle(session: Any, url: str, key: str | None) -> dict[str, Any]:
     """Wait (up to 60 s) until nothing is queued or running; then the integrity check."""
     for _ in range(600):
-        async with session.get(url + "/server_info", headers=_h(key)) as r:
+        async with session.get(url + "/server_info", headers=bearer(key)) as r:
             info = await r.json()
         kv = info.get("kv", {})
         if info.get("in_flight", 0) == 0 and kv.get("running", 0) == 0 and kv.get("waiting", 0) == 0:
             break
         await asyncio.sleep(0.1)
-    async with session.get(url + "/server_info?check_integrity=1", headers=_h(key)) as r:
+    async with session.get(url + "/server_info?check_integrity=1", headers=bearer(key)) as r:
         return await r.json()
 
 
 async def _flush(session: Any, url: str, key: str | None) -> None:
-    async with session.post(url + "/flush_cache", headers=_h(key)) as r:
+    async with session.post(url + "/flush_cache", headers=bearer(key)) as r:
         await r.read()
 
 
@@ -129,7 +125,7 @@ async def grammar_bomb(session: Any, url: str, a: str | None, b: str | None, bom
 
     async def bomb(body: dict[str, Any]) -> tuple[int, float]:
         t = time.perf_counter()
-        async with session.post(url + "/v1/chat/completions", json=body, headers=_h(a)) as r:
+        async with session.post(url + "/v1/chat/completions", json=body, headers=bearer(a)) as r:
             await r.read()
             return r.status, time.perf_counter() - t
 
@@ -157,7 +153,7 @@ async def bomb_trivial(session: Any, url: str, key: str | None) -> tuple[int, fl
     """Tenant B's trivial constrained request, sent while A's bombs compile."""
     t = time.perf_counter()
     body = _chat_body("Three digits:", 4, regex="[0-9]{3}")
-    async with session.post(url + "/v1/chat/completions", json=body, headers=_h(key)) as r:
+    async with session.post(url + "/v1/chat/completions", json=body, headers=bearer(key)) as r:
         text = await r.text()
         status = r.status
     if status != 200:

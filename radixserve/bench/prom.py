@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from radixserve.bench import bearer
+
 
 async def scrape(session: Any, url: str, key: str | None) -> dict[str, float]:
     """GET /metrics as {sample name with its labels: value}."""
-    async with session.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}) as r:
+    async with session.get(url + "/metrics", headers=bearer(key)) as r:
         text = await r.text()
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.bench import percentile
+from radixserve.bench import bearer, percentile
 from radixserve.bench.prefix import QUESTIONS, documentation
 
 
@@ -73,7 +73,7 @@ class Workload:
 async def _one(session: Any, args: argparse.Namespace, messages: list[dict[str, str]]) -> Result:
     body = {"model": "", "messages": messages, "max_tokens": args.output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = bearer(args.api_key)
     r, t0 = Result(), time.perf_counter()
     try:
         async with session.post(args.url + "/v1/chat/completions", json=body, headers=headers) as resp:

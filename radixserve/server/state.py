@@ -77,12 +77,11 @@ class TenantUsage:
     cached_tokens: int = 0
     completion_tokens: int = 0
 
-    def add(self, out: Output | None) -> None:
+    def add(self, out: Output) -> None:
         self.requests += 1
-        if out is not None:
-            self.prompt_tokens += out.prompt_tokens
-            self.cached_tokens += out.cached_tokens
-            self.completion_tokens += out.completion_tokens
+        self.prompt_tokens += out.prompt_tokens
+        self.cached_tokens += out.cached_tokens
+        self.completion_tokens += out.completion_tokens
 
 
 @dataclass

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.limits import MAX_JSON_DEPTH, too_deep
+from radixserve.limits import TooDeep, loads
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import FunctionCall, ToolCall
 
@@ -122,16 +122,13 @@ def history_text(tool_calls: list[Any] | None, param: str) -> str:
     for k, c in enumerate(tool_calls or []):
         fn = c.get("function", {}) if isinstance(c, dict) else {}
         args = fn.get("arguments", "{}")
-        deep = False
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
+        try:  # a JSON text (as OpenAI sends it); a JSON value was depth-checked with the body
+            args = loads(args) if isinstance(args, str) else args
         except json.JSONDecodeError:
             pass
-        except RecursionError:
-            deep = True
-        if deep or too_deep(args):
+        except TooDeep as e:
             where = f"{param}[{k}].function.arguments"
-            raise ApiError(400, f"{where}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", param=where)
+            raise ApiError(400, f"{where}: {e}", param=where) from None
         out.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>")
     return "\n".join(out)
 
