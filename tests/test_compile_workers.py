@@ -120,13 +120,11 @@ def test_slow_regexes_time_out_kill_their_workers_and_do_not_block_another_tenan
             with pytest.raises(GrammarError, match="took longer than the grammar_compile_timeout of 2 s"):
                 f.result()
     assert _gone(busy)  # killed and reaped: their CPU is free
-    t = time.monotonic()
     assert real.get(GrammarSpec("regex", "[0-9]{3}"), "victim") is not None  # not "busy"
-    assert time.monotonic() - t < 2.0
-    t = time.monotonic()
+    hits, misses = real.hits, real.misses
     with pytest.raises(GrammarError, match="took longer"):  # the timeout is cached: resending costs no worker
         real.get(bombs[0], "attacker-0")
-    assert time.monotonic() - t < 0.5 and not real.worker_pids(busy=True)
+    assert (real.hits, real.misses) == (hits + 1, misses) and not real.worker_pids(busy=True)
 
 
 def test_a_memory_bomb_schema_is_killed_at_the_memory_cap_and_the_server_does_not_grow(real):
@@ -141,10 +139,8 @@ def test_a_memory_bomb_schema_is_killed_at_the_memory_cap_and_the_server_does_no
             time.sleep(0.005)
 
     threading.Thread(target=watch, daemon=True).start()
-    t = time.monotonic()
-    with pytest.raises(GrammarError, match="used more than the grammar_compile_memory_mb of 400 MiB"):
+    with pytest.raises(GrammarError, match="used more than the grammar_compile_memory_mb of 400 MiB"):  # the cap, not the timeout
         real.get(spec, "attacker")
-    assert time.monotonic() - t < 2.0  # the cap, not the timeout, stopped it
     assert holder and _gone(holder[:1])
     assert me.memory_info().rss - before < 50 << 20
 
