@@ -65,7 +65,7 @@ class CompileCache:
         """Blocking: the compiled grammar, or GrammarError (the timeouts and limits included)."""
         result = self.submit(spec, tenant)
         try:
-            return result.result(self._pool.max_wait_s)
+            return result.result(self.max_wait_s)
         except FutureTimeout:
             raise errors.timeout(spec, self.timeout_s) from None
 
@@ -77,9 +77,14 @@ class CompileCache:
         shared = asyncio.wrap_future(result)
         shared.add_done_callback(lambda f: f.cancelled() or f.exception())  # its waiter may have left (a client gone)
         try:
-            return await asyncio.wait_for(asyncio.shield(shared), self._pool.max_wait_s)
+            return await asyncio.wait_for(asyncio.shield(shared), self.max_wait_s)
         except TimeoutError:
             raise errors.timeout(spec, self.timeout_s) from None
+
+    @property
+    def max_wait_s(self) -> float:
+        """The longest a request waits for a compile: queued, then running to its timeout."""
+        return self._pool.max_wait_s
 
     def worker_pids(self, busy: bool = False) -> list[int]:
         """The live worker processes (busy: only those compiling now)."""

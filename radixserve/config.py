@@ -16,7 +16,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # None: the default SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32 | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # cap below the model's own window
 

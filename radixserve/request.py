@@ -25,6 +25,16 @@ from grammars.spec import GrammarError, GrammarSpec
 from radixserve.limits import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, TooDeep, loads
 
 
+class InvalidParam(ValueError):
+    """A request parameter the engine refuses: `field` names it (in the engine's names),
+    `message` says why; str() reads 'field: message'. Crosses the engine boundary as is."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens reached
@@ -101,7 +111,7 @@ class SamplingParams:
         if self.max_new_tokens is not None:
             _check_int(self, "max_new_tokens", lo=0)
             if self.min_new_tokens > self.max_new_tokens:
-                raise ValueError(f"min_new_tokens: {self.min_new_tokens} is more than max_new_tokens ({self.max_new_tokens})")
+                raise InvalidParam("min_new_tokens", f"{self.min_new_tokens} is more than max_new_tokens ({self.max_new_tokens})")
         _check_float(self, "temperature", lo=0.0)
         _check_float(self, "top_p", lo=0.0, lo_open=True, hi=1.0)
         _check_int(self, "top_k", lo=-1)
@@ -116,16 +126,16 @@ class SamplingParams:
         if self.stop is not None:
             stops = self.stop_strs
             if not all(isinstance(s, str) and s for s in stops):
-                raise ValueError("stop: every stop string must be a non-empty string")
+                raise InvalidParam("stop", "every stop string must be a non-empty string")
             if len(stops) > MAX_STOPS or sum(len(s) for s in stops) > MAX_STOP_CHARS:
-                raise ValueError(f"stop: at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters in all")
+                raise InvalidParam("stop", f"at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters in all")
         if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after):
-            raise ValueError("grammar_after: expected a non-empty string")
+            raise InvalidParam("grammar_after", "expected a non-empty string")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
+            raise InvalidParam("stop_token_ids", f"{len(self.stop_token_ids)} ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+                raise InvalidParam("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
 
 
 def _json_text(kind: str, source: str) -> Any:
@@ -141,9 +151,9 @@ def _json_text(kind: str, source: str) -> Any:
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
     v = getattr(p, name)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name}: expected an integer, got {v!r}")
+        raise InvalidParam(name, f"expected an integer, got {v!r}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ValueError(f"{name}: {v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
+        raise InvalidParam(name, f"{v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
 
 
 def _check_float(
@@ -151,10 +161,10 @@ def _check_float(
 ) -> None:
     v = getattr(p, name)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name}: expected a finite number, got {v!r}")
+        raise InvalidParam(name, f"expected a finite number, got {v!r}")
     if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
         left = "(" if lo_open else "["
-        raise ValueError(f"{name}: {v} is out of range {left}{lo}, {hi if hi is not None else 'inf'}]")
+        raise InvalidParam(name, f"{v} is out of range {left}{lo}, {hi if hi is not None else 'inf'}]")
 
 
 @dataclass

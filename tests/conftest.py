@@ -166,3 +166,14 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
                       "--max-request-bytes", str(MAX_BODY), log=log)
     yield s
     assert s.stop() == 0, log.read_text()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fp32_engines():
+    """`dtype=auto` is bf16 on CPUs with AVX512-BF16 or AMX; in-process engines of the suite run
+    in fp32, where its token-exact checks (against Hugging Face, between engine variants) hold.
+    test_units checks what `auto` picks."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr("radixserve.engine.engine.cpu_has_bf16", lambda: False)
+    yield
+    mp.undo()

@@ -49,10 +49,10 @@ def assert_no_leak(engine: Any) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         s = engine.stats()
-        if s["running"] == 0 and s["waiting"] == 0:
+        if s.running == 0 and s.waiting == 0:
             break
         time.sleep(0.01)
     s = engine.stats()
-    assert s["kv_in_use_slots"] == 0, s
-    assert s["kv_free_slots"] + s["kv_cached_tokens"] == s["kv_total_slots"], s
+    assert s.kv_in_use_slots == 0, s
+    assert s.kv_free_slots + s.kv_cached_tokens == s.kv_total_slots, s
     engine.check_integrity()

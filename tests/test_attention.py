@@ -129,7 +129,7 @@ def test_the_triton_backend_generates_what_the_torch_backend_does(tiny_llama, mo
         with Engine(str(tiny_llama), attention_backend=name, kv_cache_tokens=2048, chunked_prefill_size=64) as e:
             outs = [o.token_ids for o in e.generate(prompts[:2], greedy)]  # the system prompt gets cached
             outs += [o.token_ids for o in e.generate(prompts[2:], greedy)]  # ...and is hit by the rest
-            assert e.stats()["cached_prompt_tokens"] >= 4 * 150 - 4
+            assert e.stats().cached_prompt_tokens >= 4 * 150 - 4
             assert_no_leak(e)
             got[name] = outs
     assert got["triton"] == got["torch"]

@@ -22,12 +22,12 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def test_greedy_output_is_identical_alone_and_in_a_mixed_batch(tiny_engine):
     prompts = _prompts(16)
     solo = [tiny_engine.generate([p], GREEDY)[0].token_ids for p in prompts]
-    before = tiny_engine.stats()["steps"]
+    before = tiny_engine.stats().steps
     batched = tiny_engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in batched] == solo
     s = tiny_engine.stats()
     # 16 prompts of up to 150 tokens with 64-token chunks took far fewer steps than solo runs would
-    assert s["steps"] - before < 16 * 24
+    assert s.steps - before < 16 * 24
     _assert_no_leak(tiny_engine)
 
 
@@ -48,7 +48,7 @@ def test_chunked_prefill_splits_long_prompts_and_mixes_with_decodes(tiny_llama):
         assert all(o.completion_tokens == 24 for o in outs)
         assert max(p for p, _ in seen) <= 32, "no step prefilled more than the chunk budget"
         assert any(p > 0 and d > 0 for p, d in seen), "a prefill chunk ran in the same forward as a decode"
-        assert engine.stats()["prefill_tokens_computed"] == 203
+        assert engine.stats().prefill_tokens_computed == 203
         _assert_no_leak(engine)
 
 
@@ -60,7 +60,7 @@ def test_retraction_under_a_small_pool_keeps_solo_greedy_outputs(tiny_llama):
     with Engine(str(tiny_llama), kv_cache_tokens=need // 3, chunked_prefill_size=512) as small:
         outs = small.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == solo
-        assert small.stats()["retractions"] > 0
+        assert small.stats().retractions > 0
         _assert_no_leak(small)
 
 
@@ -92,7 +92,7 @@ def test_abort_mid_decode_frees_the_requests_slots(tiny_engine):
         async for d in tiny_engine.submit(req):
             got += len(d.token_ids)
             if got == 3:
-                assert tiny_engine.stats()["kv_in_use_slots"] > 0
+                assert tiny_engine.stats().kv_in_use_slots > 0
                 tiny_engine.abort(req.rid)
             if d.finished:
                 reason = d.output.finish_reason

@@ -332,8 +332,8 @@ def test_jump_forward_appends_forced_text_as_the_tokenizer_would_and_still_valid
         e._loop.jump_forward = jf
         before = e.stats()
         outs[jf] = e.generate([ids], params)[0]
-        jumped[jf] = e.stats()["jump_forward_tokens"] - before["jump_forward_tokens"]
-        steps[jf] = e.stats()["steps"] - before["steps"]
+        jumped[jf] = e.stats().jump_forward_tokens - before.jump_forward_tokens
+        steps[jf] = e.stats().steps - before.steps
     e._loop.jump_forward = True
     for out in outs.values():
         assert out.finish_reason == "stop"

@@ -37,7 +37,7 @@ def test_greedy_outputs_are_identical_with_the_cache_on_and_off(engines):
         want = [o.token_ids for o in off.generate(prompts, GREEDY)]
         assert got == want
     s = on.stats()
-    assert s["cached_prompt_tokens"] > 0 and s["prefill_tokens_computed"] < off.stats()["prefill_tokens_computed"]
+    assert s.cached_prompt_tokens > 0 and s.prefill_tokens_computed < off.stats().prefill_tokens_computed
     assert_no_leak(on)
     assert_no_leak(off)
 
@@ -47,9 +47,9 @@ def test_sixteen_forks_sent_together_compute_the_shared_prefix_once(engines):
     on.flush_cache()
     prefix = _ids(1000, seed=3)
     prompts = [prefix + _ids(4 + i, seed=100 + i) for i in range(16)]
-    before = on.stats()["prefill_tokens_computed"]
+    before = on.stats().prefill_tokens_computed
     outs = on.generate(prompts, GREEDY)
-    computed = on.stats()["prefill_tokens_computed"] - before
+    computed = on.stats().prefill_tokens_computed - before
     assert computed <= 1000 + sum(len(p) - 1000 for p in prompts) + 16  # + one page per request
     assert sum(o.cached_tokens >= 1000 for o in outs) == 15  # all but the one that computed it
     assert_no_leak(on)
@@ -94,7 +94,7 @@ def test_a_tenant_flooding_unique_prompts_cannot_flush_anothers_hot_prompt(tiny_
         for i in range(8):  # 8 x ~216 tokens of unique prompts through a 1,200-token pool
             e.generate([_ids(200, seed=50 + i)], GREEDY, tenant="b")
         again = e.generate([hot + [6]], GREEDY, tenant="a")[0].cached_tokens
-        assert e.stats()["evicted_tokens"] > 0
+        assert e.stats().evicted_tokens > 0
         assert (again == 400) is quota
         assert_no_leak(e)
 
@@ -116,7 +116,7 @@ def test_flush_cache_is_refused_while_requests_run_then_empties_the_cache(engine
     assert_no_leak(on)
     assert on.flush_cache() > 0
     s = on.stats()
-    assert s["kv_cached_tokens"] == 0 and s["kv_free_slots"] == s["kv_total_slots"]
+    assert s.kv_cached_tokens == 0 and s.kv_free_slots == s.kv_total_slots
     assert on.generate([p], GREEDY)[0].cached_tokens == 0
 
 
@@ -126,10 +126,10 @@ def test_stats_report_hit_rate_and_cache_occupancy(tiny_llama):
         e.generate([p], GREEDY)
         e.generate([p], GREEDY)
         s = e.stats()
-        assert s["prompt_tokens"] == 200 and s["cached_prompt_tokens"] == 99
-        assert s["cache_hit_rate"] == pytest.approx(99 / 200)
-        assert s["kv_cached_tokens"] == s["kv_evictable_tokens"] > 100 and s["kv_locked_tokens"] == 0
-        assert s["prefill_tokens_computed"] == 101
+        assert s.prompt_tokens == 200 and s.cached_prompt_tokens == 99
+        assert s.cache_hit_rate == pytest.approx(99 / 200)
+        assert s.kv_cached_tokens == s.kv_evictable_tokens > 100 and s.kv_locked_tokens == 0
+        assert s.prefill_tokens_computed == 101
 
 
 def test_namespace_arguments_are_validated(engines):
@@ -148,11 +148,11 @@ def test_a_paged_cache_shares_whole_pages_and_keeps_greedy_outputs(engines, tiny
     prompts = [system + _ids(3 + i, seed=200 + i) for i in range(5)]
     want = [o.token_ids for o in off.generate(prompts, GREEDY)]
     with Engine(str(tiny_llama), kv_cache_tokens=4096, chunked_prefill_size=64, page_size=4) as paged:
-        before = paged.stats()["prefill_tokens_computed"]
+        before = paged.stats().prefill_tokens_computed
         outs = paged.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == want
         assert all(o.cached_tokens % 4 == 0 for o in outs)
         assert sum(o.cached_tokens == 200 for o in outs) == 4  # 203 tokens shared: 50 whole pages
-        computed = paged.stats()["prefill_tokens_computed"] - before
+        computed = paged.stats().prefill_tokens_computed - before
         assert computed <= 203 + sum(len(p) - 203 for p in prompts) + 5 * 4
         assert_no_leak(paged)

@@ -216,7 +216,7 @@ def test_many_long_requests_on_a_small_pool_finish_with_their_solo_outputs_and_a
             small.generate([[5] * 390], SamplingParams(max_new_tokens=need // 3))
         outs = small.generate(prompts, params)  # together they need 3x the pool: retraction and re-admission
         assert [o.token_ids for o in outs] == solo
-        assert small.stats()["retractions"] > 0
+        assert small.stats().retractions > 0
         assert_no_leak(small)
 
 
@@ -413,11 +413,11 @@ def test_a_consumer_that_stops_reading_gets_its_request_aborted_and_its_kv_freed
 
     async def main() -> list:
         params = SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True)
-        finished = tiny_engine.stats()["finished"]
+        finished = tiny_engine.stats().finished
         stream = tiny_engine.submit([5, 6, 7], params, max_backlog=8)
         await anext(stream)
         deadline = time.monotonic() + 60
-        while tiny_engine.snapshot()["finished"] == finished and time.monotonic() < deadline:  # not reading meanwhile
+        while tiny_engine.snapshot().finished == finished and time.monotonic() < deadline:  # not reading meanwhile
             await asyncio.sleep(0.02)
         return [d async for d in stream]
 

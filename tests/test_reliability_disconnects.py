@@ -78,7 +78,7 @@ async def _settled(state: ServerState) -> None:
     engine, adm = state.engine, state.admission
     for _ in range(1000):
         s = await asyncio.to_thread(engine.stats)
-        clean = adm.queued == adm.in_flight == 0 and not state.active and s["running"] == s["waiting"] == s["kv_in_use_slots"] == 0
+        clean = adm.queued == adm.in_flight == 0 and not state.active and s.running == s.waiting == s.kv_in_use_slots == 0
         if clean:
             break
         await asyncio.sleep(0.02)

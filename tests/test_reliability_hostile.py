@@ -100,13 +100,13 @@ def test_cache_salts_are_capped_and_their_namespaces_interned_and_counted(tiny_e
     params = SamplingParams(temperature=0.0, max_new_tokens=2)
     for salt in ("a", "b", "c") * 2:
         tiny_engine.generate([list(range(5, 40)), list(range(5, 30)) + [90] * 9], params, cache_salt="x" * 250 + salt)
-    assert tiny_engine.stats()["kv_namespaces"] == 3
+    assert tiny_engine.stats().kv_namespaces == 3
     prefix = tiny_engine.cache.prefix
     nodes = [n for n in prefix._nodes() if n is not prefix.root]
     assert len(nodes) > 3 and len({id(n.ns) for n in nodes}) == 3  # every node of a namespace holds one shared key
     tiny_engine.check_integrity()
     tiny_engine.flush_cache()
-    assert tiny_engine.stats()["kv_namespaces"] == 0
+    assert tiny_engine.stats().kv_namespaces == 0
 
 
 # -- connections -----------------------------------------------------------------------------------

@@ -110,3 +110,17 @@ def test_layer_contracts_hold():
     assert exe.exists(), "import-linter is part of the test extras"
     r = subprocess.run([str(exe)], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_matmuls(monkeypatch):
+    import torch
+
+    from radixserve.engine import engine as eng
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(eng, "cpu_has_bf16", lambda: True)
+    assert eng._dtype("auto", cpu) is torch.bfloat16
+    monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
+    assert eng._dtype("auto", cpu) is torch.float32
+    assert eng._dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert eng._dtype("float32", cpu) is torch.float32

@@ -75,10 +75,10 @@ def fork_prompts(tok: Any, args: argparse.Namespace) -> tuple[list[int], list[li
 
 def _delta(engine: Any, before: dict[str, Any]) -> dict[str, Any]:
     after = engine.stats()
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    prompt = after.prompt_tokens - before.prompt_tokens
+    cached = after.cached_prompt_tokens - before.cached_prompt_tokens
     return {
-        "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+        "prefill_tokens_computed": after.prefill_tokens_computed - before.prefill_tokens_computed,
         "prompt_tokens": prompt,
         "cached_prompt_tokens": cached,
         "hit_rate": cached / prompt if prompt else 0.0,

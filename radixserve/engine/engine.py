@@ -6,40 +6,43 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
 
+from grammars.spec import GrammarSpec
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
+from radixserve.engine.front import Prompt, RequestFront
 from radixserve.engine.loop import EngineLoop
 from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.protocol import EngineStats
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
-from radixserve.limits import MAX_CACHE_SALT_CHARS
 from radixserve.models.loader import load_model
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
-from radixserve.sched.policy import check_admissible
 from radixserve.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Engine:
+class Engine(RequestFront):
     """`Engine(model=None, **overrides)`: model None is the default SmolLM2-135M-Instruct;
     overrides are EngineConfig field names (kv_cache_tokens, chunked_prefill_size, ...)."""
 
-    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, *, loop_thread: bool = True, **overrides: Any) -> None:
+        """loop_thread=False: the caller runs the loop itself (`run_loop()`, on its own thread:
+        the engine process runs it on its main thread)."""
         self.config = cfg = EngineConfig.build(model, **overrides)
         self.device = _device(cfg.model.device)
         self.dtype = _dtype(cfg.model.dtype, self.device)
@@ -48,23 +51,30 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)
         self.vocab_size = min(self.arch.vocab_size, len(self.tokenizer))
+        self.model_vocab_size = self.arch.vocab_size
+        self.default_max_new_tokens = cfg.default_max_new_tokens
         self.eos_ids = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         a = self.arch
         self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        self.num_slots = self.pool.num_slots
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # warms a compile worker in the background
-        self._max_token_chars: int | None = None  # the longest vocabulary entry, once needed
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
         self._loop.jump_forward = not cfg.disable_jump_forward
         self._snapshot = self._stats()
         self._loop.on_change = self._publish
-        self._loop.start()
+        if loop_thread:
+            self._loop.start()
+
+    def run_loop(self) -> None:
+        """Run the engine loop on this thread until shutdown (for `loop_thread=False`)."""
+        self._loop.run()
 
     def _prefix_cache(self) -> PrefixCache:
         c = self.config.cache
@@ -88,42 +98,6 @@ class Engine:
             raise ValueError(f"kv_cache_tokens: the KV pool would hold {n} tokens; give it at least one page")
         return n
 
-    # -- requests ---------------------------------------------------------------------------
-    def make_req(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        rid: str | None = None,
-        priority: int = 0,
-        *,
-        tenant: str | None = None,
-        cache_salt: str | None = None,
-        public_prefix_len: int | None = None,
-    ) -> Req:
-        """Tokenize and validate; raises ValueError naming the bad field.
-
-        The prefix-cache namespace is (tenant, cache_salt): requests share cached prefixes
-        only within one. `public_prefix_len=k` opts in to the shared public namespace for the
-        first k prompt tokens (hit by, and offered to, every request that opts in too)."""
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: the prompt is empty")
-            self._check_text_fits(len(prompt))
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.arch.vocab_size:
-                    raise ValueError(f"input_ids: {t!r} is not a token id in [0, {self.arch.vocab_size})")
-        params.validate(self.vocab_size)
-        _check_namespace(tenant, cache_salt, public_prefix_len, len(ids))
-        default_max = max(min(self.config.default_max_new_tokens, self.context_len - len(ids)), 0)
-        req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max, tenant=tenant,
-                  cache_salt=cache_salt, public_prefix_len=public_prefix_len or 0)
-        check_admissible(req, self.context_len, self.pool.num_slots)
-        return req
-
     # -- grammars ---------------------------------------------------------------------------
     def grammars(self) -> Any:
         """The compile cache (grammars.cache.CompileCache)."""
@@ -140,37 +114,21 @@ class Engine:
         return CompileCache(factory, c.grammar_compile_timeout, c.grammar_compile_workers, c.grammar_tenant_compiles,
                             c.grammar_compile_memory_mb)
 
-    def _spec(self, req: Req) -> Any:
+    def compile_spec(self, spec: GrammarSpec) -> GrammarSpec:
+        """The spec as compiled here (the server's whitespace cap applied)."""
         ws = self.config.grammar_max_whitespace
-        return dataclasses.replace(req.grammar_spec, max_whitespace=None if ws < 0 else ws)
+        return dataclasses.replace(spec, max_whitespace=None if ws < 0 else ws)
 
     def prepare_grammar_sync(self, req: Req) -> None:
         """Compile (or fetch) the request's grammar on the compile pool, waiting here; raises
         GrammarError (a ValueError naming the field and the problem)."""
         if req.grammar_spec is not None and req.grammar is None:
-            req.grammar = self.grammars().get(self._spec(req), req.tenant).matcher()
+            req.grammar = self.grammars().get(self.compile_spec(req.grammar_spec), req.tenant).matcher()
 
     async def prepare_grammar(self, req: Req) -> None:
         """The same for event loops: the request waits here, outside the run queue."""
         if req.grammar_spec is not None and req.grammar is None:
-            req.grammar = (await self.grammars().get_async(self._spec(req), req.tenant)).matcher()
-
-    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render messages (and tools, for templates that take them) with the model's own chat
-        template, ready for generation."""
-        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or "")))
-        extra = {"tools": tools} if tools else {}
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                       return_dict=False, **extra))
-
-    def _check_text_fits(self, chars: int) -> None:
-        """A text longer than the context window could hold even at the longest token is refused
-        before it is tokenized (tokenizing megabytes only to refuse them would tie up a thread)."""
-        if self._max_token_chars is None:
-            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
-        if chars > self.context_len * self._max_token_chars:
-            raise ValueError(f"prompt: {chars} characters cannot fit the context window of {self.context_len} tokens "
-                             f"(a token is at most {self._max_token_chars} characters)")
+            req.grammar = (await self.grammars().get_async(self.compile_spec(req.grammar_spec), req.tenant)).matcher()
 
     def generate(
         self,
@@ -207,8 +165,8 @@ class Engine:
             self._loop.add(req, sink)
         try:
             while not done.wait(0.1):
-                if not self._loop.thread.is_alive():
-                    raise RuntimeError("the engine thread has stopped")
+                if not self._loop.alive:
+                    raise RuntimeError("the engine loop has stopped")
         except BaseException:
             for req in reqs:
                 self.abort(req.rid)
@@ -265,38 +223,39 @@ class Engine:
     def abort(self, rid: str) -> None:
         self._loop.abort(rid)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """KV accounting (in tokens: free + cached + in use = total) and scheduler counters.
         Waits for the current step to end; `snapshot()` does not wait."""
         with self._loop.lock:
             return self._stats()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EngineStats:
         """The stats as of the end of the last step or command; never blocks (event loops use this)."""
         return self._snapshot
 
     def _publish(self) -> None:
         self._snapshot = self._stats()
 
-    def _stats(self) -> dict[str, Any]:
+    def _stats(self) -> EngineStats:
         s, alloc, prefix = self.scheduler, self.cache.allocator, self.cache.prefix
         c = s.counters
-        return {
-            "kv_total_slots": alloc.size,
-            "kv_free_slots": alloc.num_free,
-            "kv_in_use_slots": self.cache.in_use(),
-            "kv_cached_tokens": prefix.cached_tokens,
-            "kv_evictable_tokens": prefix.evictable_tokens,
-            "kv_locked_tokens": prefix.locked_tokens,
-            "evicted_tokens": prefix.evicted_tokens,
-            "kv_namespaces": prefix.namespaces,
-            "cache_hit_rate": c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "steps": self._loop.steps,
-            "jump_forward_tokens": self._loop.jumped_tokens,
+        return EngineStats(
+            kv_total_slots=alloc.size,
+            kv_free_slots=alloc.num_free,
+            kv_in_use_slots=self.cache.in_use(),
+            kv_cached_tokens=prefix.cached_tokens,
+            kv_evictable_tokens=prefix.evictable_tokens,
+            kv_locked_tokens=prefix.locked_tokens,
+            evicted_tokens=prefix.evicted_tokens,
+            kv_namespaces=prefix.namespaces,
+            cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            steps=self._loop.steps,
+            jump_forward_tokens=self._loop.jumped_tokens,
+            engine_rss_bytes=_rss_bytes(),
             **vars(c),
-        }
+        )
 
     def flush_cache(self) -> int:
         """Drop every cached prefix; returns the tokens dropped. Raises RuntimeError while
@@ -327,15 +286,19 @@ class Engine:
         self.shutdown()
 
 
-def _check_namespace(tenant: str | None, cache_salt: str | None, public_prefix_len: int | None, prompt_len: int) -> None:
-    for name, v in (("tenant", tenant), ("cache_salt", cache_salt)):
-        if v is not None and (not isinstance(v, str) or not v):
-            raise ValueError(f"{name}: expected a non-empty string or None, got {v!r}")
-    if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt: {len(cache_salt)} characters, more than the limit of {MAX_CACHE_SALT_CHARS}")
-    k = public_prefix_len
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= prompt_len):
-        raise ValueError(f"public_prefix_len: {k!r} is not an integer in [0, {prompt_len}] (the prompt length)")
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def cpu_has_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matmuls run natively, at twice fp32's rate and half its weight
+    traffic (SGLang's and vLLM's CPU backends default to bf16 there too)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
 
 
 def _device(name: str) -> torch.device:
@@ -346,7 +309,7 @@ def _device(name: str) -> torch.device:
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; choose from: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

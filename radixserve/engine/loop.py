@@ -47,9 +47,12 @@ class EngineLoop:
         self.jump_forward = True  # grammars: append forced text without a forward pass per token
         self.jumped_tokens = 0
         self.on_change: Callable[[], None] | None = None  # called under the lock after each step or command
-        self.thread = threading.Thread(target=self._main, name="radixserve-engine", daemon=True)
+        self.thread = threading.Thread(target=self.run, name="radixserve-engine", daemon=True)
+        self.stopped = threading.Event()
+        self.running_here = False  # run() called on a thread of the caller's (the engine process's main thread)
 
     def start(self) -> None:
+        """Run the loop on its own thread (in-process engines)."""
         self.thread.start()
 
     def add(self, req: Req, sink: Sink) -> None:
@@ -59,20 +62,31 @@ class EngineLoop:
         self.inbox.put(("abort", rid))
 
     def stop(self) -> None:
-        if self.thread.is_alive():
+        """Finish every request (abort) and end the loop; waits for it to end."""
+        if not self.stopped.is_set():
             self.inbox.put(("stop",))
+        if self.thread.is_alive():
             self.thread.join()
 
-    # -- thread body ----------------------------------------------------------------------
-    def _main(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() or (self.running_here and not self.stopped.is_set())
+
+    # -- the loop body: on its own thread, or on the caller's (`run()`) -------------------
+    def run(self) -> None:
+        if threading.current_thread() is not self.thread:
+            self.running_here = True
         self.runner.on_thread_start()
-        while self._drain(block=not self.scheduler.has_work):
-            try:
-                with self.lock:
-                    self._step()
-                    self._changed()
-            except Exception:  # never let one bad step end the thread
-                log.exception("engine step failed")
+        try:
+            while self._drain(block=not self.scheduler.has_work):
+                try:
+                    with self.lock:
+                        self._step()
+                        self._changed()
+                except Exception:  # never let one bad step end the loop
+                    log.exception("engine step failed")
+        finally:
+            self.stopped.set()
 
     def _drain(self, block: bool) -> bool:
         try:

@@ -11,16 +11,20 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """Fused: one kernel (`F.rms_norm`, fp32 accumulation) instead of five ops. With a
+    residual, `norm(x, residual)` returns (norm(x + residual), x + residual): the add that
+    precedes every norm in a decoder layer rides along."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is not None:
+            x = x + residual
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -65,16 +69,17 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the step's positions, (T, 1, head_dim / 2) (the table's halves are
+        equal): indexed once per step and shared by every layer, in the activations' dtype."""
+        half = self.cos.shape[-1] // 2
+        return (self.cos[positions, None, :half].to(dtype), self.sin[positions, None, :half].to(dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotate-half, x * cos + rotate_half(x) * sin: (T, heads, D) by (T, 1, D / 2) tables."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class GatedMLP(nn.Module):

@@ -13,11 +13,13 @@ from torch import nn
 
 from radixserve.batch import ForwardBatch
 from radixserve.models.config import ArchConfig
-from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin), see RotaryEmbedding.tables
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -26,9 +28,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
@@ -36,37 +37,47 @@ class Attention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rope)
+        self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual before it): each residual add is fused into
+        the norm that follows it (the last one into the model's final norm)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.tables(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, batch)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, batch)
+        return self.norm(x, residual)[0]
 
 
 # HF checkpoint name -> (our fused parameter, shard index)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixserve.request import Req
+from radixserve.request import InvalidParam, Req
 
 POLICIES = ("fcfs", "lpm")
 
@@ -36,16 +36,12 @@ def check_admissible(req: Req, context_len: int, pool_slots: int) -> None:
     """Refuse up front what could never run (raises ValueError naming the parameter)."""
     total = req.prompt_len + req.max_new_tokens
     if req.prompt_len == 0:
-        raise ValueError("prompt: the prompt is empty")
+        raise InvalidParam("prompt", "the prompt is empty")
     if req.prompt_len > context_len:
-        raise ValueError(f"prompt: {req.prompt_len} tokens exceed the context window of {context_len}")
+        raise InvalidParam("prompt", f"{req.prompt_len} tokens exceed the context window of {context_len}")
     if total > context_len:
-        raise ValueError(
-            f"max_new_tokens: prompt ({req.prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = "
-            f"{total} exceeds the context window of {context_len}"
-        )
+        raise InvalidParam("max_new_tokens", f"prompt ({req.prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = "
+                                             f"{total} exceeds the context window of {context_len}")
     if total > pool_slots:
-        raise ValueError(
-            f"max_new_tokens: prompt + max_new_tokens = {total} tokens exceeds the whole KV pool "
-            f"({pool_slots} slots); raise kv_cache_tokens or lower max_new_tokens"
-        )
+        raise InvalidParam("max_new_tokens", f"prompt + max_new_tokens = {total} tokens exceeds the whole KV pool "
+                                             f"({pool_slots} slots); raise kv_cache_tokens or lower max_new_tokens")

@@ -9,6 +9,7 @@ import msgspec
 from aiohttp import web
 
 from radixserve.limits import MAX_JSON_DEPTH
+from radixserve.request import InvalidParam
 from radixserve.server.protocol import ErrorDetail, ErrorResponse
 
 ERROR_TYPES = {
@@ -87,11 +88,14 @@ def deep_path(body: bytes, limit: int) -> str | None:
 
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
-    """Engine validation errors read 'field: problem'; keep the field as `param`, in the API's names."""
+    """Engine validation errors (InvalidParam) name their field: keep it as `param`, in the API's names."""
     msg = str(e)
-    field, sep, rest = msg.partition(": ")
-    if not sep or " " in field:
-        return ApiError(400, msg)
+    if isinstance(e, InvalidParam):
+        field, rest = e.field, e.message
+    else:  # a GrammarError reads 'kind: problem' too
+        field, sep, rest = msg.partition(": ")
+        if not sep or " " in field:
+            return ApiError(400, msg)
     rename = rename or {}
     name = rename.get(field, field)
     for old, new in rename.items():

@@ -10,13 +10,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.engine.protocol import EngineStats
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 REJECT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], connections: Callable[[], int]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats], queued: Callable[[], int], connections: Callable[[], int]) -> None:
         self.snapshot = snapshot
         self.queued = queued
         self.connections = connections
@@ -26,13 +28,14 @@ class _EngineCollector(Collector):
         gauges = {
             "radixserve_queued_requests": ("requests accepted that have no first token yet", self.queued()),
             "radixserve_open_connections": ("client connections open", self.connections()),
-            "radixserve_running_requests": ("requests the scheduler is running", s.get("running", 0)),
-            "radixserve_waiting_requests": ("requests waiting in the scheduler", s.get("waiting", 0)),
-            "radixserve_kv_total_tokens": ("KV pool size in tokens", s.get("kv_total_slots", 0)),
-            "radixserve_kv_in_use_tokens": ("KV tokens held by requests", s.get("kv_in_use_slots", 0)),
-            "radixserve_kv_cached_tokens": ("KV tokens held by the prefix cache", s.get("kv_cached_tokens", 0)),
-            "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.get("cache_hit_rate", 0.0)),
-            "radixserve_kv_namespaces": ("prefix-cache namespaces (tenant, cache_salt) holding tokens", s.get("kv_namespaces", 0)),
+            "radixserve_running_requests": ("requests the scheduler is running", s.running),
+            "radixserve_waiting_requests": ("requests waiting in the scheduler", s.waiting),
+            "radixserve_kv_total_tokens": ("KV pool size in tokens", s.kv_total_slots),
+            "radixserve_kv_in_use_tokens": ("KV tokens held by requests", s.kv_in_use_slots),
+            "radixserve_kv_cached_tokens": ("KV tokens held by the prefix cache", s.kv_cached_tokens),
+            "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.cache_hit_rate),
+            "radixserve_kv_namespaces": ("prefix-cache namespaces (tenant, cache_salt) holding tokens", s.kv_namespaces),
+            "radixserve_engine_resident_memory_bytes": ("the engine core's resident memory (its own process)", s.engine_rss_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -45,12 +48,12 @@ class _EngineCollector(Collector):
             "radixserve_evicted_tokens": ("prefix-cache tokens evicted", "evicted_tokens"),
         }
         for name, (doc, key) in counters.items():
-            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+            yield CounterMetricFamily(name, doc, value=getattr(s, key))
 
 
 class Metrics:
     def __init__(
-        self, snapshot: Callable[[], dict[str, Any]], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float,
+        self, snapshot: Callable[[], EngineStats], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float,
         connections: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = r = CollectorRegistry()

@@ -29,7 +29,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from radixserve import Engine
+    from radixserve.engine.process import EngineProcess
     from radixserve.server.auth import Auth
 
     t0 = time.monotonic()
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if len(auth.tenants) <= 1 and kwargs.get("grammar_tenant_compiles") is None:  # no other tenant to be fair to
         kwargs["grammar_tenant_compiles"] = kwargs["grammar_compile_workers"]
-    engine = Engine(args.model, **kwargs, tenant_max_cached_tokens=quotas)
+    engine = EngineProcess(args.model, **kwargs, tenant_max_cached_tokens=quotas)  # the model loop in its own process
     try:
         asyncio.run(serve(engine, cfg, auth, t0))
     finally:
@@ -66,7 +66,7 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     host, port = runner.addresses[0][:2]
-    kv = engine.snapshot()["kv_total_slots"]
+    kv = engine.snapshot().kv_total_slots
     log.info("radixserve ready at http://%s:%d | model %s | KV cache %d tokens | auth %s | ready in %.1f s",
              host, port, state.model_name, kv, "off" if auth.open else f"{len(auth.tenants)} tenant(s)", time.monotonic() - t0)
     stop = asyncio.Event()

@@ -1,0 +1,93 @@
+"""Request building, on whichever side of the engine boundary the caller is: tokenize, render
+chat templates, validate, and resolve defaults into a Req (a plain AddRequest on the wire).
+
+Shared by `Engine` (in-process) and `EngineProcess` (the front of an engine in its own process),
+so both refuse the same input with the same InvalidParam.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.engine.protocol import InvalidParam
+from radixserve.limits import MAX_CACHE_SALT_CHARS
+from radixserve.request import Req, SamplingParams
+from radixserve.sched.policy import check_admissible
+
+Prompt = str | list[int]
+
+
+class RequestFront:
+    """Needs: tokenizer, context_len, vocab_size (the tokenizer's), model_vocab_size (the
+    model's rows), num_slots (the KV pool) and default_max_new_tokens."""
+
+    tokenizer: Any
+    context_len: int
+    vocab_size: int
+    model_vocab_size: int
+    num_slots: int
+    default_max_new_tokens: int
+    _max_token_chars: int | None = None  # the longest vocabulary entry, once needed
+
+    def make_req(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        priority: int = 0,
+        *,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        public_prefix_len: int | None = None,
+    ) -> Req:
+        """Tokenize and validate; raises InvalidParam (a ValueError) naming the bad field.
+
+        The prefix-cache namespace is (tenant, cache_salt): requests share cached prefixes
+        only within one. `public_prefix_len=k` opts in to the shared public namespace for the
+        first k prompt tokens (hit by, and offered to, every request that opts in too)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParam("prompt", "the prompt is empty")
+            self._check_text_fits(len(prompt))
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model_vocab_size:
+                    raise InvalidParam("input_ids", f"{t!r} is not a token id in [0, {self.model_vocab_size})")
+        params.validate(self.vocab_size)
+        _check_namespace(tenant, cache_salt, public_prefix_len, len(ids))
+        default_max = max(min(self.default_max_new_tokens, self.context_len - len(ids)), 0)
+        req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max, tenant=tenant,
+                  cache_salt=cache_salt, public_prefix_len=public_prefix_len or 0)
+        check_admissible(req, self.context_len, self.num_slots)
+        return req
+
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render messages (and tools, for templates that take them) with the model's own chat
+        template, ready for generation."""
+        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or "")))
+        extra = {"tools": tools} if tools else {}
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False, **extra))
+
+    def _check_text_fits(self, chars: int) -> None:
+        """A text longer than the context window could hold even at the longest token is refused
+        before it is tokenized (tokenizing megabytes only to refuse them would tie up a thread)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        if chars > self.context_len * self._max_token_chars:
+            raise InvalidParam("prompt", f"{chars} characters cannot fit the context window of {self.context_len} tokens "
+                                         f"(a token is at most {self._max_token_chars} characters)")
+
+
+def _check_namespace(tenant: str | None, cache_salt: str | None, public_prefix_len: int | None, prompt_len: int) -> None:
+    for name, v in (("tenant", tenant), ("cache_salt", cache_salt)):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise InvalidParam(name, f"expected a non-empty string or None, got {v!r}")
+    if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidParam("cache_salt", f"{len(cache_salt)} characters, more than the limit of {MAX_CACHE_SALT_CHARS}")
+    k = public_prefix_len
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= prompt_len):
+        raise InvalidParam("public_prefix_len", f"{k!r} is not an integer in [0, {prompt_len}] (the prompt length)")

@@ -1,0 +1,202 @@
+"""The boundary between the serving front (HTTP, tokenization, chat templates) and the engine
+core (scheduler, model, KV cache): typed messages, the stats they report, typed errors, and
+the `EngineClient` protocol both sides of a deployment program against.
+
+`Engine` implements EngineClient in-process (offline use, tests); `EngineProcess` implements it
+with the engine core in its own process, so the model loop never shares a GIL with the server.
+Messages are msgspec structs on the wire (msgpack); requests cross it as a plain `AddRequest`
+and are built into a `Req` on the engine side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from radixserve.engine.outputs import Delta
+from radixserve.request import InvalidParam, Req, SamplingParams
+
+__all__ = ["InvalidParam", "EngineClient", "EngineStats", "AddRequest"]
+
+
+@dataclass
+class EngineStats:
+    """KV accounting (tokens: free + cached + in use = total) and scheduler counters."""
+
+    kv_total_slots: int = 0
+    kv_free_slots: int = 0
+    kv_in_use_slots: int = 0
+    kv_cached_tokens: int = 0
+    kv_evictable_tokens: int = 0
+    kv_locked_tokens: int = 0
+    evicted_tokens: int = 0
+    kv_namespaces: int = 0
+    cache_hit_rate: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    jump_forward_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens: int = 0
+    retractions: int = 0
+    finished: int = 0
+    engine_rss_bytes: int = 0  # the engine core's resident memory (its own process, or this one)
+
+
+# -- front -> engine ----------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    """A validated, tokenized request; the engine builds its Req from this."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # resolved: the request's own or the engine's default
+    priority: int = 0
+    tenant: str | None = None
+    cache_salt: str | None = None
+    public_prefix_len: int = 0
+
+    @classmethod
+    def of(cls, req: Req) -> AddRequest:
+        return cls(req.rid, req.token_ids[: req.prompt_len], req.params, req.max_new_tokens, req.priority, req.tenant,
+                   req.cache_salt, req.public_prefix_len)
+
+    def build(self) -> Req:
+        return Req(list(self.input_ids), self.params, rid=self.rid, priority=self.priority,
+                   max_new_tokens=self.max_new_tokens, tenant=self.tenant, cache_salt=self.cache_salt,
+                   public_prefix_len=self.public_prefix_len)
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    rid: str
+
+
+class Call(msgspec.Struct, tag="call", frozen=True):
+    """A request for one Reply: method is one of CALLS."""
+
+    call_id: int
+    method: str
+    params: SamplingParams | None = None  # prepare_grammar: the request's params
+    tenant: str | None = None
+
+
+CALLS = ("stats", "flush_cache", "check_integrity", "prepare_grammar")
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+ToEngine = AddRequest | Abort | Call | Shutdown
+
+
+# -- engine -> front ----------------------------------------------------------------------------
+class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
+    """Sent once the engine core is up: what the front needs to build requests."""
+
+    model_name: str
+    model_path: str
+    context_len: int
+    vocab_size: int
+    model_vocab_size: int
+    eos_ids: list[int]
+    num_slots: int
+    dtype: str
+    device: str
+    pid: int
+
+
+class Deltas(msgspec.Struct, tag="deltas", frozen=True):
+    """Every request's deltas of one engine step (or command), in one message, with the stats
+    as of its end."""
+
+    items: list[Delta]
+    stats: EngineStats
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """kind: invalid_param (a 4xx, `field` set), runtime (refused now, e.g. a flush while busy),
+    internal."""
+
+    kind: str
+    message: str
+    field: str | None = None
+
+    @classmethod
+    def of(cls, e: BaseException) -> ErrorInfo:
+        if isinstance(e, InvalidParam):
+            return cls("invalid_param", e.message, e.field)
+        if isinstance(e, ValueError):
+            field = getattr(e, "param", None)
+            return cls("invalid_param", str(e), field)
+        if isinstance(e, RuntimeError):
+            return cls("runtime", str(e))
+        return cls("internal", repr(e))
+
+    def exception(self) -> Exception:
+        if self.kind == "invalid_param":
+            from grammars.spec import GrammarError
+
+            return GrammarError(self.message, self.field)  # a ValueError; the message names the field
+        if self.kind == "runtime":
+            return RuntimeError(self.message)
+        return RuntimeError(f"the engine failed: {self.message}")
+
+
+class Reply(msgspec.Struct, tag="reply", frozen=True):
+    call_id: int
+    stats: EngineStats | None = None
+    value: int | None = None
+    error: ErrorInfo | None = None
+
+
+FromEngine = EngineInfo | Deltas | Reply
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(kind: Any) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)
+
+
+# -- the contract -------------------------------------------------------------------------------
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server needs of an engine. Request building (make_req, chat_ids) runs where the
+    caller is; everything else goes to the engine core."""
+
+    model_name: str
+    model_path: str
+    context_len: int
+    vocab_size: int
+    tokenizer: Any
+
+    def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
+                 priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,
+                 public_prefix_len: int | None = None) -> Req: ...
+
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+
+    async def prepare_grammar(self, req: Req) -> None: ...
+
+    def submit(self, prompt: Req, params: SamplingParams | None = None, *,
+               max_backlog: int | None = None) -> AsyncIterator[Delta]: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def snapshot(self) -> EngineStats: ...
+
+    def flush_cache(self) -> int: ...
+
+    def check_integrity(self) -> None: ...
+
+    def shutdown(self) -> None: ...
