@@ -67,7 +67,8 @@ class ServerProcess:
         while True:
             _, info = self.get("/server_info", key)
             kv = info["kv"]
-            if (kv["running"] == 0 and kv["waiting"] == 0 and info["queued"] == 0) or time.monotonic() > deadline:
+            idle = kv["running"] == 0 and kv["waiting"] == 0 and info["queued"] == 0 and info.get("in_flight", 0) == 0
+            if idle or time.monotonic() > deadline:
                 return kv
             time.sleep(0.05)
 

@@ -194,7 +194,7 @@ class EngineLoop:
         new_ids = req.output_ids[st.sent :]
         new_lps = req.output_logprobs[st.sent :] if req.params.return_logprob else []
         st.sent = req.output_len
-        st.sink(Delta(req.rid, st.detok.take_delta(finished), new_ids, new_lps, finished, output))
+        st.sink(Delta(req.rid, st.detok.take_delta(finished), new_ids, new_lps, finished, output, req.cached_tokens))
 
     def _reap(self) -> None:
         for req in self.scheduler.reap():

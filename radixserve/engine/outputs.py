@@ -30,3 +30,4 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     output: Output | None = None  # set on the last delta
+    cached_tokens: int = 0  # prompt tokens the request found in the prefix cache (known once admitted)

@@ -69,17 +69,18 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of the step's positions, (T, 1, head_dim / 2) (the table's halves are
-        equal): indexed once per step and shared by every layer, in the activations' dtype."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the step's positions, (T, 1, head_dim / 2) fp32 (the table's halves are
+        equal): indexed once per step and shared by every layer."""
         half = self.cos.shape[-1] // 2
-        return (self.cos[positions, None, :half].to(dtype), self.sin[positions, None, :half].to(dtype))
+        return self.cos[positions, None, :half], self.sin[positions, None, :half]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox rotate-half, x * cos + rotate_half(x) * sin: (T, heads, D) by (T, 1, D / 2) tables."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """Neox rotate-half, x * cos + rotate_half(x) * sin: (T, heads, D) by (T, 1, D / 2) tables.
+    In fp32 whatever x is: rotating in bf16 derails SmolLM2's greedy answers."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -73,7 +73,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.tables(positions, x.dtype)
+        rope = self.rotary_emb.tables(positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, batch)

@@ -85,7 +85,7 @@ async def _stream(request: web.Request, state: ServerState, flight: Flight, logp
     async for _, d in state.merged(flight):
         # text and output_ids are cumulative (SGLang's shape); logprobs are those of the new tokens only
         text, ids = text + d.text, ids + d.token_ids
-        out = d.output or Output(req.rid, "", [], "", req.prompt_len, len(ids), req.cached_tokens)
+        out = d.output or Output(req.rid, "", [], "", req.prompt_len, len(ids), d.cached_tokens)
         new_lps = d.logprobs if logprobs else None
         out = Output(**{**vars(out), "logprobs": new_lps, "prompt_logprobs": out.prompt_logprobs if d.finished else None})
         await sse.send(_response(state, out, text, ids, flight.arrival, d.finished))

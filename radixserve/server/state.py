@@ -52,10 +52,10 @@ class RequestOptions:
     rename: dict[str, str] = field(default_factory=dict)  # engine field name -> this API's name
 
 
-def _aborted(req: Req) -> Output:
-    """What a request left early had used (its engine-side state is final once it is reaped;
-    read here, the counts may miss the last step's token)."""
-    return Output(req.rid, "", [], "abort", req.prompt_len, req.output_len, req.cached_tokens)
+def _aborted(req: Req, last: Delta | None, tokens: int) -> Output:
+    """What a request left early had used, as far as its deltas told (the engine's own state
+    may be in another process)."""
+    return Output(req.rid, "", [], "abort", req.prompt_len, tokens, last.cached_tokens if last is not None else 0)
 
 
 @dataclass
@@ -184,10 +184,13 @@ class ServerState:
         """Stream one request. Leaving early (a vanished client) aborts it, freeing its KV."""
         ttft: float | None = None
         out: Output | None = None
+        last: Delta | None = None
+        tokens = 0
         ticket.ran = True
         try:
             async with aclosing(self.engine.submit(req, max_backlog=self.config.max_stream_backlog)) as stream:
                 async for d in stream:
+                    last, tokens = d, tokens + len(d.token_ids)
                     if ttft is None and (d.token_ids or d.finished):
                         ttft = time.monotonic() - arrival
                         self.admission.started(ticket)
@@ -198,7 +201,7 @@ class ServerState:
             self.admission.leave(ticket)
             reason = out.finish_reason if out is not None else "abort"
             self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
-            self.usage[ticket.tenant].add(out if out is not None else _aborted(req))
+            self.usage[ticket.tenant].add(out if out is not None else _aborted(req, last, tokens))
             self.active.pop(req.rid, None)
 
     async def collect(self, flight: Flight) -> list[Output]:
