@@ -44,6 +44,7 @@ class Engine(RequestFront):
         """loop_thread=False: the caller runs the loop itself (`run_loop()`, on its own thread:
         the engine process runs it on its main thread)."""
         self.config = cfg = EngineConfig.build(model, **overrides)
+        self.pid = os.getpid()  # the engine core's process
         self.device = _device(cfg.model.device)
         self.dtype = _dtype(cfg.model.dtype, self.device)
         loaded = load_model(cfg.model.path, self.dtype, self.device)

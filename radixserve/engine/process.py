@@ -217,7 +217,7 @@ class EngineProcess(RequestFront):
                         sinks = [(self._streams.get(d.rid), d) for d in msg.items]
                     for sink, d in sinks:
                         if sink is not None:
-                            sink(d)
+                            _deliver(sink, d)
                 elif isinstance(msg, Reply):
                     with self._lock:
                         fut = self._calls.pop(msg.call_id, None)
@@ -240,7 +240,7 @@ class EngineProcess(RequestFront):
             log.error("the engine process is gone: %s", why)
         for rid, sink in streams.items():
             out = Output(rid, "", [], "error", 0, 0, 0, error=f"the engine process is gone: {why}")
-            sink(Delta(rid, "", finished=True, output=out))
+            _deliver(sink, Delta(rid, "", finished=True, output=out))
         for fut in calls.values():
             fut.set_exception(EngineDied(f"the engine process is gone: {why}"))
 
@@ -270,6 +270,13 @@ class EngineProcess(RequestFront):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _deliver(sink: Callable[[Delta], None], d: Delta) -> None:
+    try:
+        sink(d)
+    except RuntimeError:  # its event loop is closed: nobody waits for it
+        pass
 
 
 # -- the engine process ---------------------------------------------------------------------------

@@ -177,6 +177,7 @@ class EngineClient(Protocol):
     context_len: int
     vocab_size: int
     tokenizer: Any
+    pid: int  # the engine core's process
 
     def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                  priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,

@@ -74,7 +74,7 @@ async def server_info(request: web.Request) -> web.Response:
     extra: dict[str, Any] = {}
     if tenant.admin:  # the global counters say what every tenant sent: admins only
         adm = state.admission
-        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(e.snapshot()),
+        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(e.snapshot()), engine_pid=e.pid,
                      tenants={t: vars(u) for t, u in state.usage.items()},
                      open_connections=state.connections.open if state.connections else None)
     else:

@@ -1,0 +1,207 @@
+"""The engine core in its own process: typed messages round-trip, requests give the same tokens
+as in-process, a request that breaks the forward fails alone, and the engine process never
+outlives its server (shut down, or killed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.process import EngineProcess
+from radixserve.engine.protocol import (
+    Abort,
+    AddRequest,
+    Call,
+    Deltas,
+    EngineClient,
+    EngineInfo,
+    EngineStats,
+    ErrorInfo,
+    FromEngine,
+    InvalidParam,
+    Reply,
+    Shutdown,
+    ToEngine,
+    decoder,
+    encoder,
+)
+from radixserve.request import TokenLogprob
+from tests.server_helpers import ServerProcess
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_every_message_round_trips_typed():
+    params = SamplingParams(max_new_tokens=7, temperature=0.5, stop=["\n", "END"], stop_token_ids=[3], seed=11,
+                            json_schema='{"type": "object"}', return_logprob=True, top_logprobs_num=2)
+    lps = [TokenLogprob(5, -0.25, [(-0.25, 5), (-1.5, 9)]), TokenLogprob(1, None)]
+    out = Output("r1", "hi", [5, 1], "stop", 3, 2, 1, matched_stop="END", logprobs=lps, error=None)
+    stats = EngineStats(kv_total_slots=10, kv_free_slots=4, cache_hit_rate=0.5, finished=2, engine_rss_bytes=1 << 30)
+    to_engine = [AddRequest("r1", [1, 2, 3], params, 7, priority=-2, tenant="t", cache_salt="s", public_prefix_len=2),
+                 Abort("r1"), Call(4, "prepare_grammar", params, "t"), Shutdown()]
+    from_engine = [EngineInfo("m", "/p", 128, 100, 104, [2], 4096, "bfloat16", "cpu", 123),
+                   Deltas([Delta("r1", "h", [5], lps[:1], cached_tokens=1), Delta("r1", "i", [1], [], True, out, 1)], stats),
+                   Reply(4, stats=stats), Reply(5, value=17), Reply(6, error=ErrorInfo("invalid_param", "bad", "regex"))]
+    enc = encoder()
+    for kind, msgs in ((ToEngine, to_engine), (FromEngine, from_engine)):
+        dec = decoder(kind)
+        for m in msgs:
+            assert dec.decode(enc.encode(m)) == m
+    err = ErrorInfo.of(InvalidParam("top_p", "0 is out of range (0, 1]"))
+    assert (err.kind, err.field, err.message) == ("invalid_param", "top_p", "0 is out of range (0, 1]")
+    assert isinstance(err.exception(), ValueError) and str(err.exception()) == "0 is out of range (0, 1]"
+    assert isinstance(ErrorInfo.of(RuntimeError("busy")).exception(), RuntimeError)
+
+
+def test_a_built_request_crosses_as_a_plain_message(tiny_engine):
+    req = tiny_engine.make_req([5, 6, 7], SamplingParams(max_new_tokens=3), "rid-1", 2, tenant="a", cache_salt="s",
+                               public_prefix_len=1)
+    back = AddRequest.of(req).build()
+    assert (back.rid, back.token_ids, back.max_new_tokens, back.priority, back.tenant, back.cache_salt,
+            back.public_prefix_len) == ("rid-1", [5, 6, 7], 3, 2, "a", "s", 1)
+    assert isinstance(tiny_engine, EngineClient)
+
+
+@pytest.fixture(scope="module")
+def proc_engine(tiny_llama):
+    with EngineProcess(str(tiny_llama), dtype="float32", kv_cache_tokens=4096, chunked_prefill_size=64) as e:
+        yield e
+
+
+async def _collect(engine, req) -> Output:
+    out = None
+    async for d in engine.submit(req):
+        out = d.output if d.finished else out
+    assert out is not None
+    return out
+
+
+def test_the_engine_process_gives_the_in_process_tokens_and_accounts_the_same(proc_engine, tiny_llama):
+    assert isinstance(proc_engine, EngineClient) and proc_engine.pid != os.getpid() and _alive(proc_engine.pid)
+    prompts = [[7 + i, 8, 9, 10 + i] * 20 for i in range(3)]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+    async def run() -> list[Output]:
+        return list(await asyncio.gather(*(_collect(proc_engine, proc_engine.make_req(p, params)) for p in prompts)))
+
+    remote = asyncio.run(run())
+    with Engine(str(tiny_llama), kv_cache_tokens=4096, chunked_prefill_size=64) as local:
+        here = local.generate(prompts, params)
+    assert [o.token_ids for o in remote] == [o.token_ids for o in here]
+    assert [o.text for o in remote] == [o.text for o in here]
+    s = proc_engine.stats()
+    assert s.kv_in_use_slots == 0 and s.finished >= 3 and s.decode_tokens > 0
+    assert proc_engine.snapshot().finished == s.finished  # pushed with the last step's deltas
+    proc_engine.check_integrity()
+    assert proc_engine.flush_cache() > 0 and proc_engine.stats().kv_cached_tokens == 0
+    with pytest.raises(InvalidParam, match="top_p"):  # refused where it is built, before anything is sent
+        proc_engine.make_req([1, 2], SamplingParams(top_p=0))
+
+
+def test_grammars_compile_in_the_engine_process_and_bad_ones_name_the_field(proc_engine):
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    good = proc_engine.make_req([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=40, json_schema=schema))
+    bad = proc_engine.make_req([5, 6, 7], SamplingParams(max_new_tokens=4, regex="(unclosed"))
+
+    async def run() -> Output:
+        await proc_engine.prepare_grammar(good)
+        with pytest.raises(ValueError, match="regex"):
+            await proc_engine.prepare_grammar(bad)
+        return await _collect(proc_engine, good)
+
+    out = asyncio.run(run())
+    import json
+
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["n"], int)
+
+
+def test_a_request_that_breaks_the_forward_fails_alone_and_the_engine_goes_on(proc_engine):
+    """A front that let a bad token id through (this one bypasses validation): the forward
+    fails, that request ends with an error, the process and the next requests are fine."""
+    bad = AddRequest("broken", [10**6], SamplingParams(max_new_tokens=2), 2)
+
+    async def run() -> tuple[Delta, Output]:
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[Delta] = loop.create_future()
+        with proc_engine._lock:
+            proc_engine._streams["broken"] = lambda d: loop.call_soon_threadsafe(got.set_result, d)
+        proc_engine._send(bad)
+        d = await asyncio.wait_for(got, 60)
+        with proc_engine._lock:
+            del proc_engine._streams["broken"]
+        ok = await _collect(proc_engine, proc_engine.make_req([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3)))
+        return d, ok
+
+    d, ok = asyncio.run(run())
+    assert d.finished and d.output is not None and d.output.finish_reason == "error" and "forward" in d.output.error
+    assert ok.finish_reason == "length" and ok.completion_tokens == 3
+    assert _alive(proc_engine.pid) and proc_engine.stats().kv_in_use_slots == 0
+    proc_engine.check_integrity()
+
+
+def test_the_engine_process_dies_with_a_killed_client(tiny_llama, tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(
+        "import sys, time\n"
+        "from radixserve.engine.process import EngineProcess\n"
+        f"e = EngineProcess({str(tiny_llama)!r}, kv_cache_tokens=1024)\n"
+        "print(e.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(client.stdout.readline())
+        assert _alive(pid)
+        time.sleep(1)  # its compile workers start in the background
+        children = _children(pid)
+        assert children, "the engine process started no compile workers"
+        client.send_signal(signal.SIGKILL)
+        client.wait(30)
+        assert _wait_gone(pid), "the engine process outlived its killed client"
+        for c in children:  # its grammar compile workers and their forkserver
+            assert _wait_gone(c), f"engine child {c} outlived the engine"
+    finally:
+        client.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def test_the_server_stops_its_engine_process_cleanly(tiny_llama, tmp_path):
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "2048", log=tmp_path / "server.log")
+    try:
+        _, info = s.get("/server_info")
+        pid = info["engine_pid"]
+        assert pid != s.proc.pid and _alive(pid)
+        status, out = s.post("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 3}})
+        assert status == 200 and out["meta_info"]["completion_tokens"] == 3
+    finally:
+        code = s.stop()
+    assert code == 0 and _wait_gone(pid, 10)
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
