@@ -19,6 +19,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32 | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # cap below the model's own window
+    disable_packed_linears: bool = False  # CPU: True keeps plain torch linears (no oneDNN-packed copy of the weights)
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,20 @@ class Req:
         start = self.params.logprob_start_len
         return 0 <= start < self.prompt_len and start + len(self.prompt_logprobs) < self.prompt_len
 
+    def append_token(self, tok: int, eos_ids: set[int], context_len: int) -> None:
+        """Append a sampled token and finish on EOS, a stop token, max_new_tokens or the context."""
+        if self.max_new_tokens == 0:
+            self.finish(FinishReason.LENGTH)
+            return
+        self.token_ids.append(tok)
+        p = self.params
+        if self.output_len > p.min_new_tokens:  # the first min_new_tokens were sampled with stops banned
+            if (tok in eos_ids and not p.ignore_eos) or tok in self.stop_ids:
+                self.finish(FinishReason.STOP, tok)
+                return
+        if self.output_len >= self.max_new_tokens or len(self.token_ids) >= context_len:
+            self.finish(FinishReason.LENGTH)
+
     def finish(self, reason: FinishReason, matched: int | str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason

@@ -329,12 +329,12 @@ def test_jump_forward_appends_forced_text_as_the_tokenizer_would_and_still_valid
     params = SamplingParams(temperature=0, max_new_tokens=80, json_schema=json.dumps(schema))
     outs, jumped, steps = {}, {}, {}
     for jf in (False, True):
-        e._loop.jump_forward = jf
+        e.post.jump_forward = jf
         before = e.stats()
         outs[jf] = e.generate([ids], params)[0]
         jumped[jf] = e.stats().jump_forward_tokens - before.jump_forward_tokens
         steps[jf] = e.stats().steps - before.steps
-    e._loop.jump_forward = True
+    e.post.jump_forward = True
     for out in outs.values():
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), schema)

@@ -20,13 +20,21 @@ from radixserve.sched.siblings import SiblingGate
 def _sched(pool: int, page_size: int = 1, cache: bool = True, **kw) -> Scheduler:
     cfg = SchedConfig(**{"chunked_prefill_size": 256, **kw})
     prefix = RadixCache(page_size) if cache else NullPrefixCache(page_size)
-    return Scheduler(cfg, CacheManager(SlotAllocator(pool, page_size), prefix), eos_ids={0}, context_len=10_000)
+    return Scheduler(cfg, CacheManager(SlotAllocator(pool, page_size), prefix))
+
+
+def _fake_model(s: Scheduler, plan) -> None:
+    """What the engine does after a step of a fake model that always samples token 9 (EOS is 0)."""
+    s.process(plan)
+    for it in plan.items:
+        if it.samples and it.req.finish_reason is None:
+            it.req.append_token(9, {0}, 10000)
 
 
 def _step(s: Scheduler) -> None:
     """One iteration with a fake model that always emits token 9."""
     plan = s.schedule()
-    s.process(plan, [9 if it.samples else None for it in plan.items])
+    _fake_model(s, plan)
     s.reap()
     s.cache.check_integrity()
 

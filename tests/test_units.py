@@ -30,7 +30,15 @@ def test_allocator_hands_out_each_slot_once_and_catches_double_free():
 
 def _sched(pool: int, **kw) -> Scheduler:
     cfg = SchedConfig(**{"chunked_prefill_size": 8, **kw})
-    return Scheduler(cfg, CacheManager(SlotAllocator(pool), NullPrefixCache()), eos_ids={0}, context_len=1000)
+    return Scheduler(cfg, CacheManager(SlotAllocator(pool), NullPrefixCache()))
+
+
+def _fake_model(s: Scheduler, plan) -> None:
+    """What the engine does after a step of a fake model that always samples token 9 (EOS is 0)."""
+    s.process(plan)
+    for it in plan.items:
+        if it.samples and it.req.finish_reason is None:
+            it.req.append_token(9, {0}, 1000)
 
 
 def _drive(s: Scheduler, steps: int = 1000) -> int:
@@ -38,7 +46,7 @@ def _drive(s: Scheduler, steps: int = 1000) -> int:
     n = 0
     while s.has_work and n < steps:
         plan = s.schedule()
-        s.process(plan, [9 if it.samples else None for it in plan.items])
+        _fake_model(s, plan)
         s.reap()
         n += 1
     return n
@@ -51,7 +59,7 @@ def test_scheduler_chunks_admits_and_finishes_without_leaking():
         s.add(r)
     first = s.schedule()
     assert first.num_tokens == 8 and len(first.items) == 1  # the budget chunks the first prompt
-    s.process(first, [None])
+    _fake_model(s, first)
     _drive(s)
     assert all(r.finish_reason is FinishReason.LENGTH and r.output_ids == [9] * 5 for r in reqs)
     assert s.cache.allocator.num_free == 200 and s.counters.prefill_tokens_computed == 4 * 19

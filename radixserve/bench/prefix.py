@@ -73,7 +73,7 @@ def fork_prompts(tok: Any, args: argparse.Namespace) -> tuple[list[int], list[li
     return system, [system + a for a in asks]
 
 
-def _delta(engine: Any, before: dict[str, Any]) -> dict[str, Any]:
+def _delta(engine: Any, before: Any) -> dict[str, Any]:
     after = engine.stats()
     prompt = after.prompt_tokens - before.prompt_tokens
     cached = after.cached_prompt_tokens - before.cached_prompt_tokens

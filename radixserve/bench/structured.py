@@ -184,13 +184,13 @@ def speed(engine: Any, batch: int, tokens: int) -> dict[str, float]:
     cases = {"unconstrained": (SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True), True),
              "constrained": (constrained, False), "constrained_jump_forward": (constrained, True)}
     for name, (params, jf) in cases.items():
-        engine._loop.jump_forward = jf
+        engine.post.jump_forward = jf
         engine.generate(prompts[:1], params)  # warm-up (and the grammar compile)
         t = time.perf_counter()
         outs = engine.generate(prompts, params)
         dt = time.perf_counter() - t
         results[name] = sum(o.completion_tokens for o in outs) / dt
-    engine._loop.jump_forward = True
+    engine.post.jump_forward = True
     return results
 
 

@@ -23,9 +23,11 @@ from radixserve.config import EngineConfig
 from radixserve.engine.front import Prompt, RequestFront
 from radixserve.engine.loop import EngineLoop
 from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.protocol import EngineStats
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
+from radixserve.models.linear import pack_linears
 from radixserve.models.loader import load_model
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
@@ -48,6 +50,8 @@ class Engine(RequestFront):
         self.device = _device(cfg.model.device)
         self.dtype = _dtype(cfg.model.dtype, self.device)
         loaded = load_model(cfg.model.path, self.dtype, self.device)
+        if not cfg.model.disable_packed_linears:
+            pack_linears(loaded.model, self.dtype, self.device)
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
         self.tokenizer = loaded.tokenizer
         self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)
@@ -61,13 +65,14 @@ class Engine(RequestFront):
         self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device)
         self.num_slots = self.pool.num_slots
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
-        self.scheduler = Scheduler(cfg.sched, self.cache, self.eos_ids, self.context_len)
+        self.scheduler = Scheduler(cfg.sched, self.cache)
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # warms a compile worker in the background
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
-        self._loop = EngineLoop(self.scheduler, self.runner, self.sampler, self.tokenizer)
-        self._loop.jump_forward = not cfg.disable_jump_forward
+        self.post = PostProcessor(self.tokenizer, self.sampler, self.eos_ids, self.context_len)
+        self.post.jump_forward = not cfg.disable_jump_forward
+        self._loop = EngineLoop(self.scheduler, self.runner, self.post)
         self._snapshot = self._stats()
         self._loop.on_change = self._publish
         if loop_thread:
@@ -253,7 +258,7 @@ class Engine(RequestFront):
             running=len(s.running),
             waiting=len(s.waiting),
             steps=self._loop.steps,
-            jump_forward_tokens=self._loop.jumped_tokens,
+            jump_forward_tokens=self.post.jumped_tokens,
             engine_rss_bytes=_rss_bytes(),
             **vars(c),
         )

@@ -55,11 +55,9 @@ class SchedCounters:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedConfig, cache: CacheManager, eos_ids: set[int], context_len: int) -> None:
+    def __init__(self, cfg: SchedConfig, cache: CacheManager) -> None:
         self.cfg = cfg
         self.cache = cache
-        self.eos_ids = eos_ids
-        self.context_len = context_len
         self.policy = Policy(cfg.schedule_policy, cfg.lpm_queue_cap)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -154,9 +152,10 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # -- results ----------------------------------------------------------------------------
-    def process(self, plan: SchedulePlan, tokens: list[int | None]) -> None:
-        """Advance each item; append the sampled token where the item samples."""
-        for item, tok in zip(plan.items, tokens):
+    def process(self, plan: SchedulePlan) -> None:
+        """Advance each item past the tokens it fed, and cache what a prefill computed (the
+        sampled tokens are the post-processing stage's: engine.postprocess)."""
+        for item in plan.items:
             req = item.req
             req.computed_len = item.start + item.length
             if item.is_decode:
@@ -165,23 +164,6 @@ class Scheduler:
                 self.counters.prefill_tokens_computed += item.length
                 if req.finish_reason is None:
                     self.cache.cache_prefix(req)  # reusable before the request finishes
-            if not item.samples or req.finish_reason is not None:
-                continue
-            if req.max_new_tokens == 0:
-                req.finish(FinishReason.LENGTH)
-                continue
-            assert tok is not None
-            req.token_ids.append(tok)
-            self._check_stop(req, tok)
-
-    def _check_stop(self, req: Req, tok: int) -> None:
-        p = req.params
-        if req.output_len > p.min_new_tokens:  # the first min_new_tokens were sampled with stops banned
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in req.stop_ids:
-                req.finish(FinishReason.STOP, tok)
-                return
-        if req.output_len >= req.max_new_tokens or len(req.token_ids) >= self.context_len:
-            req.finish(FinishReason.LENGTH)
 
     def reap(self) -> list[Req]:
         """Release every request that has a finish reason; returns them."""

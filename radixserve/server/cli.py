@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import agents, offline, prefix, reliability, serving, structured
+    from radixserve.bench import agents, compare, offline, prefix, reliability, serving, structured
 
+    compare.add_args(bsub.add_parser("compare", help="five workloads against OpenAI-compatible servers (llama.cpp, ...)"))
     agents.add_args(bsub.add_parser("agents", help="agent programs in frontend_lang vs sequential openai-client calls"))
     offline.add_args(bsub.add_parser("offline", help="offline throughput vs Hugging Face generate"))
     prefix.add_args(bsub.add_parser("prefix", help="16 calls forked off a long system prompt; multi-turn history reuse"))
@@ -68,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             from radixserve.server import serve
 
             return serve.run(args)
-        from radixserve.bench import agents, offline, prefix, reliability, serving, structured
+        from radixserve.bench import agents, compare, offline, prefix, reliability, serving, structured
 
-        runs = {"agents": agents.run, "offline": offline.run, "prefix": prefix.run, "reliability": reliability.run,
+        runs = {"agents": agents.run, "compare": compare.run, "offline": offline.run, "prefix": prefix.run,
+                "reliability": reliability.run,
                 "serving": serving.run, "structured": structured.run}
         return runs[args.bench](args)
     except (ModelLoadError, ValueError) as e:

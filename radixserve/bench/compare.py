@@ -1,0 +1,192 @@
+"""`radixserve bench compare --url A --name a --url B --name b`: the same five workloads against
+any OpenAI-compatible servers (ours, llama.cpp's llama-server, vLLM, SGLang), each workload run
+on every server back to back, and the ratio of the first server to each other one printed.
+
+    single   one request, ~150-token prompt -> 128 tokens: end-to-end output tok/s (median of 3)
+    batch    32 concurrent requests, ~150 -> 128 each: output tok/s
+    prefill  one ~2,000-token prompt -> 1 token: ms (median of 3)
+    fork     16 questions off one shared ~2,000-token prefix, sent at once -> 64 each: wall s
+    json     16 concurrent JSON-schema chats (response_format json_schema): output tok/s
+
+Greedy, `ignore_eos` where the count must be exact. Caches start cold: every workload's text
+opens with a fresh random tag (no server can reuse an earlier workload's prefix), and servers
+that have `/flush_cache` (ours, SGLang) are flushed before each workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from radixserve.bench import bearer
+from radixserve.bench.prefix import QUESTIONS, documentation
+
+WORKLOADS = ("single", "batch", "prefill", "fork", "json")
+HIGHER_IS_BETTER = {"single": True, "batch": True, "prefill": False, "fork": False, "json": True}
+UNITS = {"single": "tok/s", "batch": "tok/s", "prefill": "ms", "fork": "s", "json": "tok/s"}
+CHARS_PER_TOKEN = 4.6  # SmolLM2's tokenizer on `documentation` text; the prompts are sized by it
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4},
+        "remote": {"type": "boolean"},
+    },
+    "required": ["name", "age", "skills", "remote"],
+    "additionalProperties": False,
+}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", action="append", required=True, help="a server's base URL (repeat: the first is compared to each other)")
+    p.add_argument("--name", action="append", default=[], help="a name per --url, in order")
+    p.add_argument("--api-key", action="append", default=[], help="a key per --url, in order ('' for none)")
+    p.add_argument("--model", default="", help="the model name to send (most single-model servers ignore it)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the single and prefill workloads (the median is kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    tag = f"[session {rng.getrandbits(64):016x}] "
+    text = tag
+    while len(text) < tokens * CHARS_PER_TOKEN:
+        text += documentation(rng, 4)
+    return text[: int(tokens * CHARS_PER_TOKEN)]
+
+
+class Server:
+    def __init__(self, session: Any, url: str, name: str, key: str | None, model: str) -> None:
+        self.session, self.url, self.name, self.key, self.model = session, url.rstrip("/"), name, key or None, model
+
+    async def flush(self) -> None:
+        try:
+            async with self.session.post(self.url + "/flush_cache", headers=bearer(self.key)) as r:
+                await r.read()
+        except Exception:  # a server without the route: the fresh tags keep its cache cold
+            pass
+
+    async def complete(self, prompt: str, max_tokens: int) -> int:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": False}
+        return await self._post("/v1/completions", body)
+
+    async def chat_json(self, content: str) -> int:
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 160,
+                "temperature": 0.0, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}}
+        return await self._post("/v1/chat/completions", body, check_json=True)
+
+    async def _post(self, path: str, body: dict[str, Any], check_json: bool = False) -> int:
+        async with self.session.post(self.url + path, json=body, headers=bearer(self.key)) as r:
+            data = await r.json(content_type=None)
+            if r.status != 200:
+                raise RuntimeError(f"{self.name}: {path} answered {r.status}: {str(data)[:300]}")
+        if check_json:
+            text = data["choices"][0]["message"]["content"]
+            json.loads(text)  # structured output that does not parse is a failure, not a speed
+        return int(data["usage"]["completion_tokens"])
+
+
+async def single(s: Server, rng: random.Random, repeats: int) -> float:
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = await s.complete(_text(rng, 150), 128)
+        rates.append(n / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+async def batch(s: Server, rng: random.Random, repeats: int) -> float:
+    prompts = [_text(rng, rng.randint(135, 165)) for _ in range(32)]
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(s.complete(p, 128) for p in prompts))
+    return sum(counts) / (time.perf_counter() - t)
+
+
+async def prefill(s: Server, rng: random.Random, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        await s.complete(_text(rng, 2000), 1)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+async def fork(s: Server, rng: random.Random, repeats: int) -> float:
+    shared = _text(rng, 2000)
+    questions = [f"\n\nQuestion {i + 1}: {rng.choice(QUESTIONS)}\nAnswer:" for i in range(16)]
+    t = time.perf_counter()
+    await asyncio.gather(*(s.complete(shared + q, 64) for q in questions))
+    return time.perf_counter() - t
+
+
+async def json_chats(s: Server, rng: random.Random, repeats: int) -> float:
+    people = [f"Describe a made-up software engineer number {rng.randint(1, 10**6)} as JSON." for _ in range(16)]
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(s.chat_json(p) for p in people))
+    return sum(counts) / (time.perf_counter() - t)
+
+
+RUNS: dict[str, Callable[[Server, random.Random, int], Awaitable[float]]] = {
+    "single": single, "batch": batch, "prefill": prefill, "fork": fork, "json": json_chats}
+
+
+async def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    import aiohttp
+
+    names = args.name + [f"server{i + 1}" for i in range(len(args.name), len(args.url))]
+    keys = args.api_key + [""] * (len(args.url) - len(args.api_key))
+    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in chosen:
+        if w not in RUNS:
+            raise SystemExit(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    results: dict[str, dict[str, float]] = {w: {} for w in chosen}
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        servers = [Server(session, u, n, k, args.model) for u, n, k in zip(args.url, names, keys)]
+        for s in servers:  # a tiny warm-up each: first-request costs are not a workload
+            await s.complete("Hello", 2)
+        for w in chosen:
+            for s in servers:  # back to back, each on the same kind of fresh text
+                await s.flush()
+                results[w][s.name] = await RUNS[w](s, random.Random(f"{args.seed}-{w}"), args.repeats)
+                print(f"  {w:8s} {s.name:14s} {results[w][s.name]:10.1f} {UNITS[w]}", flush=True)
+    return results
+
+
+def ratio(workload: str, ours: float, theirs: float) -> float:
+    """How many times better the first server is (>1: it wins)."""
+    return ours / theirs if HIGHER_IS_BETTER[workload] else theirs / ours
+
+
+def print_table(results: dict[str, dict[str, float]]) -> None:
+    names = list(next(iter(results.values())).keys())
+    first, others = names[0], names[1:]
+    head = f"| workload | {' | '.join(names)} | " + " | ".join(f"{first} / {o}" for o in others) + " |"
+    print("\n" + head)
+    print("|" + "---|" * (1 + len(names) + len(others)))
+    for w, row in results.items():
+        cells = [f"{row[n]:,.1f} {UNITS[w]}" for n in names]
+        ratios = [f"{ratio(w, row[first], row[o]):.2f}x" for o in others]
+        print(f"| {w} | " + " | ".join(cells + ratios) + " |")
+
+
+def run(args: argparse.Namespace) -> int:
+    if len(args.url) < 2:
+        raise SystemExit("--url: give at least two servers to compare")
+    results = asyncio.run(compare(args))
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

@@ -1,0 +1,78 @@
+"""CPU matmuls at this CPU's roofs: each linear picks its kernel by the number of rows it gets.
+
+Measured on the reference machine (2 Xeon cores, AVX512-BF16, no AMX; SmolLM2's 30 layers of
+linears, each weight distinct so it streams from memory; `python scripts/linear_roofs.py`):
+
+    rows  | bf16 plain | bf16 oneDNN-packed | fp32 plain | fp32 oneDNN-packed
+    1     |   22.4 ms  |      16.0 ms       |   21.8 ms  |     26.0 ms
+    32    |   68.5 ms  |      53.9 ms       |   69.0 ms  |     48.6 ms
+    1024  |  1450 ms   |      1406 ms       |    923 ms  |      990 ms
+
+So decode batches (few rows) use weights pre-packed for oneDNN (bf16; fp32 from 2 rows up),
+and prefill chunks (many rows) of a bf16 model run in fp32 on the fly (weights upcast one
+layer at a time: MKL's sgemm beats oneDNN's bf16 GEMM on this CPU by 1.5x). The plain weight
+stays (the embedding ties to it, and the fp32 path reads it); the packed copy is extra memory:
+one more copy of the linear weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PACK_HINT = 32  # the batch size oneDNN lays the packed weights out for (fine from 1 to 64 rows)
+PACKED_MAX_ROWS = 64  # more rows: a prefill chunk
+UPCAST_MIN_ROWS = 128  # bf16 prefill chunks from this many rows run in fp32
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's math with the kernel chosen per call (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared: a tied embedding stays tied
+        self.bias = linear.bias
+        w = linear.weight.detach()
+        self.packed_from = 1 if w.dtype == torch.bfloat16 else 2  # fp32 at one row: the plain sgemv is faster
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT), persistent=False)
+        self.upcast = w.dtype == torch.bfloat16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.packed_from <= rows <= PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.upcast and rows >= UPCAST_MIN_ROWS:
+            b = self.bias.float() if self.bias is not None else None
+            return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Replace every nn.Linear of `model` by a PackedLinear (CPU, fp32/bf16); returns how many."""
+    if not packing_available(dtype, device):
+        return 0
+    try:  # an oneDNN build without the op: keep plain linears
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype),
+                                           torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1),
+                                           None, "none", [], "")
+    except (RuntimeError, AttributeError) as e:
+        log.warning("oneDNN packed linears are not available (%r); using plain ones", e)
+        return 0
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dim() == 2:
+                setattr(parent, name, PackedLinear(child))
+                n += 1
+    return n
