@@ -1,0 +1,51 @@
+"""Time SmolLM2-shaped linears (30 layers of qkv, o, gate_up, down; each weight distinct, so
+it streams from memory) per kernel, dtype and row count: the table in radixserve/models/linear.py.
+
+    .venv/bin/python scripts/linear_roofs.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2-135M's linears
+LAYERS = 30
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def main() -> None:
+    print("| rows | dtype | plain ms | oneDNN-packed ms |")
+    print("|---:|---|---:|---:|")
+    for dtype in (torch.bfloat16, torch.float32):
+        weights = [[torch.randn(n, k, dtype=dtype) for n, k in SHAPES] for _ in range(LAYERS)]
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
+        for rows in (1, 32, 1024):
+            xs = {k: torch.randn(rows, k, dtype=dtype) for _, k in SHAPES}
+            reps = 3 if rows > 64 else 10
+
+            def plain(weights=weights, xs=xs) -> None:
+                for layer in weights:
+                    for w in layer:
+                        F.linear(xs[w.shape[1]], w)
+
+            def pk(packed=packed, xs=xs) -> None:
+                for layer in packed:
+                    for w, (_, k) in zip(layer, SHAPES):
+                        torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+
+            name = str(dtype).removeprefix("torch.")
+            print(f"| {rows} | {name} | {timed(plain, reps):.1f} | {timed(pk, reps):.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
