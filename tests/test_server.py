@@ -353,3 +353,17 @@ def test_a_slow_grammar_times_out_with_a_400_while_other_requests_complete(tiny_
         assert s.wait_idle()["kv_in_use_slots"] == 0
     finally:
         assert s.stop() == 0
+
+
+def test_bench_compare_runs_every_workload_on_each_server_and_prints_ratios(server, tmp_path, capsys):
+    from radixserve.server.cli import main
+
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", "--url", server.url, "--name", "a", "--url", server.url, "--name", "b",
+               "--workloads", "single,batch,prefill,fork", "--repeats", "1", "--scale", "0.05", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"single", "batch", "prefill", "fork"}
+    assert all(set(row) == {"a", "b"} and all(v > 0 for v in row.values()) for row in data.values())
+    table = capsys.readouterr().out
+    assert "| workload | a | b | a / b |" in table and table.count("x |") == 4

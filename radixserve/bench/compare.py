@@ -52,6 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="the model name to send (most single-model servers ignore it)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--repeats", type=int, default=3, help="runs of the single and prefill workloads (the median is kept)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length (e.g. 0.05 for a smoke run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures to this file")
 
@@ -97,47 +98,57 @@ class Server:
         return int(data["usage"]["completion_tokens"])
 
 
-async def single(s: Server, rng: random.Random, repeats: int) -> float:
+class Sizes:
+    """The workloads' token counts, times --scale."""
+
+    def __init__(self, scale: float) -> None:
+        def n(x: int) -> int:
+            return max(1, round(x * scale))
+
+        self.prompt, self.output, self.long, self.fork_output = n(150), n(128), n(2000), n(64)
+
+
+async def single(s: Server, rng: random.Random, repeats: int, z: Sizes) -> float:
     rates = []
     for _ in range(repeats):
         t = time.perf_counter()
-        n = await s.complete(_text(rng, 150), 128)
+        n = await s.complete(_text(rng, z.prompt), z.output)
         rates.append(n / (time.perf_counter() - t))
     return statistics.median(rates)
 
 
-async def batch(s: Server, rng: random.Random, repeats: int) -> float:
-    prompts = [_text(rng, rng.randint(135, 165)) for _ in range(32)]
+async def batch(s: Server, rng: random.Random, repeats: int, z: Sizes) -> float:
+    prompts = [_text(rng, round(z.prompt * rng.uniform(0.9, 1.1)) or 1) for _ in range(32)]
     t = time.perf_counter()
-    counts = await asyncio.gather(*(s.complete(p, 128) for p in prompts))
+    counts = await asyncio.gather(*(s.complete(p, z.output) for p in prompts))
     return sum(counts) / (time.perf_counter() - t)
 
 
-async def prefill(s: Server, rng: random.Random, repeats: int) -> float:
+async def prefill(s: Server, rng: random.Random, repeats: int, z: Sizes) -> float:
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        await s.complete(_text(rng, 2000), 1)
+        await s.complete(_text(rng, z.long), 1)
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
 
-async def fork(s: Server, rng: random.Random, repeats: int) -> float:
-    shared = _text(rng, 2000)
+async def fork(s: Server, rng: random.Random, repeats: int, z: Sizes) -> float:
+    shared = _text(rng, z.long)
     questions = [f"\n\nQuestion {i + 1}: {rng.choice(QUESTIONS)}\nAnswer:" for i in range(16)]
     t = time.perf_counter()
-    await asyncio.gather(*(s.complete(shared + q, 64) for q in questions))
+    await asyncio.gather(*(s.complete(shared + q, z.fork_output) for q in questions))
     return time.perf_counter() - t
 
 
-async def json_chats(s: Server, rng: random.Random, repeats: int) -> float:
+async def json_chats(s: Server, rng: random.Random, repeats: int, z: Sizes) -> float:
     people = [f"Describe a made-up software engineer number {rng.randint(1, 10**6)} as JSON." for _ in range(16)]
     t = time.perf_counter()
     counts = await asyncio.gather(*(s.chat_json(p) for p in people))
     return sum(counts) / (time.perf_counter() - t)
 
 
-RUNS: dict[str, Callable[[Server, random.Random, int], Awaitable[float]]] = {
+RUNS: dict[str, Callable[[Server, random.Random, int, Sizes], Awaitable[float]]] = {
     "single": single, "batch": batch, "prefill": prefill, "fork": fork, "json": json_chats}
 
 
@@ -159,7 +170,7 @@ async def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for w in chosen:
             for s in servers:  # back to back, each on the same kind of fresh text
                 await s.flush()
-                results[w][s.name] = await RUNS[w](s, random.Random(f"{args.seed}-{w}"), args.repeats)
+                results[w][s.name] = await RUNS[w](s, random.Random(f"{args.seed}-{w}"), args.repeats, Sizes(args.scale))
                 print(f"  {w:8s} {s.name:14s} {results[w][s.name]:10.1f} {UNITS[w]}", flush=True)
     return results
 
