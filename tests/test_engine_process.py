@@ -205,3 +205,30 @@ def test_the_server_stops_its_engine_process_cleanly(tiny_llama, tmp_path):
         code = s.stop()
     assert code == 0 and _wait_gone(pid, 10)
     assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def test_a_server_whose_engine_process_dies_fails_its_streams_and_exits_for_a_restart(tiny_llama, tmp_path):
+    import json
+    import socket
+
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "4096", log=tmp_path / "server.log")
+    try:
+        pid = s.get("/server_info")[1]["engine_pid"]
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        got = b""
+        while got.count(b"data:") < 2:
+            got += sock.recv(65536)
+        os.kill(pid, signal.SIGKILL)  # the OOM killer, say
+        sock.settimeout(30)
+        while b"[DONE]" not in got:  # the stream ends, with the error, instead of hanging
+            chunk = sock.recv(65536)
+            assert chunk, got[-500:]
+            got += chunk
+        assert b"engine process is gone" in got
+        assert s.proc.wait(30) == 1  # exits non-zero: a supervisor restarts it
+    finally:
+        s.stop()
+    assert "the engine process is gone" in (tmp_path / "server.log").read_text()

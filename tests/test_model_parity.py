@@ -46,3 +46,39 @@ def test_tied_and_untied_heads_load(tiny_models):
     untied = load_model(str(tiny_models["Qwen2ForCausalLM"]), torch.float32, torch.device("cpu")).model
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_compute_what_plain_linears_compute_at_every_row_count(dtype):
+    """Decode rows take the oneDNN-packed weights, bf16 prefill chunks fp32 on the fly: each
+    path against F.linear in fp32 on fresh random inputs, with and without a bias."""
+    from torch import nn
+
+    from radixserve.models.linear import PACKED_MAX_ROWS, UPCAST_MIN_ROWS, PackedLinear, packing_available
+
+    if not packing_available(dtype, torch.device("cpu")):
+        pytest.skip("no oneDNN on this torch build")
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = nn.Linear(96, 80, bias=bias).to(dtype)
+        packed = PackedLinear(lin)
+        assert packed.weight is lin.weight  # shared: a tied embedding stays tied
+        for rows in (1, 2, 7, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, UPCAST_MIN_ROWS, 300):
+            x = torch.randn(rows, 96, dtype=dtype)
+            ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float() if bias else None)
+            got = packed(x)
+            assert got.dtype == dtype and got.shape == (rows, 80)
+            tol = 1e-4 if dtype == torch.float32 else 3e-2 * ref.abs().max().item()
+            assert (got.float() - ref).abs().max().item() < tol, (rows, bias)
+
+
+def test_the_engine_packs_its_linears_unless_told_not_to(tiny_llama):
+    from radixserve import Engine
+    from radixserve.models.linear import PackedLinear
+
+    for disable in (False, True):
+        with Engine(str(tiny_llama), kv_cache_tokens=256, disable_packed_linears=disable) as e:
+            kinds = {type(m) for m in e.runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
+            assert kinds == ({torch.nn.Linear} if disable else {PackedLinear})
+            out = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4))[0]
+            assert out.completion_tokens == 4

@@ -96,6 +96,7 @@ class EngineProcess(RequestFront):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # streams and calls
         self.dead: str | None = None  # why the engine process is gone
+        self.on_death: Callable[[str], None] | None = None  # called (on the reader thread) if it dies unasked
         self._closing = False
         self._reader = threading.Thread(target=self._read, name="radixserve-engine-reader", daemon=True)
         self._reader.start()
@@ -238,6 +239,8 @@ class EngineProcess(RequestFront):
             calls, self._calls = self._calls, {}
         if why != "shut down":
             log.error("the engine process is gone: %s", why)
+            if self.on_death is not None:
+                self.on_death(why)
         for rid, sink in streams.items():
             out = Output(rid, "", [], "error", 0, 0, 0, error=f"the engine process is gone: {why}")
             _deliver(sink, Delta(rid, "", finished=True, output=out))

@@ -60,6 +60,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
+    if state.engine_down() is not None:
+        return _json({"status": "engine_down"}, 503)
     if state.admission.draining:
         return _json({"status": "draining"}, 503)
     return _json({"status": "ok"})

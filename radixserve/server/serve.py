@@ -43,13 +43,15 @@ def run(args: argparse.Namespace) -> int:
         kwargs["grammar_tenant_compiles"] = kwargs["grammar_compile_workers"]
     engine = EngineProcess(args.model, **kwargs, tenant_max_cached_tokens=quotas)  # the model loop in its own process
     try:
-        asyncio.run(serve(engine, cfg, auth, t0))
+        if not asyncio.run(serve(engine, cfg, auth, t0)):
+            return 1  # the engine process died: exit so a supervisor restarts the server
     finally:
         engine.shutdown()
     return 0
 
 
-async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
+async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
+    """Serve until SIGINT/SIGTERM (True) or until the engine process dies (False)."""
     from aiohttp import web
 
     from radixserve.server.app import build_app
@@ -73,10 +75,13 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if hasattr(engine, "on_death"):
+        engine.on_death = lambda why: loop.call_soon_threadsafe(stop.set)
     await stop.wait()
     await drain(state, cfg.drain_timeout)
     await runner.cleanup()
     state.executor.shutdown(wait=False, cancel_futures=True)
+    return state.engine_down() is None
 
 
 async def drain(state: Any, timeout: float) -> None:

@@ -105,6 +105,11 @@ class ServerState:
         self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3,
                                lambda: self.connections.open if self.connections is not None else 0)
 
+    def engine_down(self) -> str | None:
+        """Why the engine core is gone (its process died), or None while it serves."""
+        why = getattr(self.engine, "dead", None)
+        return why if why not in (None, "shut down") else None
+
     def authenticate(self, request: web.Request) -> Tenant:
         return self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
 
@@ -131,6 +136,8 @@ class ServerState:
 
         NOTE: the block owns the admission tickets. Leaving it by any path (finish, error, a
         client gone at any await) aborts what still runs and releases each ticket exactly once."""
+        if (why := self.engine_down()) is not None:
+            raise ApiError(503, f"the engine process is gone ({why}); the server is shutting down", code="engine_down")
         if opts.public_prefix_len and not tenant.allow_public_prefix:
             raise ApiError(403, f"public_prefix_len: tenant {tenant.id!r} may not use the public prefix", param="public_prefix_len")
         priority = request_priority(tenant, opts.priority)
