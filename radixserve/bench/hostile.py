@@ -69,7 +69,10 @@ async def _stream(session: Any, url: str, key: str | None, kind: str, i: int) ->
 
 
 async def _rss_mb(session: Any, url: str, key: str | None) -> float | None:
-    value = (await scrape(session, url, key)).get("process_resident_memory_bytes")
+    m = await scrape(session, url, key)  # the server's process and its engine process together
+    value = m.get("process_resident_memory_bytes")
+    if value is not None:
+        value += m.get("radixserve_engine_resident_memory_bytes", 0)
     return value / 2**20 if value is not None else None
 
 

@@ -87,7 +87,8 @@ async def overload(session: Any, args: argparse.Namespace, key: str | None) -> d
         m0 = await scrape(session, args.url, key)
         results = await asyncio.gather(*(_chat(ss[i % len(ss)], args.url, key, i) for i in range(n)))
         m1 = await scrape(session, args.url, key)
-    rss0, rss1 = (m.get("process_resident_memory_bytes", float("nan")) / 2**20 for m in (m0, m1))
+    rss0, rss1 = ((m.get("process_resident_memory_bytes", float("nan")) + m.get("radixserve_engine_resident_memory_bytes", 0)) / 2**20
+                  for m in (m0, m1))  # the server's process and its engine process together
     name = "radixserve_rejection_latency_seconds"
     rejected = [t for s, t in results if s in (429, 503)]
     accepted = [t for s, t in results if s == 200]

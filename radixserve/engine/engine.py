@@ -47,6 +47,7 @@ class Engine(RequestFront):
         the engine process runs it on its main thread)."""
         self.config = cfg = EngineConfig.build(model, **overrides)
         self.pid = os.getpid()  # the engine core's process
+        self.own_process = False  # set by the engine process: this process is the engine core's alone
         self.device = _device(cfg.model.device)
         self.dtype = _dtype(cfg.model.dtype, self.device)
         loaded = load_model(cfg.model.path, self.dtype, self.device)
@@ -259,7 +260,7 @@ class Engine(RequestFront):
             waiting=len(s.waiting),
             steps=self._loop.steps,
             jump_forward_tokens=self.post.jumped_tokens,
-            engine_rss_bytes=_rss_bytes(),
+            engine_rss_bytes=_rss_bytes() if self.own_process else 0,
             **vars(c),
         )
 

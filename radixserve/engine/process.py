@@ -293,6 +293,7 @@ class _Core:
         self.enc = encoder()
         self.send_lock = threading.Lock()
         self.engine = e = Engine(model, loop_thread=False, **overrides)
+        e.own_process = True
         self.outbox: list[Delta] = []  # filled by the sinks on the loop, sent once per step or command
         self.last_stats: EngineStats | None = None
         publish = e._loop.on_change

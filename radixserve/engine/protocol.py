@@ -45,7 +45,7 @@ class EngineStats:
     decode_tokens: int = 0
     retractions: int = 0
     finished: int = 0
-    engine_rss_bytes: int = 0  # the engine core's resident memory (its own process, or this one)
+    engine_rss_bytes: int = 0  # the engine process's resident memory (0 for an engine in the caller's process)
 
 
 # -- front -> engine ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class _EngineCollector(Collector):
             "radixserve_kv_cached_tokens": ("KV tokens held by the prefix cache", s.kv_cached_tokens),
             "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.cache_hit_rate),
             "radixserve_kv_namespaces": ("prefix-cache namespaces (tenant, cache_salt) holding tokens", s.kv_namespaces),
-            "radixserve_engine_resident_memory_bytes": ("the engine core's resident memory (its own process)", s.engine_rss_bytes),
+            "radixserve_engine_resident_memory_bytes": ("the engine process's resident memory (0: in-process)", s.engine_rss_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
