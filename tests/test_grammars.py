@@ -234,9 +234,12 @@ def test_compile_cache_hits_and_caches_failures_and_timeouts_but_not_busy(tmp_pa
         with pytest.raises(GrammarError, match="busy with slow grammars; its compile did not start within the "
                                                "grammar_compile_timeout of 0.5 s"):
             late.result(10)
-        for f in (first, second):
-            with pytest.raises(GrammarError, match="took longer"):
-                f.result(10)
+        with pytest.raises(GrammarError, match="took longer"):
+            first.result(10)
+        # second starts when first is killed, at its own start deadline: either end is right (a loaded
+        # machine tips it to busy)
+        with pytest.raises(GrammarError, match="took longer|busy with slow grammars"):
+            second.result(10)
         assert cache.get(GrammarSpec("regex", "late")).source == "late"  # busy is not cached
     finally:
         cache.shutdown()
