@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -75,13 +75,22 @@ class Engine(RequestFront):
         self.post.jump_forward = not cfg.disable_jump_forward
         self._loop = EngineLoop(self.scheduler, self.runner, self.post)
         self._snapshot = self._stats()
+        self.on_change: Callable[[], None] | None = None  # after each step or command, on the loop (the engine process sends there)
         self._loop.on_change = self._publish
         if loop_thread:
             self._loop.start()
 
     def run_loop(self) -> None:
-        """Run the engine loop on this thread until shutdown (for `loop_thread=False`)."""
+        """Run the engine loop on this thread until `stop_loop()` (for `loop_thread=False`)."""
         self._loop.run()
+
+    def stop_loop(self) -> None:
+        """Abort every request and end the loop (from any thread; does not wait)."""
+        self._loop.inbox.put(("stop",))
+
+    def add(self, req: Req, sink: Callable[[Delta], None]) -> None:
+        """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""
+        self._loop.add(req, sink)
 
     def _prefix_cache(self) -> PrefixCache:
         c = self.config.cache
@@ -169,7 +178,7 @@ class Engine(RequestFront):
                         done.set()
 
         for req in reqs:
-            self._loop.add(req, sink)
+            self.add(req, sink)
         try:
             while not done.wait(0.1):
                 if not self._loop.alive:
@@ -216,7 +225,7 @@ class Engine(RequestFront):
                 return
             q.put_nowait(d)
 
-        self._loop.add(req, lambda d: loop.call_soon_threadsafe(put, d))
+        self.add(req, lambda d: loop.call_soon_threadsafe(put, d))
         finished = False
         try:
             while not finished:
@@ -242,6 +251,8 @@ class Engine(RequestFront):
 
     def _publish(self) -> None:
         self._snapshot = self._stats()
+        if self.on_change is not None:
+            self.on_change()
 
     def _stats(self) -> EngineStats:
         s, alloc, prefix = self.scheduler, self.cache.allocator, self.cache.prefix

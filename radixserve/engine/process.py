@@ -296,14 +296,7 @@ class _Core:
         e.own_process = True
         self.outbox: list[Delta] = []  # filled by the sinks on the loop, sent once per step or command
         self.last_stats: EngineStats | None = None
-        publish = e._loop.on_change
-
-        def on_change() -> None:  # on the loop, after each step or command
-            if publish is not None:
-                publish()
-            self._flush()
-
-        e._loop.on_change = on_change
+        e.on_change = self._flush  # on the loop, after each step or command
         self.send(EngineInfo(e.model_name, str(e.model_path), e.context_len, e.vocab_size, e.model_vocab_size,
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid()))
 
@@ -334,7 +327,7 @@ class _Core:
                     log.exception("handling %s failed", type(msg).__name__)
         except (EOFError, OSError):
             pass  # the server is gone
-        self.engine._loop.inbox.put(("stop",))
+        self.engine.stop_loop()
 
     def handle(self, msg: ToEngine) -> None:
         e = self.engine
@@ -373,7 +366,7 @@ class _Core:
             self.outbox.append(d)
 
         if req.grammar_spec is None:
-            e._loop.add(req, sink)
+            e.add(req, sink)
             return
         entry = e.grammars().submit(e.compile_spec(req.grammar_spec), req.tenant)
 
@@ -383,7 +376,7 @@ class _Core:
             except Exception as err:
                 self._fail(req.rid, msg, str(err))
                 return
-            e._loop.add(req, sink)
+            e.add(req, sink)
 
         entry.add_done_callback(compiled)
 
