@@ -1,5 +1,6 @@
-"""Time SmolLM2-shaped linears (30 layers of qkv, o, gate_up, down; each weight distinct, so
-it streams from memory) per kernel, dtype and row count: the table in radixserve/models/linear.py.
+"""Time SmolLM2-shaped linears (30 layers of qkv, o, gate_up, down, and the 49,152-row head
+on one row; each weight distinct, so it streams from memory) per kernel, dtype and row count:
+the table in radixserve/models/linear.py.
 
     .venv/bin/python scripts/linear_roofs.py
 """
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2-135M's linears
 LAYERS = 30
+HEAD_ROWS = 49152  # the vocabulary: the logits of the sampled row
 
 
 def timed(fn, reps: int) -> float:
@@ -29,19 +31,23 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         weights = [[torch.randn(n, k, dtype=dtype) for n, k in SHAPES] for _ in range(LAYERS)]
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
+        head = torch.randn(HEAD_ROWS, 576, dtype=dtype)
+        head_packed = torch.ops.mkldnn._reorder_linear_weight(head, 32)
         for rows in (1, 32, 1024):
             xs = {k: torch.randn(rows, k, dtype=dtype) for _, k in SHAPES}
             reps = 3 if rows > 64 else 10
 
-            def plain(weights=weights, xs=xs) -> None:
+            def plain(weights=weights, xs=xs, head=head) -> None:
                 for layer in weights:
                     for w in layer:
                         F.linear(xs[w.shape[1]], w)
+                F.linear(xs[576][:1], head)
 
-            def pk(packed=packed, xs=xs) -> None:
+            def pk(packed=packed, xs=xs, head=head_packed) -> None:
                 for layer in packed:
                     for w, (_, k) in zip(layer, SHAPES):
                         torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+                torch.ops.mkldnn._linear_pointwise(xs[576][:1], head, None, "none", [], "")
 
             name = str(dtype).removeprefix("torch.")
             print(f"| {rows} | {name} | {timed(plain, reps):.1f} | {timed(pk, reps):.1f} |", flush=True)

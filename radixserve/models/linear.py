@@ -1,7 +1,7 @@
 """CPU matmuls at this CPU's roofs: each linear picks its kernel by the number of rows it gets.
 
 Measured on the reference machine (2 Xeon cores, AVX512-BF16, no AMX; SmolLM2's 30 layers of
-linears, each weight distinct so it streams from memory; `python scripts/linear_roofs.py`):
+linears and its head, each weight distinct so it streams from memory; `scripts/linear_roofs.py`):
 
     rows  | bf16 plain | bf16 oneDNN-packed | fp32 plain | fp32 oneDNN-packed
     1     |   22.4 ms  |      16.0 ms       |   21.8 ms  |     26.0 ms
