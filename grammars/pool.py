@@ -62,6 +62,7 @@ class CompilePool:
         self._queues = TenantQueues(tenant_compiles)
         self._workers: list[Worker] = []
         self._launching = 0
+        self._launchers: list[threading.Thread] = []  # threads starting a worker (shutdown waits for them)
         self._start_failed = False  # no new workers until the next submit (a broken factory must not spin)
         self._closed = False
         self._lock = threading.Lock()
@@ -99,6 +100,9 @@ class CompilePool:
             self._closed = True
             self._wake()
         self._monitor.join(5.0)
+        deadline = time.monotonic() + 10.0
+        for t in list(self._launchers):  # a worker half-started when the process exits makes the forkserver print a traceback
+            t.join(max(deadline - time.monotonic(), 0.0))  # started, it sees the pool closed and is killed
         with self._lock:
             self._fail_everything("the grammar compile pool is shut down")
             os.close(self._wake_r)
@@ -261,7 +265,9 @@ class CompilePool:
     def _launch(self) -> None:
         """Start a worker on a helper thread (the forkserver's first start takes seconds)."""
         self._launching += 1
-        threading.Thread(target=self._start_one, name="radixserve-grammar-start", daemon=True).start()
+        t = threading.Thread(target=self._start_one, name="radixserve-grammar-start", daemon=True)
+        self._launchers = [x for x in self._launchers if x.is_alive()] + [t]
+        t.start()
 
     def _start_one(self) -> None:
         try:

@@ -148,7 +148,7 @@ def test_a_request_that_breaks_the_forward_fails_alone_and_the_engine_goes_on(pr
         loop = asyncio.get_running_loop()
         got: asyncio.Future[Delta] = loop.create_future()
         with proc_engine._lock:
-            proc_engine._streams["broken"] = lambda d: loop.call_soon_threadsafe(got.set_result, d)
+            proc_engine._streams["broken"] = (lambda d: loop.call_soon_threadsafe(got.set_result, d)), 1
         proc_engine._send(bad)
         d = await asyncio.wait_for(got, 60)
         with proc_engine._lock:

@@ -367,3 +367,20 @@ def test_bench_compare_runs_every_workload_on_each_server_and_prints_ratios(serv
     assert all(set(row) == {"a", "b"} and all(v > 0 for v in row.values()) for row in data.values())
     table = capsys.readouterr().out
     assert "| workload | a | b | a / b |" in table and table.count("x |") == 4
+
+
+def test_streamed_completion_logprobs_offsets_run_on_and_models_retrieve_works(server, client, model):
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=1)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    offsets, tokens = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            offsets += chunk.choices[0].logprobs.text_offset
+            tokens += chunk.choices[0].logprobs.tokens
+    assert tokens == whole.tokens and offsets == whole.text_offset  # not [0] in every chunk
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert client.models.retrieve(model).id == model
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")

@@ -42,12 +42,14 @@ class Engine(RequestFront):
     """`Engine(model=None, **overrides)`: model None is the default SmolLM2-135M-Instruct;
     overrides are EngineConfig field names (kv_cache_tokens, chunked_prefill_size, ...)."""
 
-    def __init__(self, model: str | None = None, *, loop_thread: bool = True, **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, *, loop_thread: bool = True, own_process: bool = False,
+                 **overrides: Any) -> None:
         """loop_thread=False: the caller runs the loop itself (`run_loop()`, on its own thread:
-        the engine process runs it on its main thread)."""
+        the engine process runs it on its main thread). own_process: this process is the
+        engine core's alone (its RSS is reported in the stats)."""
         self.config = cfg = EngineConfig.build(model, **overrides)
         self.pid = os.getpid()  # the engine core's process
-        self.own_process = False  # set by the engine process: this process is the engine core's alone
+        self.own_process = own_process
         self.device = _device(cfg.model.device)
         self.dtype = _dtype(cfg.model.dtype, self.device)
         loaded = load_model(cfg.model.path, self.dtype, self.device)

@@ -91,7 +91,7 @@ class EngineProcess(RequestFront):
         self.dtype, self.device, self.pid = info.dtype, info.device, info.pid
         self.default_max_new_tokens = self.config.default_max_new_tokens
         self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots)
-        self._streams: dict[str, Callable[[Delta], None]] = {}
+        self._streams: dict[str, tuple[Callable[[Delta], None], int]] = {}  # rid -> (its sink, its prompt length)
         self._calls: dict[int, Future[Reply]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # streams and calls
@@ -146,7 +146,7 @@ class EngineProcess(RequestFront):
         with self._lock:
             if self.dead is not None:
                 raise EngineDied(f"the engine process is gone: {self.dead}")
-            self._streams[req.rid] = lambda d: loop.call_soon_threadsafe(put, d)
+            self._streams[req.rid] = (lambda d: loop.call_soon_threadsafe(put, d)), req.prompt_len
         self._send(AddRequest.of(req))
         finished = False
         try:
@@ -216,9 +216,9 @@ class EngineProcess(RequestFront):
                     self._snapshot = msg.stats
                     with self._lock:
                         sinks = [(self._streams.get(d.rid), d) for d in msg.items]
-                    for sink, d in sinks:
-                        if sink is not None:
-                            _deliver(sink, d)
+                    for stream, d in sinks:
+                        if stream is not None:
+                            _deliver(stream[0], d)
                 elif isinstance(msg, Reply):
                     with self._lock:
                         fut = self._calls.pop(msg.call_id, None)
@@ -241,8 +241,8 @@ class EngineProcess(RequestFront):
             log.error("the engine process is gone: %s", why)
             if self.on_death is not None:
                 self.on_death(why)
-        for rid, sink in streams.items():
-            out = Output(rid, "", [], "error", 0, 0, 0, error=f"the engine process is gone: {why}")
+        for rid, (sink, prompt_len) in streams.items():
+            out = Output(rid, "", [], "error", prompt_len, 0, 0, error=f"the engine process is gone: {why}")
             _deliver(sink, Delta(rid, "", finished=True, output=out))
         for fut in calls.values():
             fut.set_exception(EngineDied(f"the engine process is gone: {why}"))
@@ -292,13 +292,13 @@ class _Core:
         self.conn = conn
         self.enc = encoder()
         self.send_lock = threading.Lock()
-        self.engine = e = Engine(model, loop_thread=False, **overrides)
-        e.own_process = True
+        self.engine = e = Engine(model, loop_thread=False, own_process=True, **overrides)
         self.outbox: list[Delta] = []  # filled by the sinks on the loop, sent once per step or command
         self.last_stats: EngineStats | None = None
         e.on_change = self._flush  # on the loop, after each step or command
         self.send(EngineInfo(e.model_name, str(e.model_path), e.context_len, e.vocab_size, e.model_vocab_size,
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid()))
+        self._flush()  # the first stats, before any step
 
     def send(self, msg: Any) -> None:
         data = self.enc.encode(msg)

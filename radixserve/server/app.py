@@ -154,6 +154,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_get("/v1/models", openai.models)
+    app.router.add_get("/v1/models/{model:.+}", openai.model)  # names may hold slashes
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)
     app.router.add_post("/flush_cache", flush_cache)

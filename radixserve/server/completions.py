@@ -85,6 +85,7 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
     sse = await SSEWriter.open(request)
     outs: list[Output | None] = [None] * len(flight.reqs)
     started = [False] * len(flight.reqs)
+    offsets = [0] * len(flight.reqs)  # text_offset runs on across a choice's chunks
     async for i, d in state.merged(flight):
         reason = None
         if d.finished and d.output is not None:
@@ -92,7 +93,9 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
             reason = finish_reason(d.output) if d.output.finish_reason != "error" else "error"
         text = (echo(i) if not started[i] else "") + d.text
         started[i] = True
-        lps = _completion_logprobs(state, d.logprobs, 0) if top is not None and d.logprobs else None
+        lps = _completion_logprobs(state, d.logprobs, offsets[i]) if top is not None and d.logprobs else None
+        if lps is not None:
+            offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
         if text or reason or lps:
             await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
     if include_usage(b):

@@ -281,3 +281,15 @@ async def models(request: web.Request) -> web.Response:
     state.authenticate(request)
     card = ModelCard(state.model_name, state.created, max_model_len=state.engine.context_len)
     return web.Response(body=msgspec.json.encode(ModelList([card])), content_type="application/json")
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the openai client's `models.retrieve`."""
+    state: ServerState = request.app["state"]
+    state.authenticate(request)
+    name = request.match_info["model"]
+    if name != state.model_name:
+        raise ApiError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}", param="model",
+                       code="model_not_found")
+    card = ModelCard(state.model_name, state.created, max_model_len=state.engine.context_len)
+    return web.Response(body=msgspec.json.encode(card), content_type="application/json")
