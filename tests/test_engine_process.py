@@ -232,3 +232,15 @@ def test_a_server_whose_engine_process_dies_fails_its_streams_and_exits_for_a_re
     finally:
         s.stop()
     assert "the engine process is gone" in (tmp_path / "server.log").read_text()
+
+
+def test_an_engine_that_cannot_start_is_a_clean_error_and_leaves_nothing_behind(tiny_llama, tmp_path):
+    for args, says in ((["--kv-cache-tokens", "0"], "kv_cache_tokens: the KV pool would hold 0 tokens"),
+                       (["--model", str(tmp_path / "missing")], "does not exist")):
+        model = [] if args[0] == "--model" else ["--model", str(tiny_llama)]
+        r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", "serve", *model, *args, "--port", "1"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "radixserve: error: " in r.stderr and says in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    # the engine process that failed is gone (its command line holds its options as JSON)
+    assert subprocess.run(["pgrep", "-f", 'radixserve.engine.process .*"kv_cache_tokens": 0,']).returncode == 1

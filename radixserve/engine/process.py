@@ -74,6 +74,7 @@ class EngineProcess(RequestFront):
         from radixserve.models.loader import load_tokenizer, resolve_model_dir
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
+        folder = resolve_model_dir(model)  # a bad path is a clean error here (and converts a GGUF once, if needed)
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "radixserve.engine.process", str(theirs.fileno()),
                json.dumps({"model": model, "overrides": overrides})]
@@ -83,8 +84,12 @@ class EngineProcess(RequestFront):
         self._send_lock = threading.Lock()
         self._enc = encoder()
         self._dec = decoder(FromEngine)
-        self.tokenizer = load_tokenizer(resolve_model_dir(model))  # meanwhile (the child converts a GGUF first, if needed)
-        info = self._wait_ready()
+        try:
+            self.tokenizer = load_tokenizer(folder)  # while the engine process loads the model
+            info = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
         self.model_name, self.model_path = info.model_name, info.model_path
         self.context_len, self.vocab_size, self.model_vocab_size = info.context_len, info.vocab_size, info.model_vocab_size
         self.eos_ids, self.num_slots = set(info.eos_ids), info.num_slots
@@ -111,6 +116,11 @@ class EngineProcess(RequestFront):
                     break
                 if isinstance(msg, EngineInfo):
                     return msg
+                if isinstance(msg, Reply) and msg.error is not None:  # it could not start: say why, as in-process
+                    self._kill()
+                    if msg.error.kind == "invalid_param":
+                        raise ValueError(msg.error.message)
+                    raise RuntimeError(f"the engine process did not start: {msg.error.message}")
             elif self.proc.poll() is not None:
                 break
         self._kill()
@@ -423,7 +433,15 @@ def _child_main(fd: int, spec: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     args = json.loads(spec)
     conn = Connection(fd)
-    core = _Core(conn, args["model"], args["overrides"])
+    try:
+        core = _Core(conn, args["model"], args["overrides"])
+    except Exception as e:  # e.g. weights that do not load, a bad option: the server reports it and exits
+        if isinstance(e, ValueError):
+            log.error("the engine could not start: %s", e)
+        else:
+            log.exception("the engine could not start")
+        conn.send_bytes(encoder().encode(Reply(0, error=ErrorInfo.of(e))))
+        sys.exit(2)
     reader = threading.Thread(target=core.read, name="radixserve-engine-commands", daemon=True)
     reader.start()
     try:
