@@ -11,9 +11,12 @@ across processes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +101,15 @@ class Poisoned(Backend):
 
 def poisoned(factory: BackendFactory) -> Any:
     return Poisoned(factory())
+
+
+@contextmanager
+def fake_cache(log: Path, **kw: Any) -> Iterator[Any]:
+    """A CompileCache of fake backends that log each compile to `log`; shut down on exit."""
+    from grammars.cache import CompileCache
+
+    cache = CompileCache(functools.partial(fake, str(log)), **kw)
+    try:
+        yield cache
+    finally:
+        cache.shutdown()

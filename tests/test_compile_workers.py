@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from grammar_fakes import compiles, fake
+from grammar_fakes import compiles, fake, fake_cache
 
 from grammars import GrammarError, GrammarSpec, create_backend
 from grammars.base import bitmask_words
@@ -159,8 +159,7 @@ def test_a_compiled_grammar_larger_than_the_memory_cap_never_reaches_the_server(
 
 def test_one_tenant_flooding_slow_compiles_does_not_delay_another(tmp_path):
     log = tmp_path / "compiles.log"
-    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=20.0, workers=2, tenant_compiles=1)
-    try:
+    with fake_cache(log, timeout_s=20.0, workers=2, tenant_compiles=1) as cache:
         cache.get(GrammarSpec("regex", "warm"))
         flood = [cache.submit(GrammarSpec("regex", f"sleep:30:{i}"), "a") for i in range(4)]
         _wait_busy(cache, 1)
@@ -169,8 +168,6 @@ def test_one_tenant_flooding_slow_compiles_does_not_delay_another(tmp_path):
         assert victim.source == "quick"
         started = [s for s in compiles(log) if s.startswith("sleep")]
         assert len(started) == 1 and not any(f.done() for f in flood)  # a runs one at a time
-    finally:
-        cache.shutdown()
 
 
 def test_tenant_queues_give_a_free_worker_to_the_tenant_running_fewest():
@@ -188,8 +185,7 @@ def test_tenant_queues_give_a_free_worker_to_the_tenant_running_fewest():
 @pytest.mark.parametrize("how", ["exit", "kill", "raise"])
 def test_a_worker_that_crashes_fails_only_its_job_and_is_replaced(tmp_path, how):
     log = tmp_path / "compiles.log"
-    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=10.0, workers=2, tenant_compiles=2)
-    try:
+    with fake_cache(log, timeout_s=10.0, workers=2, tenant_compiles=2) as cache:
         slow = cache.submit(GrammarSpec("regex", "sleep:0.5"))
         cache.get(GrammarSpec("regex", "warm"))
         message = "MemoryError.*injected compile fault" if how == "raise" else "compiler process crashed while compiling"
@@ -200,8 +196,6 @@ def test_a_worker_that_crashes_fails_only_its_job_and_is_replaced(tmp_path, how)
         with pytest.raises(GrammarError, match=message):
             cache.get(GrammarSpec("regex", how))
         assert compiles(log).count(how) == (1 if how == "raise" else 2)  # an exception is cached; a crash is not
-    finally:
-        cache.shutdown()
 
 
 def test_shutdown_kills_running_compiles_and_leaves_no_process(tmp_path):

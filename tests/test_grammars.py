@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import regex
 import torch
-from grammar_fakes import FakeBackend, compiles, fake
+from grammar_fakes import FakeBackend, compiles, fake, fake_cache
 
 from grammars import GrammarError, GrammarSpec, create_backend
 from grammars.base import bitmask_words
@@ -205,20 +205,16 @@ def test_bad_grammars_fail_with_a_message_naming_the_kind(backend):
 
 def test_compile_cache_entries_are_per_tenant_so_a_hit_tells_nothing_of_another_tenant(tmp_path):
     log = tmp_path / "compiles.log"
-    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=5, workers=1)
-    try:
+    with fake_cache(log, timeout_s=5, workers=1) as cache:
         spec = GrammarSpec("regex", "a+")
         assert cache.get(spec, "alice") is cache.get(spec, "alice") and compiles(log) == ["a+"]
         cache.get(spec, "bob")  # no faster for bob because alice compiled it: his own compile
         assert compiles(log) == ["a+", "a+"] and cache.hits == 1
-    finally:
-        cache.shutdown()
 
 
 def test_compile_cache_hits_and_caches_failures_and_timeouts_but_not_busy(tmp_path):
     log = tmp_path / "compiles.log"
-    cache = CompileCache(functools.partial(fake, str(log)), timeout_s=0.5, workers=2, tenant_compiles=1)
-    try:
+    with fake_cache(log, timeout_s=0.5, workers=2, tenant_compiles=1) as cache:
         ok = GrammarSpec("regex", "a+")
         assert cache.get(ok) is cache.get(ok) and compiles(log) == ["a+"]
         for _ in range(2):
@@ -241,8 +237,6 @@ def test_compile_cache_hits_and_caches_failures_and_timeouts_but_not_busy(tmp_pa
         with pytest.raises(GrammarError, match="took longer|busy with slow grammars"):
             second.result(10)
         assert cache.get(GrammarSpec("regex", "late")).source == "late"  # busy is not cached
-    finally:
-        cache.shutdown()
 
 
 def test_a_compile_cache_hit_never_times_out_however_old(monkeypatch, tmp_path):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_t
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
-from radixserve.engine.front import Prompt, RequestFront
+from radixserve.engine.front import DeltaStream, Prompt, RequestFront
 from radixserve.engine.loop import EngineLoop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
@@ -213,30 +213,11 @@ class Engine(RequestFront):
             ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
             req = self.make_req(prompt, params, rid, priority, **ns)
         await self.prepare_grammar(req)
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Delta] = asyncio.Queue()
-        stalled = False
-
-        def put(d: Delta) -> None:  # on the event loop
-            nonlocal stalled
-            if max_backlog is not None and q.qsize() >= max_backlog and not d.finished:
-                if not stalled:
-                    stalled = True
-                    req.error = f"the client left {q.qsize()} stream chunks unread"
-                    self.abort(req.rid)
-                return
-            q.put_nowait(d)
-
-        self.add(req, lambda d: loop.call_soon_threadsafe(put, d))
-        finished = False
-        try:
-            while not finished:
-                d = await q.get()
-                finished = d.finished
+        stream = DeltaStream(lambda: self.abort(req.rid), max_backlog)
+        self.add(req, stream.sink)
+        async with aclosing(stream.deltas()) as deltas:  # closed (so aborting) as soon as this is
+            async for d in deltas:
                 yield d
-        finally:
-            if not finished:
-                self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
         self._loop.abort(rid)

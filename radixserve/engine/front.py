@@ -7,14 +7,55 @@ so both refuse the same input with the same InvalidParam.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from radixserve.engine.outputs import Delta
 from radixserve.engine.protocol import InvalidParam
 from radixserve.limits import MAX_CACHE_SALT_CHARS
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.policy import check_admissible
 
 Prompt = str | list[int]
+
+
+class DeltaStream:
+    """One request's deltas, handed from the engine's side (any thread: `sink`) to the event
+    loop that creates it. With `max_backlog`, a consumer that lets more deltas than that pile up
+    unread (a client that stopped reading) has the request aborted (`abort`, once): the deltas
+    past the cap are dropped, and the final one still arrives, its error saying why."""
+
+    def __init__(self, abort: Callable[[], None], max_backlog: int | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._q: asyncio.Queue[Delta] = asyncio.Queue()
+        self._abort, self._max_backlog = abort, max_backlog
+        self._stalled: str | None = None
+
+    def sink(self, d: Delta) -> None:
+        self._loop.call_soon_threadsafe(self._put, d)
+
+    def _put(self, d: Delta) -> None:  # on the event loop
+        if self._max_backlog is not None and self._q.qsize() >= self._max_backlog and not d.finished:
+            if self._stalled is None:
+                self._stalled = f"the client left {self._q.qsize()} stream chunks unread"
+                self._abort()
+            return
+        self._q.put_nowait(d)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Until the final delta; leaving early aborts the request."""
+        finished = False
+        try:
+            while not finished:
+                d = await self._q.get()
+                finished = d.finished
+                if finished and self._stalled and d.output is not None and d.output.error is None:
+                    d.output.error = self._stalled
+                yield d
+        finally:
+            if not finished:
+                self._abort()
 
 
 class RequestFront:

@@ -31,12 +31,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import aclosing
 from multiprocessing.connection import Connection
 from typing import Any
 
 from grammars import errors as grammar_errors
 from radixserve.config import EngineConfig
-from radixserve.engine.front import RequestFront
+from radixserve.engine.front import DeltaStream, RequestFront
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.protocol import (
     Abort,
@@ -140,37 +141,19 @@ class EngineProcess(RequestFront):
         """Stream one request's deltas (as Engine.submit: leaving early aborts it; a consumer
         that lets more than max_backlog deltas pile up has the request aborted)."""
         req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Delta] = asyncio.Queue()
-        stalled = False
-
-        def put(d: Delta) -> None:  # on the event loop
-            nonlocal stalled
-            if max_backlog is not None and q.qsize() >= max_backlog and not d.finished:
-                if not stalled:
-                    stalled = True
-                    self._send(Abort(req.rid))
-                return
-            q.put_nowait(d)
-
+        stream = DeltaStream(lambda: self.abort(req.rid), max_backlog)
         with self._lock:
             if self.dead is not None:
                 raise EngineDied(f"the engine process is gone: {self.dead}")
-            self._streams[req.rid] = (lambda d: loop.call_soon_threadsafe(put, d)), req.prompt_len
+            self._streams[req.rid] = stream.sink, req.prompt_len
         self._send(AddRequest.of(req))
-        finished = False
         try:
-            while not finished:
-                d = await q.get()
-                finished = d.finished
-                if finished and stalled and d.output is not None and d.output.error is None:
-                    d.output.error = f"the client left {max_backlog} stream chunks unread"
-                yield d
+            async with aclosing(stream.deltas()) as deltas:  # closed (so aborting) as soon as this is
+                async for d in deltas:
+                    yield d
         finally:
             with self._lock:
                 self._streams.pop(req.rid, None)
-            if not finished:
-                self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
         self._send(Abort(rid))

@@ -77,15 +77,12 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 
 
 class Call(msgspec.Struct, tag="call", frozen=True):
-    """A request for one Reply: method is one of CALLS."""
+    """A request for one Reply: method is stats, flush_cache, check_integrity or prepare_grammar."""
 
     call_id: int
     method: str
     params: SamplingParams | None = None  # prepare_grammar: the request's params
     tenant: str | None = None
-
-
-CALLS = ("stats", "flush_cache", "check_integrity", "prepare_grammar")
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
