@@ -8,18 +8,23 @@ its row of the slot table lists (GQA: `heads` a multiple of `kv_heads`).
 
 The Triton kernel splits each request's KV into `num_splits` parts (so a few long requests
 still fill the GPU), computes each part's output and log-sum-exp for all the query heads of
-one KV head at once (K/V read once per group), and a second pass merges the parts.
+one KV head at once (K/V read once per group), and a second pass merges the parts. On CPU
+the native kernel (kernels/cpu.py) does the same per (request, KV head), single-pass over
+the slots, reading the pool in place; it can also return each row's log-sum-exp (lse, (B,
+heads) fp32), so a caller can merge it with attention over other keys.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import cpu
 from kernels._triton import interpreting, next_pow2, precise, use_triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
-                         table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None) -> None:
+                         table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None,
+                         lse: torch.Tensor | None = None) -> None:
     """The torch reference: one request at a time, in fp32."""
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k_pool.shape[1]
@@ -29,19 +34,36 @@ def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         k = k_pool.index_select(0, slots).float().repeat_interleave(group, 1)  # (n, heads, dim)
         v = v_pool.index_select(0, slots).float().repeat_interleave(group, 1)
         row = int(q_rows[b])
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[row].float(), k) * scale, -1)
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * scale
+        if lse is not None:
+            lse[b] = torch.logsumexp(scores, -1)
+        p = torch.softmax(scores, -1)
         out[row] = torch.einsum("hn,nhd->hd", p, v).to(out.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
                      table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None) -> None:
-    """Dispatcher: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), torch elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the native kernel
+    on CPU where it is built, torch elsewhere."""
     if table.shape[0] == 0:
         return
     if use_triton(q):
         decode_attention_triton(q, k_pool, v_pool, out, q_rows, table, seq_lens, sm_scale)
+    elif cpu.native_for(q) is not None:
+        decode_attention_cpu(q, k_pool, v_pool, out, q_rows, table, seq_lens, sm_scale)
     else:
         decode_attention_ref(q, k_pool, v_pool, out, q_rows, table, seq_lens, sm_scale)
+
+
+def decode_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
+                         table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None,
+                         lse: torch.Tensor | None = None) -> None:
+    """The native CPU kernel (int64 rows/table/lengths). Raises if it is not built."""
+    ops = cpu.native_for(q)
+    if ops is None:
+        raise RuntimeError("radixserve's CPU kernels are not built here (see kernels/cpu.py)")
+    scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
+    ops.decode_attention(q, k_pool, v_pool, out, lse, q_rows.long(), table.long(), seq_lens.long(), scale)
 
 
 def num_splits(programs: int, width: int, block_n: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu
 from kernels._triton import built, next_pow2, use_triton
 
 
@@ -17,10 +18,16 @@ def store_kv_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Dispatcher: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), torch elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the native kernel
+    on CPU where it is built (both pools in one call), torch elsewhere."""
     if slots.numel() == 0:
         return
-    (store_kv_triton if use_triton(k_pool) else store_kv_ref)(k_pool, v_pool, slots, k, v)
+    if use_triton(k_pool):
+        store_kv_triton(k_pool, v_pool, slots, k, v)
+    elif (ops := cpu.native_for(k_pool)) is not None and k.dtype == k_pool.dtype and v.dtype == v_pool.dtype:
+        ops.store_kv(k_pool, v_pool, slots.long(), k, v)
+    else:
+        store_kv_ref(k_pool, v_pool, slots, k, v)
 
 
 def store_kv_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

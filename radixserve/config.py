@@ -20,6 +20,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # cap below the model's own window
     disable_packed_linears: bool = False  # CPU: True keeps plain torch linears (no oneDNN-packed copy of the weights)
+    disable_cpu_kernels: bool = False  # CPU: True uses torch ops instead of radixserve's native kernels (kernels/cpu.py)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kernels import cpu
 from radixserve.attention import create_backend
 from radixserve.batch import ForwardBatch, SeqView
 from radixserve.cache.pool import KVPool
@@ -46,8 +47,16 @@ def _random_pool(slots: int, kv_heads: int, dim: int, seed: int) -> KVPool:
     return pool
 
 
+@pytest.fixture(params=[True, False], ids=["native", "gather"])
+def native_kernels(request):
+    """Decode rows through the native CPU kernel (in place), or gathered for torch's kernel."""
+    cpu.set_enabled(request.param)
+    yield request.param
+    cpu.set_enabled(True)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (9, 3, 64), (8, 1, 128)])
-def test_fast_backend_matches_the_reference_on_forks_chunks_and_scattered_slots(heads, kv_heads, dim):
+def test_fast_backend_matches_the_reference_on_forks_chunks_and_scattered_slots(heads, kv_heads, dim, native_kernels):
     rng = random.Random(heads * 100 + dim)
     pool = _random_pool(4096, kv_heads, dim, seed=7)
     free = list(range(200, 4096))
@@ -65,6 +74,7 @@ def test_fast_backend_matches_the_reference_on_forks_chunks_and_scattered_slots(
     spec.append(([free.pop() for _ in range(50)], 50))  # a first chunk, no prefix
     ref, _ = _forward("torch_ref", pool, spec, heads, kv_heads, dim, seed=3)
     got, batch = _forward("torch", pool, spec, heads, kv_heads, dim, seed=3)
+    assert ("dec_lens" in batch.attn_meta) is native_kernels  # the path under test was taken
     groups = batch.attn_meta["dec_groups"]
     assert sorted(len(x.members) for x in groups) == [3, 5]  # both forks were read once per group
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5

@@ -81,3 +81,22 @@ def test_the_engine_packs_its_linears_unless_told_not_to(tiny_llama):
             assert kinds == ({torch.nn.Linear} if disable else {PackedLinear})
             out = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4))[0]
             assert out.completion_tokens == 4
+
+
+def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama):
+    """fp32 greedy, token for token, with radixserve's CPU kernels and with torch's ops; the two
+    branches off the cached prompt decode as a fork group (its shared-prefix pass)."""
+    from radixserve import Engine
+    from kernels import cpu
+
+    prompt = [(7 * i) % 250 + 3 for i in range(60)]
+    prompts = [prompt + [11], prompt + [12], [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    outs = []
+    for disable in (False, True):
+        with Engine(str(tiny_llama), kv_cache_tokens=1024, disable_cpu_kernels=disable) as e:
+            assert cpu.enabled() is not disable
+            e.generate([prompt], SamplingParams(temperature=0, max_new_tokens=1))  # caches the prompt
+            outs.append([o.token_ids for o in e.generate(prompts, params)])
+    cpu.set_enabled(True)
+    assert outs[0] == outs[1]

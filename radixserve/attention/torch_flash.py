@@ -1,8 +1,9 @@
 """Fast attention in torch: fused attention that returns its log-sum-exp, so a sequence's KV
 can be read in parts and the parts merged exactly (softmax over the union):
 
-    decode  | shared prefix of a fork group | own rest (padded batch) |
-              read once per group, in place   gathered per request
+    decode  | shared prefix of a fork group | own rest                |
+              read once per group, in place   read in place by the native CPU kernel
+                                              (kernels/cpu.py), else gathered per request
     extend  | cached prefix                 | the chunk's own k/v    |
               read in place when contiguous   causal, straight from the inputs
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu
+from kernels.decode_attention import decode_attention_cpu
 from radixserve.attention.base import AttnBackend
 from radixserve.batch import ForwardBatch, SeqView
 from radixserve.cache.prefix import common_prefix_len
@@ -44,14 +47,18 @@ class TorchFlashBackend(AttnBackend):
         rest = [s.slots[n:] for s, n in zip(dec, shared)]
         width = max(len(r) for r in rest)
         idx = torch.full((len(dec), width), self.pool.pad_slot, dtype=torch.int64)
-        bias = torch.full((len(dec), width), float("-inf"), dtype=self.pool.k[0].dtype)
         for i, r in enumerate(rest):
             idx[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-            bias[i, : len(r)] = 0.0
         meta["dec_rows"] = torch.tensor([s.q_start for s in dec], device=dev)
         meta["dec_idx"] = idx.to(dev)
-        meta["dec_bias"] = bias[:, None, None, :].to(dev)
         meta["dec_groups"] = groups
+        lens = torch.tensor([len(r) for r in rest])
+        if cpu.native_for(self.pool.k[0]) is not None:
+            meta["dec_lens"] = lens
+        else:
+            bias = torch.zeros(len(dec), width, dtype=self.pool.k[0].dtype)
+            bias.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], float("-inf"))
+            meta["dec_bias"] = bias[:, None, None, :].to(dev)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)
@@ -66,23 +73,31 @@ class TorchFlashBackend(AttnBackend):
         return out
 
     def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, meta: dict, out: torch.Tensor) -> None:
+        """Each decode row over its own slots, then each fork group's shared prefix merged in."""
         rows, idx = meta["dec_rows"], meta["dec_idx"]
-        b, kv_heads, dim = rows.shape[0], kp.shape[1], q.shape[2]
-        group = q.shape[1] // kv_heads
-        qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
-        kd = kp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)  # (b, kv_heads, L, dim)
-        vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
-        o, lse = attention_lse(qd, kd, vd, bias=meta["dec_bias"])
+        b, heads, kv_heads, dim = rows.shape[0], q.shape[1], kp.shape[1], q.shape[2]
+        group = heads // kv_heads
+        if "dec_lens" in meta:  # the native kernel writes out[rows] itself
+            lse = torch.empty(b, heads)
+            decode_attention_cpu(q, kp, vp, out, rows, idx, meta["dec_lens"], lse=lse)
+            o, lse = out.index_select(0, rows).view(b, kv_heads, group, dim), lse.view(b, kv_heads, group)
+        else:
+            qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
+            kd = kp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)  # (b, kv_heads, L, dim)
+            vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
+            o, lse = attention_lse(qd, kd, vd, bias=meta["dec_bias"])
+        if not meta["dec_groups"] and "dec_lens" in meta:
+            return
         for g in meta["dec_groups"]:
             m = torch.tensor(g.members, device=q.device)
             n = len(g.members)
-            qg = qd.index_select(0, m).permute(1, 0, 2, 3).reshape(1, kv_heads, n * group, dim)
+            qg = q.index_select(0, rows[m]).view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, n * group, dim)
             og, lg = attention_lse(qg, _part(kp, g.kv), _part(vp, g.kv))
             og = og.view(kv_heads, n, group, dim).transpose(0, 1)
             lg = lg.view(kv_heads, n, group).transpose(0, 1)
             merged = merge(o.index_select(0, m), lse.index_select(0, m), og, lg)
             o.index_copy_(0, m, merged)
-        out.index_copy_(0, rows, o.reshape(b, kv_heads * group, dim))
+        out.index_copy_(0, rows, o.reshape(b, heads, dim))
 
 
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from kernels.store_kv import store_kv
+
 log = logging.getLogger(__name__)
 
 
@@ -47,5 +49,4 @@ class KVPool:
         log.info("KV pool: %d slots x %d layers, %.1f MiB (%s)", num_slots, num_layers, nbytes / 2**20, dtype)
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        store_kv(self.k[layer], self.v[layer], slots, k, v)

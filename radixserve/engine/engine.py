@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from grammars.spec import GrammarSpec
+from kernels import cpu as cpu_kernels
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token
@@ -53,6 +54,9 @@ class Engine(RequestFront):
         self.device = _device(cfg.model.device)
         self.dtype = _dtype(cfg.model.dtype, self.device)
         loaded = load_model(cfg.model.path, self.dtype, self.device)
+        cpu_kernels.set_enabled(not cfg.model.disable_cpu_kernels)
+        if self.device.type == "cpu":
+            cpu_kernels.ops()  # built now (once per machine, cached), not in the first request
         if not cfg.model.disable_packed_linears:
             pack_linears(loaded.model, self.dtype, self.device)
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch

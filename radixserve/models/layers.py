@@ -9,11 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu
+
 
 class RMSNorm(nn.Module):
-    """Fused: one kernel (`F.rms_norm`, fp32 accumulation) instead of five ops. With a
-    residual, `norm(x, residual)` returns (norm(x + residual), x + residual): the add that
-    precedes every norm in a decoder layer rides along."""
+    """Fused: one kernel (fp32 accumulation) instead of five ops. With a residual,
+    `norm(x, residual)` returns (norm(x + residual), x + residual): the add that precedes
+    every norm in a decoder layer rides along, in the same kernel on CPU (kernels/cpu.py;
+    `F.rms_norm` where that is not built)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -21,6 +24,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        ops = cpu.native_for(x, self.weight)
+        if ops is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            outs = ops.rms_norm(x, residual, self.weight, self.eps)
+            return outs[0] if residual is None else tuple(outs)
         if residual is not None:
             x = x + residual
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
@@ -76,6 +83,16 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions, None, :half], self.sin[positions, None, :half]
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated: in place by one native call on CPU (they are fresh projections),
+    else by `apply_rope`."""
+    ops = cpu.native_for(q, k)
+    if ops is not None:
+        ops.rope_(q, k, cos[:, 0], sin[:, 0])
+        return q, k
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox rotate-half, x * cos + rotate_half(x) * sin: (T, heads, D) by (T, 1, D / 2) tables.
     In fp32 whatever x is: rotating in bf16 derails SmolLM2's greedy answers."""
@@ -93,5 +110,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        h = self.gate_up_proj(x)
+        ops = cpu.native_for(h)
+        if ops is not None and h.is_contiguous():
+            return self.down_proj(ops.silu_and_mul(h))
+        gate, up = h.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -13,7 +13,7 @@ from torch import nn
 
 from radixserve.batch import ForwardBatch
 from radixserve.models.config import ArchConfig
-from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin), see RotaryEmbedding.tables
 
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = rope_qk(q, k, *rope)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(t, self.q_size))
 

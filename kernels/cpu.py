@@ -1,0 +1,96 @@
+"""radixserve's native CPU kernels (csrc/cpu_ops.cpp), built on first use and cached.
+
+The ops, each with the torch reference it is tested against:
+
+    decode_attention(q, k_pool, v_pool, out, lse, q_rows, table, seq_lens, scale)
+                                        kernels.decode_attention.decode_attention_ref
+    rms_norm(x, residual, weight, eps)  F.rms_norm (after x + residual)
+    rope_(q, k, cos, sin)               radixserve.models.layers.apply_rope
+    silu_and_mul(x)                     F.silu(x[..., :n]) * x[..., n:]
+    store_kv(k_pool, v_pool, slots, k, v)
+                                        kernels.store_kv.store_kv_ref
+
+`ops()` returns the built module, or None where it cannot be had: not on a CPU with a C++
+compiler, or RADIXSERVE_CPU_KERNELS=0 (then callers use the torch ops). The build (about
+half a minute on two cores, once per source/torch version) goes to
+~/.cache/radixserve/kernels, or $RADIXSERVE_KERNEL_CACHE; `-march=native`, since it is built
+on the machine that runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+_enabled = os.environ.get("RADIXSERVE_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def ops() -> ModuleType | None:
+    """The built kernels, or None (see the module docstring). Builds on the first call."""
+    if not enabled():
+        return None
+    if "mod" not in _state:
+        with _lock:
+            if "mod" not in _state:
+                _state["mod"] = _build()
+    return _state["mod"]
+
+
+def native_for(x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
+    """The kernels if they apply to x (a CPU tensor of fp32 or bf16) and no tensor given needs
+    a gradient (they have no backward), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)):
+        return None
+    return ops()
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the kernels on or off for this process (`--disable-cpu-kernels`)."""
+    global _enabled
+    _enabled = on
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("RADIXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "radixserve" / "kernels")
+    return root / key
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils import cpp_extension
+
+        scripts = str(Path(sys.executable).parent)  # a venv's ninja, when the venv is not activated
+        if shutil.which("ninja") is None and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        where = build_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        fresh = not any(where.glob("*.so"))
+        if fresh:
+            log.info("building radixserve's CPU kernels into %s (once; about half a minute)", where)
+        return cpp_extension.load(name="radixserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch ops still work
+        log.warning("radixserve's CPU kernels are not available (%s); using torch ops", str(e).splitlines()[0] if str(e) else repr(e))
+        return None

@@ -1,0 +1,397 @@
+// radixserve's CPU kernels: the small ops of a decode step fused into one call each, and
+// decode attention that reads the paged KV pool in place (no per-layer gather). Built on
+// first use by kernels/cpu.py (torch.utils.cpp_extension, -O3 -march=native); each op has a
+// torch reference it is tested against (kernels/cpu.py names them).
+//
+// Types: fp32 and bf16 tensors; bf16 is read as raw uint16 and widened to fp32, and every
+// sum is accumulated in fp32. Threads: at::parallel_for, torch's own OpenMP pool.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const uint16_t* p, int64_t i) {
+  uint32_t u = uint32_t(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(uint16_t* p, int64_t i, float v) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    p[i] = 0x7fc0;  // NaN
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  p[i] = uint16_t(u >> 16);
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// Runs body<float> or body<uint16_t> by the tensor's dtype.
+#define DISPATCH_FLOAT_BF16(t, name, ...)                                        \
+  do {                                                                           \
+    if ((t).scalar_type() == torch::kFloat) {                                    \
+      using scalar = float;                                                      \
+      __VA_ARGS__();                                                             \
+    } else if ((t).scalar_type() == torch::kBFloat16) {                          \
+      using scalar = uint16_t;                                                   \
+      __VA_ARGS__();                                                             \
+    } else {                                                                     \
+      TORCH_CHECK(false, name ": float32 or bfloat16 tensors only, got ", (t).scalar_type()); \
+    }                                                                            \
+  } while (0)
+
+// --- decode attention ----------------------------------------------------------------------
+// For request b: query row q[q_rows[b]] (heads, D) attends to the KV slots table[b, :lens[b]]
+// of the pools (slots, kv_heads, D). All query heads of one KV head are scored together, so
+// each K/V row is read once per group. Writes out[q_rows[b]] and, if given, lse[b, head].
+// One (request, KV head): scores of the group's scaled queries qf (group, dim) against the
+// n slots' keys, softmax, then the weighted sum of their values into acc (group, dim), with
+// each query's max and denominator. Scores live in `scores` (group, n).
+template <typename T>
+void attend_generic(const float* qf, const T* kd, const T* vd, int64_t sk0, int64_t sv0, const int64_t* slots, int64_t n,
+                    int64_t group, int64_t dim, float* scores, float* acc, float* mx, float* sum) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = kd + slots[j] * sk0;
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * ld(kr, d);
+      scores[g * n + j] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    for (int64_t j = 0; j < n; ++j) z += (sg[j] = std::exp(sg[j] - m));
+    mx[g] = m;
+    sum[g] = z;
+  }
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = vd + slots[j] * sv0;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += scores[g * n + j] * ld(vr, d);
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t MAX_GROUP = 8, MAX_DV = 8;  // the vector path: up to 8 query heads per KV head, dim <= 128
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as torch does
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#endif
+}
+
+// exp(x): 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5] by a degree-6 polynomial (relative
+// error ~2e-7); x is clamped to [-87, 88] (below: ~0, as exp in fp32; above: ~fp32's max).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64_t sv0, const int64_t* slots, int64_t n,
+                   int64_t group, int64_t dim, float* scores, float* acc, float* mx, float* sum) {
+  const int64_t dv = dim / 16;
+  __m512 q[MAX_GROUP * MAX_DV], a[MAX_GROUP * MAX_DV], kv[MAX_DV];
+  for (int64_t i = 0; i < group * dv; ++i) q[i] = _mm512_loadu_ps(qf + 16 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = kd + slots[j] * sk0;
+    for (int64_t c = 0; c < dv; ++c) kv[c] = load16(kr + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 s = _mm512_mul_ps(q[g * dv], kv[0]);
+      for (int64_t c = 1; c < dv; ++c) s = _mm512_fmadd_ps(q[g * dv + c], kv[c], s);
+      scores[g * n + j] = _mm512_reduce_add_ps(s);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + j));
+    }
+    const float mm = _mm512_reduce_max_ps(m);
+    const __m512 mv = _mm512_set1_ps(mm);
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), mv));
+      _mm512_mask_storeu_ps(sg + j, k, e);
+      z = _mm512_mask_add_ps(z, k, z, e);
+    }
+    mx[g] = mm;
+    sum[g] = _mm512_reduce_add_ps(z);
+  }
+  for (int64_t i = 0; i < group * dv; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = vd + slots[j] * sv0;
+    for (int64_t c = 0; c < dv; ++c) kv[c] = load16(vr + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + j]);
+      for (int64_t c = 0; c < dv; ++c) a[g * dv + c] = _mm512_fmadd_ps(p, kv[c], a[g * dv + c]);
+    }
+  }
+  for (int64_t i = 0; i < group * dv; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
+// For request b: query row q[q_rows[b]] (heads, D) attends to the KV slots table[b, :lens[b]]
+// of the pools (slots, kv_heads, D). All query heads of one KV head are scored together, so
+// each K/V row is read once per group. Writes out[q_rows[b]] and, if given, lse[b, head].
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::Tensor& vp, torch::Tensor& out,
+                           float* lse, const int64_t* rows, const int64_t* table, int64_t table_stride, const int64_t* lens,
+                           int64_t batch, float scale) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kp.size(1), group = heads / kv_heads;
+  const T* qd = ptr<T>(q);
+  const T* kd = ptr<T>(kp);
+  const T* vd = ptr<T>(vp);
+  T* od = ptr<T>(out);
+  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = kp.stride(0), sk1 = kp.stride(1);
+  const int64_t sv0 = vp.stride(0), sv1 = vp.stride(1), so0 = out.stride(0), so1 = out.stride(1);
+  auto attend = attend_generic<T>;
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim / 16 <= MAX_DV && group <= MAX_GROUP) attend = attend_avx512<T>;
+#endif
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores, mx(group), sum(group);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / kv_heads, h = w % kv_heads, n = lens[b], row = rows[b];
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qr = qd + row * sq0 + (h * group + g) * sq1;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(qr, d) * scale;
+      }
+      scores.resize(group * n);
+      attend(qf.data(), kd + h * sk1, vd + h * sv1, sk0, sv0, table + b * table_stride, n, group, dim, scores.data(),
+             acc.data(), mx.data(), sum.data());
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        T* orow = od + row * so0 + head * so1;
+        const float inv = n > 0 ? 1.f / sum[g] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) st(orow, d, acc[g * dim + d] * inv);
+        if (lse) lse[b * heads + head] = n > 0 ? mx[g] + std::log(sum[g]) : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
+void decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor out,
+                      c10::optional<torch::Tensor> lse, torch::Tensor q_rows, torch::Tensor table, torch::Tensor seq_lens,
+                      double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && out.dim() == 3, "decode_attention: 3-d q/pools/out");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && out.stride(2) == 1,
+              "decode_attention: the head dim must be contiguous");
+  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "decode_attention: q, pools and out share a dtype");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "decode_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(q_rows.scalar_type() == torch::kLong && table.scalar_type() == torch::kLong &&
+                  seq_lens.scalar_type() == torch::kLong && table.stride(1) == 1,
+              "decode_attention: int64 q_rows/table/seq_lens, table rows contiguous");
+  auto rows = q_rows.contiguous(), lens = seq_lens.contiguous();
+  float* lse_p = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == torch::kFloat && lse->is_contiguous() && lse->numel() == table.size(0) * q.size(1),
+                "decode_attention: lse is a contiguous float32 (batch, heads)");
+    lse_p = lse->data_ptr<float>();
+  }
+  DISPATCH_FLOAT_BF16(q, "decode_attention", [&] {
+    decode_attention_impl<scalar>(q, k_pool, v_pool, out, lse_p, rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(),
+                                  table.stride(0), lens.data_ptr<int64_t>(), table.size(0), float(scale));
+  });
+}
+
+// --- RMSNorm, with the residual add fused in ---------------------------------------------
+// x (rows, n). With a residual: r = x + residual (rounded to the dtype, as torch's add is),
+// returns (norm(r) * w, r); without: (norm(x) * w,).
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& w, torch::Tensor& out,
+                   torch::Tensor* sum_out, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const T* xd = ptr<T>(x);
+  const T* rd = residual ? ptr<T>(*residual) : nullptr;
+  const T* wd = ptr<T>(w);
+  T* od = ptr<T>(out);
+  T* sd = sum_out ? ptr<T>(*sum_out) : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xd + r * n;
+      float ss = 0.f;
+      if (rd) {
+        const T* rr = rd + r * n;
+        T* sr = sd + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          st(sr, i, ld(xr, i) + ld(rr, i));
+          buf[i] = ld(sr, i);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = ld(xr, i);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
+      T* orow = od + r * n;
+      for (int64_t i = 0; i < n; ++i) st(orow, i, buf[i] * inv * ld(wd, i));
+    }
+  });
+}
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(-1) &&
+                  weight.scalar_type() == x.scalar_type(), "rms_norm: contiguous x, weight of x's last dim and dtype");
+  auto out = torch::empty_like(x);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual like x");
+    auto sum = torch::empty_like(x);
+    DISPATCH_FLOAT_BF16(x, "rms_norm", [&] { rms_norm_impl<scalar>(x, &*residual, weight, out, &sum, eps); });
+    return {out, sum};
+  }
+  DISPATCH_FLOAT_BF16(x, "rms_norm", [&] { rms_norm_impl<scalar>(x, nullptr, weight, out, nullptr, eps); });
+  return {out};
+}
+
+// --- rotary embedding (neox, rotate-half), in place on q and k ----------------------------
+// x (T, heads, D) with any row/head strides; cos/sin (T, D/2) float32 rows (any row stride).
+template <typename T>
+void rope_impl(torch::Tensor& x, const float* cs, const float* sn, int64_t sc) {
+  const int64_t t_len = x.size(0), heads = x.size(1), half = x.size(2) / 2, s0 = x.stride(0), s1 = x.stride(1);
+  T* xd = ptr<T>(x);
+  at::parallel_for(0, t_len, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cs + t * sc;
+      const float* s = sn + t * sc;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = xd + t * s0 + h * s1;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = ld(p, i), x2 = ld(p, i + half);
+          st(p, i, x1 * c[i] - x2 * s[i]);
+          st(p, i + half, x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.dim() == 2 &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0) && cos.size(1) * 2 == q.size(2),
+              "rope_: float32 (T, D/2) cos/sin with contiguous rows");
+  for (torch::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == cos.size(0), "rope_: (T, heads, D) with contiguous D");
+    DISPATCH_FLOAT_BF16(*x, "rope_", [&] { rope_impl<scalar>(*x, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0)); });
+  }
+}
+
+// --- SwiGLU: silu(x[:, :n]) * x[:, n:] ----------------------------------------------------
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t n = out.size(-1), rows = out.numel() / n;
+  const T* xd = ptr<T>(x);
+  T* od = ptr<T>(out);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = xd + r * 2 * n;
+      const T* u = g + n;
+      T* o = od + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        const __m512 a = load16(g + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        store16(o + i, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)), load16(u + i)));
+      }
+#endif
+      for (; i < n; ++i) {
+        const float a = ld(g, i);
+        st(o, i, a / (1.f + std::exp(-a)) * ld(u, i));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "silu_and_mul: contiguous x with an even last dim");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  auto out = torch::empty(sizes, x.options());
+  DISPATCH_FLOAT_BF16(x, "silu_and_mul", [&] { silu_and_mul_impl<scalar>(x, out); });
+  return out;
+}
+
+// --- KV store: k_pool[slots[t]] = k[t], v likewise, in one call ------------------------
+template <typename T>
+void store_kv_impl(torch::Tensor& kp, torch::Tensor& vp, const int64_t* slots, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t t_len = k.size(0), heads = k.size(1), dim = k.size(2);
+  for (int pass = 0; pass < 2; ++pass) {
+    const torch::Tensor& src = pass ? v : k;
+    torch::Tensor& dst = pass ? vp : kp;
+    const T* sd = ptr<T>(src);
+    T* dd = ptr<T>(dst);
+    const int64_t s0 = src.stride(0), s1 = src.stride(1), d0 = dst.stride(0), d1 = dst.stride(1);
+    for (int64_t t = 0; t < t_len; ++t)
+      for (int64_t h = 0; h < heads; ++h) std::memcpy(dd + slots[t] * d0 + h * d1, sd + t * s0 + h * s1, dim * sizeof(T));
+  }
+}
+
+void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 && k_pool.stride(2) == 1 &&
+                  v_pool.stride(2) == 1 && k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == v_pool.scalar_type(),
+              "store_kv: (T, kv_heads, D) k/v with contiguous D, the pools' dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == k.size(0), "store_kv: int64 slots, one per row");
+  auto s = slots.contiguous();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t n = k_pool.size(0);
+  for (int64_t t = 0; t < s.numel(); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < n, "store_kv: slot ", sp[t], " out of range");
+  DISPATCH_FLOAT_BF16(k, "store_kv", [&] { store_kv_impl<scalar>(k_pool, v_pool, sp, k, v); });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention, in place on the pool");
+  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add");
+  m.def("rope_", &rope_, "neox rotary embedding of q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
+  m.def("store_kv", &store_kv, "write K/V rows into the pool");
+}

@@ -1,0 +1,119 @@
+"""The native CPU kernels (kernels/cpu.py) against their torch references: fresh random
+inputs, outputs poisoned first, fp32 and bf16, head dims on the vector path (64, 128) and off
+it (80), GQA ratios 1/3/8 and 16 (off the vector path), lengths not a multiple of 16, scattered
+slot tables, strided views. They must build here: CI has the compiler that users have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu
+from kernels.decode_attention import decode_attention_cpu, decode_attention_ref
+from kernels.store_kv import store_kv, store_kv_ref
+from radixserve.models.layers import RMSNorm, apply_rope, rope_qk
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():  # the kernels have no backward; under autograd the torch ops run
+        yield
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = cpu.ops()
+    assert mod is not None, "the CPU kernels did not build (see the warning logged by kernels.cpu)"
+    return mod
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "group"), [(64, 1), (64, 3), (128, 8), (80, 3), (64, 16)])
+def test_decode_attention_reads_scattered_slots_as_the_reference_does(ops, dtype, dim, group):
+    g = torch.Generator().manual_seed(dim + group)
+    kv_heads = 2
+    lens = [1, 300, 37, 129, 16]
+    slots = sum(lens) + 40
+    k_pool = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_pool = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    perm = torch.randperm(slots, generator=g)
+    table = torch.zeros(len(lens), max(lens) + 5, dtype=torch.int64)  # wider than needed: the tail is never read
+    at = 0
+    for i, n in enumerate(lens):
+        table[i, :n] = perm[at : at + n]
+        at += n
+    q = torch.randn(len(lens) + 2, kv_heads * group, dim, generator=g).to(dtype)  # two rows are not decode rows
+    q_rows = torch.tensor([3, 0, 6, 1, 4])
+    seq_lens = torch.tensor(lens)
+    ref, ref_lse = torch.full_like(q, float("nan")), torch.empty(len(lens), q.shape[1])
+    decode_attention_ref(q, k_pool, v_pool, ref, q_rows, table, seq_lens, lse=ref_lse)
+    out, lse = torch.full_like(q, float("nan")), torch.full((len(lens), q.shape[1]), float("nan"))
+    decode_attention_cpu(q, k_pool, v_pool, out, q_rows, table, seq_lens, lse=lse)
+    assert rel_err(out[q_rows], ref[q_rows]) < TOL[dtype]
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    untouched = torch.tensor([2, 5])
+    assert out[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_the_residual(ops, dtype):
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(200, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(200, generator=g))
+    x, res = torch.randn(7, 200, generator=g).to(dtype), torch.randn(7, 200, generator=g).to(dtype)
+    ref_sum = x + res
+    ref = F.rms_norm(ref_sum, (200,), norm.weight, 1e-6)
+    out, summed = norm(x, res)
+    assert torch.equal(summed, ref_sum)  # the residual stream is rounded as torch's add rounds it
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(norm(x), F.rms_norm(x, (200,), norm.weight, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_strided_q_and_k_views_in_place(ops, dtype):
+    g = torch.Generator().manual_seed(2)
+    t, heads, kv_heads, dim = 5, 4, 2, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)  # a fused projection's output
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(t, heads, dim), k.view(t, kv_heads, dim)
+    ang = torch.rand(t, 1, dim // 2, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    ref_q, ref_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    out_q, out_k = rope_qk(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr()  # in place
+    assert rel_err(out_q, ref_q) < TOL[dtype] and rel_err(out_k, ref_k) < TOL[dtype]
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v, beside them, is not touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1536, 21])  # the vector loop and the scalar tail
+def test_silu_and_mul(ops, dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(3, 2 * n, generator=g) * 4).to(dtype)
+    ref = F.silu(x[:, :n].float()) * x[:, n:].float()
+    assert rel_err(ops.silu_and_mul(x), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_strided_rows_and_refuses_a_slot_out_of_range(ops, dtype):
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(4, 2 * 3 * 8, generator=g).to(dtype)
+    k, v = (t.reshape(4, 3, 8) for t in kv.split(24, dim=-1))  # views of one tensor
+    slots = torch.tensor([9, 2, 5, 0])
+    pools = [torch.zeros(10, 3, 8, dtype=dtype) for _ in range(4)]
+    store_kv(pools[0], pools[1], slots, k, v)
+    store_kv_ref(pools[2], pools[3], slots, k, v)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.store_kv(pools[0], pools[1], torch.tensor([1, 2, 3, 10]), k, v)
+
