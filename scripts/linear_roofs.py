@@ -1,6 +1,6 @@
 """Time SmolLM2-shaped linears (30 layers of qkv, o, gate_up, down, and the 49,152-row head
-on one row; each weight distinct, so it streams from memory) per kernel, dtype and row count:
-the table in radixserve/models/linear.py.
+on one row; each weight distinct, so it streams from memory) per kernel, dtype and row count
+(native: radixserve's bf16 kernel, kernels/cpu.py): the table in radixserve/models/linear.py.
 
     .venv/bin/python scripts/linear_roofs.py
 """
@@ -11,6 +11,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2-135M's linears
 LAYERS = 30
@@ -26,13 +28,18 @@ def timed(fn, reps: int) -> float:
 
 
 def main() -> None:
-    print("| rows | dtype | plain ms | oneDNN-packed ms |")
-    print("|---:|---|---:|---:|")
+    ops = cpu.ops()
+    native = ops is not None and ops.has_bf16_gemm()
+    print("| rows | dtype | plain ms | oneDNN-packed ms | native-packed ms |")
+    print("|---:|---|---:|---:|---:|")
     for dtype in (torch.bfloat16, torch.float32):
         weights = [[torch.randn(n, k, dtype=dtype) for n, k in SHAPES] for _ in range(LAYERS)]
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
         head = torch.randn(HEAD_ROWS, 576, dtype=dtype)
         head_packed = torch.ops.mkldnn._reorder_linear_weight(head, 32)
+        if native and dtype == torch.bfloat16:
+            nat_packed = [[ops.pack_bf16(w) for w in layer] for layer in weights]
+            nat_head = ops.pack_bf16(head)
         for rows in (1, 32, 1024):
             xs = {k: torch.randn(rows, k, dtype=dtype) for _, k in SHAPES}
             reps = 3 if rows > 64 else 10
@@ -49,8 +56,15 @@ def main() -> None:
                         torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                 torch.ops.mkldnn._linear_pointwise(xs[576][:1], head, None, "none", [], "")
 
+            def nat(weights=weights, xs=xs, head=head) -> None:
+                for layer in nat_packed:
+                    for w, (n, k) in zip(layer, SHAPES):
+                        ops.linear_bf16(xs[k], w, n, None)
+                ops.linear_bf16(xs[576][:1], nat_head, HEAD_ROWS, None)
+
             name = str(dtype).removeprefix("torch.")
-            print(f"| {rows} | {name} | {timed(plain, reps):.1f} | {timed(pk, reps):.1f} |", flush=True)
+            nat_ms = f"{timed(nat, reps):.1f}" if native and dtype == torch.bfloat16 and rows <= 64 else "-"
+            print(f"| {rows} | {name} | {timed(plain, reps):.1f} | {timed(pk, reps):.1f} | {nat_ms} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,19 @@ def test_store_kv_writes_strided_rows_and_refuses_a_slot_out_of_range(ops, dtype
     with pytest.raises(RuntimeError, match="out of range"):
         ops.store_kv(pools[0], pools[1], torch.tensor([1, 2, 3, 10]), k, v)
 
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (77, 33)])  # whole panels; a ragged panel and an odd k
+def test_the_bf16_linear_over_its_packed_weight(ops, n, k):
+    if not ops.has_bf16_gemm():
+        pytest.skip("this CPU has no AVX512-BF16: linears use oneDNN's packed weights")
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    packed = ops.pack_bf16(w)
+    for rows in (1, 2, 6, 7, 64):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        for bias in (b, None):
+            ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            got = ops.linear_bf16(x, packed, n, bias)
+            assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+            assert rel_err(got, ref) < 4e-3, (rows, bias is None)

@@ -8,7 +8,14 @@ linears and its head, each weight distinct so it streams from memory; `scripts/l
     32    |   68.5 ms  |      53.9 ms       |   69.0 ms  |     48.6 ms
     1024  |  1450 ms   |      1406 ms       |    923 ms  |      990 ms
 
-So decode batches (few rows) use weights pre-packed for oneDNN (bf16; fp32 from 2 rows up),
+With radixserve's native bf16 kernel (kernels/cpu.py: AVX512-BF16 `vdpbf16ps` over weights
+packed for it, same machine and script): 13.2 ms at 1 row, 65.6 at 32 (oneDNN-packed in that
+run: 17.6 and 64.5). At one row the weights stream at the memory's rate; from a few rows on
+both kernels are bound by the bf16 dot-product rate, so the native one replaces oneDNN's
+packed bf16 weights where it is built (one packed copy, not two).
+
+So decode batches (few rows) use weights pre-packed for oneDNN or the native kernel (bf16;
+fp32 from 2 rows up),
 and prefill chunks (many rows) of a bf16 model run in fp32 on the fly (weights upcast one
 layer at a time: MKL's sgemm beats oneDNN's bf16 GEMM on this CPU by 1.5x). The plain weight
 stays (the embedding ties to it, and the fp32 path reads it); the packed copy is extra memory:
@@ -22,6 +29,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import cpu
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +49,17 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         w = linear.weight.detach()
         self.packed_from = 1 if w.dtype == torch.bfloat16 else 2  # fp32 at one row: the plain sgemv is faster
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT), persistent=False)
+        ops = cpu.native_for(w.detach()) if w.dtype == torch.bfloat16 else None
+        self.native = ops if ops is not None and ops.has_bf16_gemm() else None
+        packed = self.native.pack_bf16(w) if self.native else torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
+        self.register_buffer("packed", packed, persistent=False)
         self.upcast = w.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.packed_from <= rows <= PACKED_MAX_ROWS:
+            if self.native is not None:
+                return self.native.linear_bf16(x, self.packed, self.out_features, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.upcast and rows >= UPCAST_MIN_ROWS:
             b = self.bias.float() if self.bias is not None else None
