@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import threading
@@ -72,9 +73,19 @@ def set_enabled(on: bool) -> None:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    """One build per source, flags, torch, Python and CPU (-march=native code is the CPU's)."""
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), sys.version.encode(), _cpu_id()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("RADIXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "radixserve" / "kernels")
     return root / key
+
+
+def _cpu_id() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return b"".join(line for line in f if line.startswith((b"model name", b"flags")))
+    except OSError:
+        return platform.processor().encode()
 
 
 def _build() -> ModuleType | None:

@@ -31,6 +31,15 @@ def _import_triton_for_the_interpreter() -> None:
 _import_triton_for_the_interpreter()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """radixserve's CPU kernels are built once, before any test (a cold build takes ~30 s:
+    paid here, not inside a server start that a test waits for)."""
+    from kernels import cpu
+
+    cpu.ops()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", help="the full soak (3,000 requests) instead of CI's bounded one (600)")
 

@@ -453,6 +453,12 @@ void bf16_tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel,
   const int64_t full = k / 2;
   for (int64_t p = 0; p < kp; ++p) {
     const uint16_t* wp = panel + p * NR * 32;
+    if (MR <= 2) {  // few rows: the stream of W is the bound; keep ~2 KiB of it in flight
+      _mm_prefetch((const char*)(wp + 8 * NR * 32), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wp + 8 * NR * 32 + 64), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wp + 8 * NR * 32 + 128), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wp + 8 * NR * 32 + 192), _MM_HINT_T0);
+    }
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(wp + j * 32);
     for (int m = 0; m < MR; ++m) {
