@@ -29,7 +29,7 @@ def timed(fn, reps: int) -> float:
 
 def main() -> None:
     ops = cpu.ops()
-    native = ops is not None and ops.has_bf16_gemm()
+    native = ops is not None
     print("| rows | dtype | plain ms | oneDNN-packed ms | native-packed ms |")
     print("|---:|---|---:|---:|---:|")
     for dtype in (torch.bfloat16, torch.float32):
@@ -37,9 +37,10 @@ def main() -> None:
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
         head = torch.randn(HEAD_ROWS, 576, dtype=dtype)
         head_packed = torch.ops.mkldnn._reorder_linear_weight(head, 32)
-        if native and dtype == torch.bfloat16:
-            nat_packed = [[ops.pack_bf16(w) for w in layer] for layer in weights]
-            nat_head = ops.pack_bf16(head)
+        nat = native and ops.linear_supports(head)
+        if nat:
+            nat_packed = [[ops.pack_linear(w) for w in layer] for layer in weights]
+            nat_head = ops.pack_linear(head)
         for rows in (1, 32, 1024):
             xs = {k: torch.randn(rows, k, dtype=dtype) for _, k in SHAPES}
             reps = 3 if rows > 64 else 10
@@ -56,14 +57,14 @@ def main() -> None:
                         torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                 torch.ops.mkldnn._linear_pointwise(xs[576][:1], head, None, "none", [], "")
 
-            def nat(weights=weights, xs=xs, head=head) -> None:
+            def nat_fn(xs=xs) -> None:
                 for layer in nat_packed:
                     for w, (n, k) in zip(layer, SHAPES):
-                        ops.linear_bf16(xs[k], w, n, None)
-                ops.linear_bf16(xs[576][:1], nat_head, HEAD_ROWS, None)
+                        ops.linear(xs[k], w, n, None, False)
+                ops.linear(xs[576][:1], nat_head, HEAD_ROWS, None, False)
 
             name = str(dtype).removeprefix("torch.")
-            nat_ms = f"{timed(nat, reps):.1f}" if native and dtype == torch.bfloat16 and rows <= 64 else "-"
+            nat_ms = f"{timed(nat_fn, reps):.1f}" if nat and rows <= 64 else "-"
             print(f"| {rows} | {name} | {timed(plain, reps):.1f} | {timed(pk, reps):.1f} | {nat_ms} |", flush=True)
 
 

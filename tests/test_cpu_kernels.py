@@ -85,7 +85,7 @@ def test_rope_rotates_strided_q_and_k_views_in_place(ops, dtype):
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)  # a fused projection's output
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k = q.view(t, heads, dim), k.view(t, kv_heads, dim)
-    ang = torch.rand(t, 1, dim // 2, generator=g) * 6
+    ang = torch.rand(t, dim // 2, generator=g) * 6
     cos, sin = ang.cos(), ang.sin()
     ref_q, ref_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v_before = qkv[:, (heads + kv_heads) * dim :].clone()
@@ -119,20 +119,24 @@ def test_store_kv_writes_strided_rows_and_refuses_a_slot_out_of_range(ops, dtype
 
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (77, 33)])  # whole panels; a ragged panel and an odd k
-def test_the_bf16_linear_over_its_packed_weight(ops, n, k):
-    if not ops.has_bf16_gemm():
-        pytest.skip("this CPU has no AVX512-BF16: linears use oneDNN's packed weights")
+def test_the_linear_over_its_packed_weight(ops, dtype, n, k):
+    w_ = torch.empty(1, dtype=dtype)
+    if not ops.linear_supports(w_):
+        pytest.skip(f"no native {dtype} linear on this CPU: linears use oneDNN's packed weights")
     g = torch.Generator().manual_seed(n + k)
-    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    packed = ops.pack_bf16(w)
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    packed = ops.pack_linear(w)
     for rows in (1, 2, 6, 7, 64):
-        x = torch.randn(rows, k, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g).to(dtype)
         for bias in (b, None):
             ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-            got = ops.linear_bf16(x, packed, n, bias)
-            assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-            assert rel_err(got, ref) < 4e-3, (rows, bias is None)
+            for float_out in (False, True):
+                got = ops.linear(x, packed, n, bias, float_out)
+                assert got.shape == (rows, n) and got.dtype == (torch.float32 if float_out else dtype)
+                tol = 1e-5 if dtype == torch.float32 or float_out else 4e-3
+                assert rel_err(got, ref) < tol, (rows, bias is None, float_out)
 
 
 def test_a_failed_build_falls_back_to_torch_ops_with_a_warning(tmp_path):

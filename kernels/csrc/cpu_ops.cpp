@@ -100,9 +100,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-inline __m512 load16_masked(const uint16_t* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as torch does
 #if defined(__AVX512BF16__)
@@ -416,49 +413,83 @@ void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
   DISPATCH_FLOAT_BF16(k, "store_kv", [&] { store_kv_impl<scalar>(k_pool, v_pool, sp, k, v); });
 }
 
-// --- bf16 linear for decode batches (AVX512-BF16) ----------------------------------------
-// y (M, N) = x (M, K) W^T + b, bf16 in and out, fp32 accumulation, for few rows M: the
-// weight streams from memory once per call and every row reuses it. W is packed once
-// (pack_bf16) into panels of NR * 16 outputs: [panel][K/2][NR][16 outputs x 2 k], so one
-// vdpbf16ps multiplies a broadcast pair of x by 16 outputs' pairs of W; MR rows x NR blocks
-// of accumulators live in registers.
-#if defined(__AVX512BF16__)
+// --- linears for decode batches ---------------------------------------------------------
+// y (M, N) = x (M, K) W^T + b for few rows M: the weight streams from memory once per call
+// and every row reuses it. W is packed once (pack_linear) into panels of NR * 16 outputs,
+// one contiguous stream each:
+//   bf16 (AVX512-BF16): [panel][K/2][NR][16 outputs x 2 k]: one vdpbf16ps multiplies a
+//                       broadcast pair of x by 16 outputs' pairs of W, fp32 accumulation;
+//   fp32 (AVX-512):     [panel][K][NR][16 outputs]: one FMA per broadcast x and 16 outputs.
+// MR rows x NR blocks of accumulators live in registers. y is x's dtype, or fp32 (logits).
+#if defined(__AVX512F__)
 constexpr int64_t NR = 4, MR_MAX = 6, PANEL = NR * 16;
 
-bool has_bf16_gemm() { return true; }
+#if defined(__AVX512BF16__)
+constexpr bool HAS_BF16_DP = true;
+#else
+constexpr bool HAS_BF16_DP = false;
+#endif
 
-torch::Tensor pack_bf16(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_bf16: a 2-d bf16 weight");
+bool linear_supports(torch::ScalarType t) { return t == torch::kFloat || (t == torch::kBFloat16 && HAS_BF16_DP); }
+
+torch::Tensor pack_linear(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && linear_supports(w.scalar_type()), "pack_linear: a 2-d float32 (or bf16, with AVX512-BF16) weight");
   auto wc = w.contiguous();
-  const int64_t n = wc.size(0), k = wc.size(1), panels = (n + PANEL - 1) / PANEL, kp = (k + 1) / 2;
-  auto out = torch::zeros({panels, kp, NR, 32}, wc.options());
-  const uint16_t* src = ptr<uint16_t>(wc);
-  uint16_t* dst = ptr<uint16_t>(out);
+  const int64_t n = wc.size(0), k = wc.size(1), panels = (n + PANEL - 1) / PANEL;
+  const int64_t pair = wc.scalar_type() == torch::kBFloat16 ? 2 : 1, kp = (k + pair - 1) / pair;
+  auto out = torch::zeros({panels, kp, NR, 16 * pair}, wc.options());
+  const int64_t esize = wc.element_size();
+  const char* src = static_cast<const char*>(wc.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r = p * PANEL; r < std::min(n, (p + 1) * PANEL); ++r) {
         const int64_t blk = (r % PANEL) / 16, lane = r % 16;
-        for (int64_t c = 0; c < k; ++c) dst[((p * kp + c / 2) * NR + blk) * 32 + lane * 2 + c % 2] = src[r * k + c];
+        for (int64_t c = 0; c < k; ++c) {
+          const int64_t at = ((p * kp + c / pair) * NR + blk) * 16 * pair + lane * pair + c % pair;
+          std::memcpy(dst + at * esize, src + (r * k + c) * esize, esize);
+        }
       }
   });
   return out;
 }
 
-template <int MR>
-void bf16_tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel, int64_t kp, const uint16_t* bias,
-               uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+inline void prefetch_panel(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (int i = 0; i < 4; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
+}
+
+template <int MR, typename O>
+inline void store_tile(__m512 (&acc)[MR][NR], const float* bias, O* y, int64_t ldy, int64_t n0, int64_t n) {
+  for (int j = 0; j < NR; ++j) {
+    const int64_t c0 = n0 + j * 16;
+    if (c0 >= n) break;
+    const __mmask16 mask = n - c0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - c0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = _mm512_add_ps(acc[m][j], b);
+      if constexpr (std::is_same_v<O, float>) {
+        _mm512_mask_storeu_ps(y + m * ldy + c0, mask, v);
+      } else {
+        alignas(64) uint16_t tmp[16];
+        store16(tmp, v);
+        _mm256_mask_storeu_epi16(y + m * ldy + c0, mask, _mm256_load_si256((const __m256i*)tmp));
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <int MR, typename O>
+void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel, int64_t kp, const float* bias, O* y, int64_t ldy,
+          int64_t n0, int64_t n) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t full = k / 2;
   for (int64_t p = 0; p < kp; ++p) {
     const uint16_t* wp = panel + p * NR * 32;
-    if (MR <= 2) {  // few rows: the stream of W is the bound; keep ~2 KiB of it in flight
-      _mm_prefetch((const char*)(wp + 8 * NR * 32), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wp + 8 * NR * 32 + 64), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wp + 8 * NR * 32 + 128), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wp + 8 * NR * 32 + 192), _MM_HINT_T0);
-    }
+    if (MR <= 2) prefetch_panel(wp + 8 * NR * 32);  // few rows: the stream of W is the bound; keep 2 KiB in flight
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(wp + j * 32);
     for (int m = 0; m < MR; ++m) {
@@ -469,59 +500,87 @@ void bf16_tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel,
       for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, (__m512bh)w[j]);
     }
   }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t c0 = n0 + j * 16;
-    if (c0 >= n) break;
-    const __mmask16 mask = n - c0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - c0)) - 1);
-    const __m512 b = bias ? load16_masked(bias + c0, mask) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      _mm256_mask_storeu_epi16(y + m * ldy + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b)));
+  store_tile<MR>(acc, bias, y, ldy, n0, n);
+}
+#endif
+
+template <int MR, typename O>
+void tile(const float* x, int64_t ldx, int64_t k, const float* panel, int64_t, const float* bias, O* y, int64_t ldy,
+          int64_t n0, int64_t n) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; ++c) {
+    const float* wp = panel + c * NR * 16;
+    if (MR <= 2) prefetch_panel(wp + 8 * NR * 16);
+    __m512 w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_ps(wp + j * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + c]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+    }
   }
+  store_tile<MR>(acc, bias, y, ldy, n0, n);
 }
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "linear_bf16: 2-d bf16 x, rows contiguous");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), kp = packed.size(1);
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && kp == (k + 1) / 2 &&
-                  panels * PANEL >= n && packed.size(2) == NR, "linear_bf16: a weight packed by pack_bf16 for this k and n");
-  const uint16_t* bd = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == torch::kBFloat16 && bc.numel() == n, "linear_bf16: a bf16 bias of n");
-    bd = ptr<uint16_t>(bc);
-  }
-  auto y = torch::empty({m, n}, x.options());
-  const uint16_t* xd = ptr<uint16_t>(x);
-  const uint16_t* wd = ptr<uint16_t>(packed);
-  uint16_t* yd = ptr<uint16_t>(y);
-  const int64_t ldx = x.stride(0);
+template <typename W, typename O>
+void linear_impl(const W* xd, int64_t ldx, int64_t m, int64_t k, const W* wd, int64_t kp, int64_t panels, const float* bias,
+                 O* yd, int64_t n) {
+  const int64_t panel_size = kp * NR * 16 * (std::is_same_v<W, float> ? 1 : 2);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const uint16_t* panel = wd + p * kp * NR * 32;
+      const W* panel = wd + p * panel_size;
       for (int64_t m0 = 0; m0 < m; m0 += MR_MAX) {
-        const uint16_t* xr = xd + m0 * ldx;
-        uint16_t* yr = yd + m0 * n;
+        const W* xr = xd + m0 * ldx;
+        O* yr = yd + m0 * n;
         switch (std::min<int64_t>(MR_MAX, m - m0)) {
-          case 1: bf16_tile<1>(xr, ldx, k, panel, kp, bd, yr, n, p * PANEL, n); break;
-          case 2: bf16_tile<2>(xr, ldx, k, panel, kp, bd, yr, n, p * PANEL, n); break;
-          case 3: bf16_tile<3>(xr, ldx, k, panel, kp, bd, yr, n, p * PANEL, n); break;
-          case 4: bf16_tile<4>(xr, ldx, k, panel, kp, bd, yr, n, p * PANEL, n); break;
-          case 5: bf16_tile<5>(xr, ldx, k, panel, kp, bd, yr, n, p * PANEL, n); break;
-          default: bf16_tile<6>(xr, ldx, k, panel, kp, bd, yr, n, p * PANEL, n); break;
+          case 1: tile<1>(xr, ldx, k, panel, kp, bias, yr, n, p * PANEL, n); break;
+          case 2: tile<2>(xr, ldx, k, panel, kp, bias, yr, n, p * PANEL, n); break;
+          case 3: tile<3>(xr, ldx, k, panel, kp, bias, yr, n, p * PANEL, n); break;
+          case 4: tile<4>(xr, ldx, k, panel, kp, bias, yr, n, p * PANEL, n); break;
+          case 5: tile<5>(xr, ldx, k, panel, kp, bias, yr, n, p * PANEL, n); break;
+          default: tile<6>(xr, ldx, k, panel, kp, bias, yr, n, p * PANEL, n); break;
         }
       }
     }
   });
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias, bool float_out) {
+  const auto t = packed.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == t && x.stride(1) == 1 && linear_supports(t),
+              "linear: 2-d x of the packed weight's dtype, rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), kp = packed.size(1);
+  const int64_t pair = t == torch::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && kp == (k + pair - 1) / pair && panels * PANEL >= n &&
+                  packed.size(2) == NR && packed.size(3) == 16 * pair, "linear: a weight packed by pack_linear for this k and n");
+  torch::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "linear: a bias of n");
+    bf = bias->to(torch::kFloat).contiguous();
+  }
+  const float* bd = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  auto y = torch::empty({m, n}, x.options().dtype(float_out ? torch::kFloat : t));
+  if (m == 0) return y;
+#if defined(__AVX512BF16__)
+  if (t == torch::kBFloat16) {
+    if (float_out) linear_impl(ptr<uint16_t>(x), x.stride(0), m, k, ptr<uint16_t>(packed), kp, panels, bd, y.data_ptr<float>(), n);
+    else linear_impl(ptr<uint16_t>(x), x.stride(0), m, k, ptr<uint16_t>(packed), kp, panels, bd, ptr<uint16_t>(y), n);
+    return y;
+  }
+#endif
+  linear_impl(x.data_ptr<float>(), x.stride(0), m, k, packed.data_ptr<float>(), kp, panels, bd, y.data_ptr<float>(), n);
   return y;
 }
 #else
-bool has_bf16_gemm() { return false; }
-torch::Tensor pack_bf16(torch::Tensor) { TORCH_CHECK(false, "pack_bf16: built without AVX512-BF16"); }
-torch::Tensor linear_bf16(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "linear_bf16: built without AVX512-BF16");
+bool linear_supports(torch::ScalarType) { return false; }
+torch::Tensor pack_linear(torch::Tensor) { TORCH_CHECK(false, "pack_linear: built without AVX-512"); }
+torch::Tensor linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, bool) {
+  TORCH_CHECK(false, "linear: built without AVX-512");
 }
 #endif
+
+bool linear_supports_dtype(torch::Tensor w) { return linear_supports(w.scalar_type()); }
 
 }  // namespace
 
@@ -531,7 +590,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "neox rotary embedding of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("store_kv", &store_kv, "write K/V rows into the pool");
-  m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 is built (AVX512-BF16)");
-  m.def("pack_bf16", &pack_bf16, "pack a bf16 weight (N, K) for linear_bf16");
-  m.def("linear_bf16", &linear_bf16, "bf16 linear of a few rows over a packed weight");
+  m.def("linear_supports", &linear_supports_dtype, "whether `linear` is built for this weight's dtype");
+  m.def("pack_linear", &pack_linear, "pack a weight (N, K) for `linear`");
+  m.def("linear", &linear, "a linear of a few rows over a packed weight (x, packed, n, bias, float_out)");
 }

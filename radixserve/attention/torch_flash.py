@@ -78,16 +78,16 @@ class TorchFlashBackend(AttnBackend):
         b, heads, kv_heads, dim = rows.shape[0], q.shape[1], kp.shape[1], q.shape[2]
         group = heads // kv_heads
         if "dec_lens" in meta:  # the native kernel writes out[rows] itself
-            lse = torch.empty(b, heads)
+            lse = torch.empty(b, heads) if meta["dec_groups"] else None  # only a fork group's merge needs it
             decode_attention_cpu(q, kp, vp, out, rows, idx, meta["dec_lens"], lse=lse)
+            if lse is None:
+                return
             o, lse = out.index_select(0, rows).view(b, kv_heads, group, dim), lse.view(b, kv_heads, group)
         else:
             qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
             kd = kp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)  # (b, kv_heads, L, dim)
             vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
             o, lse = attention_lse(qd, kd, vd, bias=meta["dec_bias"])
-        if not meta["dec_groups"] and "dec_lens" in meta:
-            return
         for g in meta["dec_groups"]:
             m = torch.tensor(g.members, device=q.device)
             n = len(g.members)

@@ -77,10 +77,10 @@ class RotaryEmbedding(nn.Module):
         self.sin = emb.sin()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of the step's positions, (T, 1, head_dim / 2) fp32 (the table's halves are
+        """(cos, sin) of the step's positions, (T, head_dim / 2) fp32 (the table's halves are
         equal): indexed once per step and shared by every layer."""
         half = self.cos.shape[-1] // 2
-        return self.cos[positions, None, :half], self.sin[positions, None, :half]
+        return self.cos[positions, :half], self.sin[positions, :half]
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,14 +88,15 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     else by `apply_rope`."""
     ops = cpu.native_for(q, k)
     if ops is not None:
-        ops.rope_(q, k, cos[:, 0], sin[:, 0])
+        ops.rope_(q, k, cos, sin)
         return q, k
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox rotate-half, x * cos + rotate_half(x) * sin: (T, heads, D) by (T, 1, D / 2) tables.
+    """Neox rotate-half, x * cos + rotate_half(x) * sin: (T, heads, D) by (T, D / 2) tables.
     In fp32 whatever x is: rotating in bf16 derails SmolLM2's greedy answers."""
+    cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 

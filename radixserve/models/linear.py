@@ -42,16 +42,20 @@ UPCAST_MIN_ROWS = 128  # bf16 prefill chunks from this many rows run in fp32
 class PackedLinear(nn.Module):
     """nn.Linear's math with the kernel chosen per call (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, float_out: bool = False) -> None:
+        """float_out: return fp32 whatever the weights are (a head's logits: the native kernel
+        stores its fp32 sums instead of rounding them to bf16 and widening them again)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared: a tied embedding stays tied
         self.bias = linear.bias
+        self.float_out = float_out
         w = linear.weight.detach()
-        self.packed_from = 1 if w.dtype == torch.bfloat16 else 2  # fp32 at one row: the plain sgemv is faster
-        ops = cpu.native_for(w.detach()) if w.dtype == torch.bfloat16 else None
-        self.native = ops if ops is not None and ops.has_bf16_gemm() else None
-        packed = self.native.pack_bf16(w) if self.native else torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
+        ops = cpu.native_for(w)
+        self.native = ops if ops is not None and ops.linear_supports(w) else None
+        # fp32 at one row without the native kernel: torch's plain sgemv beats oneDNN's packed one
+        self.packed_from = 1 if self.native is not None or w.dtype == torch.bfloat16 else 2
+        packed = self.native.pack_linear(w) if self.native else torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
         self.register_buffer("packed", packed, persistent=False)
         self.upcast = w.dtype == torch.bfloat16
 
@@ -59,12 +63,15 @@ class PackedLinear(nn.Module):
         rows = x.shape[0]
         if self.packed_from <= rows <= PACKED_MAX_ROWS:
             if self.native is not None:
-                return self.native.linear_bf16(x, self.packed, self.out_features, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.upcast and rows >= UPCAST_MIN_ROWS:
+                return self.native.linear(x, self.packed, self.out_features, self.bias, self.float_out)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        elif self.upcast and rows >= UPCAST_MIN_ROWS:
             b = self.bias.float() if self.bias is not None else None
-            return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+            y = F.linear(x.float(), self.weight.float(), b)
+            return y if self.float_out else y.to(x.dtype)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y.float() if self.float_out else y
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -87,6 +94,6 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dim() == 2:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, float_out=name == "lm_head"))  # the head's logits are fp32
                 n += 1
     return n
