@@ -128,6 +128,12 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// One head's K or V row (dim elements) on its way into the cache: the slots are scattered, so
+// no hardware prefetcher sees the stream coming.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
 // The sums of 16 vectors, as one vector (out[i] = sum of v[i]'s lanes): a transpose-and-add
 // tree, 46 instructions for 16 dot products instead of 16 horizontal reductions of 8.
 inline __m512 sum16(const __m512* v) {
@@ -150,7 +156,9 @@ void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64
   __m512 q[MAX_GROUP * MAX_DV], a[MAX_GROUP * MAX_DV], kv[MAX_DV], part[16];
   for (int64_t i = 0; i < group * dv; ++i) q[i] = _mm512_loadu_ps(qf + 16 * i);
   int64_t j = 0;
+  for (int64_t jj = 0; jj < std::min<int64_t>(n, 16); ++jj) prefetch_row(kd + slots[jj] * sk0, dim * sizeof(T));
   for (; j + 16 <= n; j += 16) {  // 16 slots at a time, their dot products summed by one tree
+    for (int64_t jj = j + 16; jj < std::min(n, j + 32); ++jj) prefetch_row(kd + slots[jj] * sk0, dim * sizeof(T));
     for (int64_t g = 0; g < group; ++g) {
       for (int jj = 0; jj < 16; ++jj) {
         const T* kr = kd + slots[j + jj] * sk0;
@@ -190,7 +198,9 @@ void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64
     sum[g] = _mm512_reduce_add_ps(z);
   }
   for (int64_t i = 0; i < group * dv; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < std::min<int64_t>(n, 8); ++j) prefetch_row(vd + slots[j] * sv0, dim * sizeof(T));
   for (int64_t j = 0; j < n; ++j) {
+    if (j + 8 < n) prefetch_row(vd + slots[j + 8] * sv0, dim * sizeof(T));
     const T* vr = vd + slots[j] * sv0;
     for (int64_t c = 0; c < dv; ++c) kv[c] = load16(vr + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
