@@ -32,6 +32,20 @@ class SeqView:
 
 
 @dataclass
+class NativeDecode:
+    """What a fused CPU decode step (`kernels.cpu` decode_layers) needs of the KV side: the
+    pools, where each row's new K/V goes, and each row's slot table (rows read their whole
+    table: no shared-prefix pass)."""
+
+    k_pools: list[torch.Tensor]
+    v_pools: list[torch.Tensor]
+    out_slots: torch.Tensor
+    rows: torch.Tensor
+    table: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64

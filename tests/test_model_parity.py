@@ -96,7 +96,33 @@ def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama):
     for disable in (False, True):
         with Engine(str(tiny_llama), kv_cache_tokens=1024, disable_cpu_kernels=disable) as e:
             assert cpu.enabled() is not disable
+            assert (e.runner.model.model.fused is not None) is not disable  # decode steps: all layers in one call
             e.generate([prompt], SamplingParams(temperature=0, max_new_tokens=1))  # caches the prompt
             outs.append([o.token_ids for o in e.generate(prompts, params)])
     cpu.set_enabled(True)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(tiny_llama, dtype):
+    """The same kernels in one native call or called layer by layer from Python: the same
+    tokens and logprobs, in both dtypes (batch of three, one of them a fork branch)."""
+    from radixserve import Engine
+
+    prompt = [(5 * i) % 200 + 3 for i in range(40)]
+    prompts = [prompt + [9], prompt + [8], [4, 5, 6]]
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, return_logprob=True)
+    with Engine(str(tiny_llama), kv_cache_tokens=1024, dtype=dtype) as e:
+        model = e.runner.model.model
+        fused = model.fused
+        assert fused is not None
+        calls, run = [], fused.run
+        fused.run = lambda *a: calls.append(1) or run(*a)
+        runs = []
+        for on in (True, False):
+            model.fused = fused if on else None
+            e.flush_cache()
+            runs.append([(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in e.generate(prompts, params)])
+        model.fused = fused
+    assert len(calls) >= 9  # the first run's decode steps went through it
+    assert runs[0] == runs[1]

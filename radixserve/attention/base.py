@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from radixserve.batch import ForwardBatch
+from radixserve.batch import ForwardBatch, NativeDecode
 from radixserve.cache.pool import KVPool
 
 
@@ -26,6 +26,10 @@ class AttnBackend(ABC):
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
+
+    def native_decode(self, batch: ForwardBatch) -> NativeDecode | None:
+        """The batch as a fused CPU decode step can take it, or None (the default: per layer)."""
+        return None
 
     @abstractmethod
     def forward(

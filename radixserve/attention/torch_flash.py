@@ -23,7 +23,7 @@ import torch
 from kernels import cpu
 from kernels.decode_attention import decode_attention_cpu
 from radixserve.attention.base import AttnBackend
-from radixserve.batch import ForwardBatch, SeqView
+from radixserve.batch import ForwardBatch, NativeDecode, SeqView
 from radixserve.cache.prefix import common_prefix_len
 
 MIN_SHARED = 32  # shortest shared prefix worth a separate pass
@@ -59,6 +59,12 @@ class TorchFlashBackend(AttnBackend):
             bias = torch.zeros(len(dec), width, dtype=self.pool.k[0].dtype)
             bias.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], float("-inf"))
             meta["dec_bias"] = bias[:, None, None, :].to(dev)
+
+    def native_decode(self, batch: ForwardBatch) -> NativeDecode | None:
+        meta = batch.attn_meta
+        if "dec_lens" not in meta or meta["extend"] or meta["dec_groups"]:
+            return None
+        return NativeDecode(self.pool.k, self.pool.v, batch.out_slots, meta["dec_rows"], meta["dec_idx"], meta["dec_lens"])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)

@@ -59,6 +59,9 @@ class Engine(RequestFront):
             cpu_kernels.ops()  # built now (once per machine, cached), not in the first request
         if not cfg.model.disable_packed_linears:
             pack_linears(loaded.model, self.dtype, self.device)
+            fuse = getattr(loaded.model, "fuse_decode", None)
+            if fuse is not None and fuse():
+                log.info("decode steps run all %d layers in one native call", loaded.arch.num_layers)
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
         self.tokenizer = loaded.tokenizer
         self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)

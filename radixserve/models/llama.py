@@ -7,13 +7,16 @@ The model sees flat tokens (T, hidden) with their positions; attention goes thro
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from radixserve.batch import ForwardBatch
+from kernels import cpu
+from radixserve.batch import ForwardBatch, NativeDecode
 from radixserve.models.config import ArchConfig
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
+from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin), see RotaryEmbedding.tables
 
@@ -63,6 +66,45 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class FusedDecode:
+    """Every decoder layer's weights as `kernels.cpu` decode_layers takes them: a decode-only
+    step (one token per row, no shared-prefix group, few rows) then runs all layers in one
+    native call, with the same kernels the per-layer path calls, minus its Python."""
+
+    def __init__(self, model: LlamaModel, ops: Any) -> None:
+        self.ops = ops
+        attn = model.layers[0].self_attn
+        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter)
+        self.eps, self.scale = model.norm.eps, attn.head_dim**-0.5
+        self.weights = [
+            [layer.input_layernorm.weight for layer in model.layers],
+            [layer.self_attn.qkv_proj.packed for layer in model.layers],
+            [layer.self_attn.o_proj.packed for layer in model.layers],
+            [layer.post_attention_layernorm.weight for layer in model.layers],
+            [layer.mlp.gate_up_proj.packed for layer in model.layers],
+            [layer.mlp.down_proj.packed for layer in model.layers],
+        ]
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> FusedDecode | None:
+        """The fused step, where every linear has native packed weights and no bias, and no layer
+        normalizes q/k; else None."""
+        ops = None
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.q_norm is not None or not all(isinstance(m, PackedLinear) and m.native and m.bias is None for m in linears):
+                return None
+            ops = attn.qkv_proj.native
+        return cls(model, ops) if ops is not None else None
+
+    def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
+        heads, kv_heads, head_dim, inter = self.shape
+        x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
+                                             plan.lens, *self.weights, heads, kv_heads, head_dim, inter, self.eps, self.scale)
+        return x, residual
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
@@ -70,13 +112,20 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused: FusedDecode | None = None  # see LlamaForCausalLM.fuse_decode
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.tables(positions)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, batch)
+        plan = None
+        if self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS and cpu.native_for(x) is not None:
+            plan = batch.attn_backend.native_decode(batch)
+        if plan is not None:
+            x, residual = self.fused.run(x, rope, plan)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual, batch)
         return self.norm(x, residual)[0]
 
 
@@ -98,6 +147,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_decode(self) -> bool:
+        """Run decode-only steps through one native call (`FusedDecode`) where the weights allow
+        it (after `pack_linears`); returns whether they do."""
+        self.model.fused = FusedDecode.of(self.model)
+        return self.model.fused is not None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states (T, hidden) of every fed token."""
