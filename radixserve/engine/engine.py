@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -294,12 +295,22 @@ class Engine(RequestFront):
         self.shutdown()
 
 
+_RSS_EVERY_S = 0.5
+_rss_seen = [float("-inf"), 0]  # (monotonic time, bytes) of the last read
+
+
 def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    """This process's resident memory, read from /proc at most every half second (the stats
+    are built after every step, and the read cost ~80 us of a ~13 ms step)."""
+    now = time.monotonic()
+    if now - _rss_seen[0] >= _RSS_EVERY_S:
+        try:
+            with open("/proc/self/statm") as f:
+                _rss_seen[1] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            _rss_seen[1] = 0
+        _rss_seen[0] = now
+    return int(_rss_seen[1])
 
 
 def cpu_has_bf16() -> bool:
