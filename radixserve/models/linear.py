@@ -1,25 +1,25 @@
 """CPU matmuls at this CPU's roofs: each linear picks its kernel by the number of rows it gets.
 
 Measured on the reference machine (2 Xeon cores, AVX512-BF16, no AMX; SmolLM2's 30 layers of
-linears and its head, each weight distinct so it streams from memory; `scripts/linear_roofs.py`):
+linears and its head on one row, each weight distinct so it streams from memory;
+`.venv/bin/python scripts/linear_roofs.py`, one run, ms):
 
-    rows  | bf16 plain | bf16 oneDNN-packed | fp32 plain | fp32 oneDNN-packed
-    1     |   22.4 ms  |      16.0 ms       |   21.8 ms  |     26.0 ms
-    32    |   68.5 ms  |      53.9 ms       |   69.0 ms  |     48.6 ms
-    1024  |  1450 ms   |      1406 ms       |    923 ms  |      990 ms
+    rows | bf16 plain | bf16 oneDNN-packed | bf16 native | fp32 plain | fp32 oneDNN-packed | fp32 native
+    1    |    26.1    |        18.9        |    13.2     |    21.5    |        26.3        |    20.6
+    32   |    64.6    |        56.8        |    56.4     |    63.4    |        52.6        |    52.0
+    1024 |   1358.6   |      1309.1        |      -      |   759.4    |       782.6        |      -
 
-With radixserve's native bf16 kernel (kernels/cpu.py: AVX512-BF16 `vdpbf16ps` over weights
-packed for it, same machine and script): 13.2 ms at 1 row, 65.6 at 32 (oneDNN-packed in that
-run: 17.6 and 64.5). At one row the weights stream at the memory's rate; from a few rows on
-both kernels are bound by the bf16 dot-product rate, so the native one replaces oneDNN's
-packed bf16 weights where it is built (one packed copy, not two).
-
-So decode batches (few rows) use weights pre-packed for oneDNN or the native kernel (bf16;
-fp32 from 2 rows up),
-and prefill chunks (many rows) of a bf16 model run in fp32 on the fly (weights upcast one
-layer at a time: MKL's sgemm beats oneDNN's bf16 GEMM on this CPU by 1.5x). The plain weight
-stays (the embedding ties to it, and the fp32 path reads it); the packed copy is extra memory:
-one more copy of the linear weights.
+"native" is radixserve's own kernel (kernels/cpu.py `linear`: weights packed once into panels
+of 64 outputs, `vdpbf16ps` for bf16, FMA for fp32, the weight stream prefetched). At one row
+it streams the weights near the memory's rate (270 MB in 13.2 ms bf16, 540 MB in 20.6 ms
+fp32: ~20 and ~26 GB/s; this machine's timings vary by 10-20 % from run to run); at 32 rows
+it matches oneDNN (both compute-bound). So decode
+batches (up to 64 rows) run on weights packed for the native kernel where it is built
+(oneDNN's packing elsewhere: bf16 from one row, fp32 from two, where torch's plain sgemv
+wins at one), and prefill chunks (many rows) of a bf16 model run in fp32 on the fly (weights
+upcast one layer at a time: MKL's sgemm beats oneDNN's bf16 GEMM on this CPU by 1.7x). The
+plain weight stays (the embedding ties to it, and the prefill path reads it); the packed copy
+is extra memory: one more copy of the linear weights.
 """
 
 from __future__ import annotations
