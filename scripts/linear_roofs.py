@@ -38,6 +38,7 @@ def main() -> None:
         head = torch.randn(HEAD_ROWS, 576, dtype=dtype)
         head_packed = torch.ops.mkldnn._reorder_linear_weight(head, 32)
         nat = native and ops.linear_supports(head)
+        nat_packed, nat_head = [], None
         if nat:
             nat_packed = [[ops.pack_linear(w) for w in layer] for layer in weights]
             nat_head = ops.pack_linear(head)
@@ -57,7 +58,7 @@ def main() -> None:
                         torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                 torch.ops.mkldnn._linear_pointwise(xs[576][:1], head, None, "none", [], "")
 
-            def nat_fn(xs=xs) -> None:
+            def nat_fn(xs=xs, nat_packed=nat_packed, nat_head=nat_head) -> None:
                 for layer in nat_packed:
                     for w, (n, k) in zip(layer, SHAPES):
                         ops.linear(xs[k], w, n, None, False)

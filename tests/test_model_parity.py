@@ -86,8 +86,8 @@ def test_the_engine_packs_its_linears_unless_told_not_to(tiny_llama):
 def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama):
     """fp32 greedy, token for token, with radixserve's CPU kernels and with torch's ops; the two
     branches off the cached prompt decode as a fork group (its shared-prefix pass)."""
-    from radixserve import Engine
     from kernels import cpu
+    from radixserve import Engine
 
     prompt = [(7 * i) % 250 + 3 for i in range(60)]
     prompts = [prompt + [11], prompt + [12], [5, 6, 7]]
