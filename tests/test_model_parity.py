@@ -83,9 +83,11 @@ def test_the_engine_packs_its_linears_unless_told_not_to(tiny_llama):
             assert out.completion_tokens == 4
 
 
-def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama):
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama, page_size):
     """fp32 greedy, token for token, with radixserve's CPU kernels and with torch's ops; the two
-    branches off the cached prompt decode as a fork group (its shared-prefix pass)."""
+    branches off the cached prompt decode as a fork group (its shared-prefix pass); slots
+    handed out one by one or in pages of 4."""
     from kernels import cpu
     from radixserve import Engine
 
@@ -94,7 +96,7 @@ def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama):
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     outs = []
     for disable in (False, True):
-        with Engine(str(tiny_llama), kv_cache_tokens=1024, disable_cpu_kernels=disable) as e:
+        with Engine(str(tiny_llama), kv_cache_tokens=1024, page_size=page_size, disable_cpu_kernels=disable) as e:
             assert cpu.enabled() is not disable
             assert (e.runner.model.model.fused is not None) is not disable  # decode steps: all layers in one call
             e.generate([prompt], SamplingParams(temperature=0, max_new_tokens=1))  # caches the prompt
