@@ -61,6 +61,10 @@ def test_decode_attention_reads_scattered_slots_as_the_reference_does(ops, dtype
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
     untouched = torch.tensor([2, 5])
     assert out[untouched].isnan().all()
+    bad = table.clone()
+    bad[1, 7] = slots  # one past the pool: refused, not read
+    with pytest.raises(RuntimeError, match="out of range"):
+        decode_attention_cpu(q, k_pool, v_pool, out, q_rows, bad, seq_lens)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

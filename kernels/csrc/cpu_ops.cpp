@@ -265,6 +265,20 @@ void decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_poo
                   seq_lens.scalar_type() == torch::kLong && table.stride(1) == 1,
               "decode_attention: int64 q_rows/table/seq_lens, table rows contiguous");
   auto rows = q_rows.contiguous(), lens = seq_lens.contiguous();
+  TORCH_CHECK(rows.numel() == table.size(0) && lens.numel() == table.size(0), "decode_attention: one q row and length per table row");
+  {  // a bad slot would read outside the pool: refuse it instead (a few us per call)
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    const int64_t slots = std::min(k_pool.size(0), v_pool.size(0));
+    for (int64_t b = 0; b < table.size(0); ++b) {
+      TORCH_CHECK(rp[b] >= 0 && rp[b] < q.size(0) && rp[b] < out.size(0), "decode_attention: q row ", rp[b], " out of range");
+      TORCH_CHECK(lp[b] >= 0 && lp[b] <= table.size(1), "decode_attention: length ", lp[b], " exceeds the table's width");
+      for (int64_t j = 0; j < lp[b]; ++j)
+        TORCH_CHECK(tp[b * table.stride(0) + j] >= 0 && tp[b * table.stride(0) + j] < slots, "decode_attention: slot ",
+                    tp[b * table.stride(0) + j], " out of range");
+    }
+  }
   float* lse_p = nullptr;
   if (lse.has_value()) {
     TORCH_CHECK(lse->scalar_type() == torch::kFloat && lse->is_contiguous() && lse->numel() == table.size(0) * q.size(1),
