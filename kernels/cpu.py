@@ -1,6 +1,6 @@
 """radixserve's native CPU kernels (csrc/cpu_ops.cpp), built on first use and cached.
 
-The ops, each with the torch reference it is tested against:
+The ops, each with the torch reference it is tested against (tests/test_cpu_kernels.py):
 
     decode_attention(q, k_pool, v_pool, out, lse, q_rows, table, seq_lens, scale)
                                         kernels.decode_attention.decode_attention_ref
@@ -9,11 +9,15 @@ The ops, each with the torch reference it is tested against:
     silu_and_mul(x)                     F.silu(x[..., :n]) * x[..., n:]
     store_kv(k_pool, v_pool, slots, k, v)
                                         kernels.store_kv.store_kv_ref
+    pack_linear(w), linear(x, packed, n, bias, float_out), linear_supports(w)
+                                        F.linear
+    decode_layers(...)                  the same ops called layer by layer
+                                        (radixserve.models.llama.FusedDecode)
 
 `ops()` returns the built module, or None where it cannot be had: not on a CPU with a C++
 compiler, or RADIXSERVE_CPU_KERNELS=0 (then callers use the torch ops). The build (about
-half a minute on two cores, once per source/torch version) goes to
-~/.cache/radixserve/kernels, or $RADIXSERVE_KERNEL_CACHE; `-march=native`, since it is built
+half a minute on two cores) happens once per source, flags, torch, Python and CPU, into
+~/.cache/radixserve/kernels or $RADIXSERVE_KERNEL_CACHE; `-march=native`, since it is built
 on the machine that runs it.
 """
 
@@ -97,8 +101,7 @@ def _build() -> ModuleType | None:
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
         where = build_dir()
         where.mkdir(parents=True, exist_ok=True)
-        fresh = not any(where.glob("*.so"))
-        if fresh:
+        if not any(where.glob("*.so")):
             log.info("building radixserve's CPU kernels into %s (once; about half a minute)", where)
         return cpp_extension.load(name="radixserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=FLAGS,
                                   extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)

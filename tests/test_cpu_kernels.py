@@ -31,6 +31,14 @@ def ops():
     return mod
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
@@ -126,9 +134,10 @@ def test_store_kv_writes_strided_rows_and_refuses_a_slot_out_of_range(ops, dtype
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (77, 33)])  # whole panels; a ragged panel and an odd k
 def test_the_linear_over_its_packed_weight(ops, dtype, n, k):
-    w_ = torch.empty(1, dtype=dtype)
-    if not ops.linear_supports(w_):
-        pytest.skip(f"no native {dtype} linear on this CPU: linears use oneDNN's packed weights")
+    needs = "avx512_bf16" if dtype == torch.bfloat16 else "avx512f"
+    if needs not in _cpu_flags():
+        pytest.skip(f"this CPU has no {needs}: {dtype} linears use oneDNN's packed weights")
+    assert ops.linear_supports(torch.empty(1, dtype=dtype)), f"the kernels were built without the {needs} this CPU has"
     g = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     packed = ops.pack_linear(w)
@@ -137,7 +146,7 @@ def test_the_linear_over_its_packed_weight(ops, dtype, n, k):
         for bias in (b, None):
             ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
             for float_out in (False, True):
-                got = ops.linear(x, packed, n, bias, float_out)
+                got = ops.linear(x, packed, n, None if bias is None else bias.float(), float_out)
                 assert got.shape == (rows, n) and got.dtype == (torch.float32 if float_out else dtype)
                 tol = 1e-5 if dtype == torch.float32 or float_out else 4e-3
                 assert rel_err(got, ref) < tol, (rows, bias is None, float_out)

@@ -60,9 +60,6 @@ T* ptr(const torch::Tensor& t) {
   } while (0)
 
 // --- decode attention ----------------------------------------------------------------------
-// For request b: query row q[q_rows[b]] (heads, D) attends to the KV slots table[b, :lens[b]]
-// of the pools (slots, kv_heads, D). All query heads of one KV head are scored together, so
-// each K/V row is read once per group. Writes out[q_rows[b]] and, if given, lse[b, head].
 // One (request, KV head): scores of the group's scaled queries qf (group, dim) against the
 // n slots' keys, softmax, then the weighted sum of their values into acc (group, dim), with
 // each query's max and denominator. Scores live in `scores` (group, n).
@@ -155,8 +152,8 @@ void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64
   const int64_t dv = dim / 16;
   __m512 q[MAX_GROUP * MAX_DV], a[MAX_GROUP * MAX_DV], kv[MAX_DV], part[16];
   for (int64_t i = 0; i < group * dv; ++i) q[i] = _mm512_loadu_ps(qf + 16 * i);
-  int64_t j = 0;
   for (int64_t jj = 0; jj < std::min<int64_t>(n, 16); ++jj) prefetch_row(kd + slots[jj] * sk0, dim * sizeof(T));
+  int64_t j = 0;
   for (; j + 16 <= n; j += 16) {  // 16 slots at a time, their dot products summed by one tree
     for (int64_t jj = j + 16; jj < std::min(n, j + 32); ++jj) prefetch_row(kd + slots[jj] * sk0, dim * sizeof(T));
     for (int64_t g = 0; g < group; ++g) {
@@ -252,43 +249,53 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, cons
   });
 }
 
-void decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor out,
-                      c10::optional<torch::Tensor> lse, torch::Tensor q_rows, torch::Tensor table, torch::Tensor seq_lens,
-                      double scale) {
+// The index checks of decode_attention, apart: a bad slot would read outside the pool, so
+// every table entry is checked (decode_layers checks its table once, not once per layer).
+void check_table(const torch::Tensor& rows, const torch::Tensor& table, const torch::Tensor& lens, int64_t q_rows_bound,
+                 int64_t pool_slots) {
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && table.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong &&
+                  rows.is_contiguous() && lens.is_contiguous() && table.stride(1) == 1,
+              "decode_attention: contiguous int64 q_rows/seq_lens, an int64 table with contiguous rows");
+  TORCH_CHECK(rows.numel() == table.size(0) && lens.numel() == table.size(0), "decode_attention: one q row and length per table row");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < table.size(0); ++b) {
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < q_rows_bound, "decode_attention: q row ", rp[b], " out of range");
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= table.size(1), "decode_attention: length ", lp[b], " exceeds the table's width");
+    const int64_t* row = tp + b * table.stride(0);
+    for (int64_t j = 0; j < lp[b]; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < pool_slots, "decode_attention: slot ", row[j], " out of range");
+  }
+}
+
+// decode_attention over a table check_table has passed.
+void run_decode(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool, torch::Tensor& out,
+                float* lse, const torch::Tensor& rows, const torch::Tensor& table, const torch::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && out.dim() == 3, "decode_attention: 3-d q/pools/out");
   TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && out.stride(2) == 1,
               "decode_attention: the head dim must be contiguous");
   TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type(), "decode_attention: q, pools and out share a dtype");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "decode_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(q_rows.scalar_type() == torch::kLong && table.scalar_type() == torch::kLong &&
-                  seq_lens.scalar_type() == torch::kLong && table.stride(1) == 1,
-              "decode_attention: int64 q_rows/table/seq_lens, table rows contiguous");
+  DISPATCH_FLOAT_BF16(q, "decode_attention", [&] {
+    decode_attention_impl<scalar>(q, k_pool, v_pool, out, lse, rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(),
+                                  table.stride(0), lens.data_ptr<int64_t>(), table.size(0), float(scale));
+  });
+}
+
+void decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor out,
+                      c10::optional<torch::Tensor> lse, torch::Tensor q_rows, torch::Tensor table, torch::Tensor seq_lens,
+                      double scale) {
   auto rows = q_rows.contiguous(), lens = seq_lens.contiguous();
-  TORCH_CHECK(rows.numel() == table.size(0) && lens.numel() == table.size(0), "decode_attention: one q row and length per table row");
-  {  // a bad slot would read outside the pool: refuse it instead (a few us per call)
-    const int64_t* rp = rows.data_ptr<int64_t>();
-    const int64_t* lp = lens.data_ptr<int64_t>();
-    const int64_t* tp = table.data_ptr<int64_t>();
-    const int64_t slots = std::min(k_pool.size(0), v_pool.size(0));
-    for (int64_t b = 0; b < table.size(0); ++b) {
-      TORCH_CHECK(rp[b] >= 0 && rp[b] < q.size(0) && rp[b] < out.size(0), "decode_attention: q row ", rp[b], " out of range");
-      TORCH_CHECK(lp[b] >= 0 && lp[b] <= table.size(1), "decode_attention: length ", lp[b], " exceeds the table's width");
-      for (int64_t j = 0; j < lp[b]; ++j)
-        TORCH_CHECK(tp[b * table.stride(0) + j] >= 0 && tp[b * table.stride(0) + j] < slots, "decode_attention: slot ",
-                    tp[b * table.stride(0) + j], " out of range");
-    }
-  }
+  check_table(rows, table, lens, std::min(q.size(0), out.size(0)), std::min(k_pool.size(0), v_pool.size(0)));
   float* lse_p = nullptr;
   if (lse.has_value()) {
     TORCH_CHECK(lse->scalar_type() == torch::kFloat && lse->is_contiguous() && lse->numel() == table.size(0) * q.size(1),
                 "decode_attention: lse is a contiguous float32 (batch, heads)");
     lse_p = lse->data_ptr<float>();
   }
-  DISPATCH_FLOAT_BF16(q, "decode_attention", [&] {
-    decode_attention_impl<scalar>(q, k_pool, v_pool, out, lse_p, rows.data_ptr<int64_t>(), table.data_ptr<int64_t>(),
-                                  table.stride(0), lens.data_ptr<int64_t>(), table.size(0), float(scale));
-  });
+  run_decode(q, k_pool, v_pool, out, lse_p, rows, table, lens, scale);
 }
 
 // --- RMSNorm, with the residual add fused in ---------------------------------------------
@@ -425,16 +432,28 @@ void store_kv_impl(torch::Tensor& kp, torch::Tensor& vp, const int64_t* slots, c
   }
 }
 
-void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+// The slots store_kv writes to, checked against the pool (decode_layers: once, not per layer).
+void check_slots(const torch::Tensor& slots, int64_t pool_slots) {
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous(), "store_kv: contiguous int64 slots");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < pool_slots, "store_kv: slot ", sp[t], " out of range");
+}
+
+// store_kv after check_slots.
+void run_store(torch::Tensor& k_pool, torch::Tensor& v_pool, const torch::Tensor& slots, const torch::Tensor& k,
+               const torch::Tensor& v) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 && k_pool.stride(2) == 1 &&
-                  v_pool.stride(2) == 1 && k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == v_pool.scalar_type(),
-              "store_kv: (T, kv_heads, D) k/v with contiguous D, the pools' dtype");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == k.size(0), "store_kv: int64 slots, one per row");
+                  v_pool.stride(2) == 1 && k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == v_pool.scalar_type() &&
+                  slots.numel() == k.size(0),
+              "store_kv: (T, kv_heads, D) k/v with contiguous D, the pools' dtype, one slot per row");
+  DISPATCH_FLOAT_BF16(k, "store_kv", [&] { store_kv_impl<scalar>(k_pool, v_pool, slots.data_ptr<int64_t>(), k, v); });
+}
+
+void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
   auto s = slots.contiguous();
-  const int64_t* sp = s.data_ptr<int64_t>();
-  const int64_t n = k_pool.size(0);
-  for (int64_t t = 0; t < s.numel(); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < n, "store_kv: slot ", sp[t], " out of range");
-  DISPATCH_FLOAT_BF16(k, "store_kv", [&] { store_kv_impl<scalar>(k_pool, v_pool, sp, k, v); });
+  check_slots(s, std::min(k_pool.size(0), v_pool.size(0)));
+  run_store(k_pool, v_pool, s, k, v);
 }
 
 // --- linears for decode batches ---------------------------------------------------------
@@ -578,12 +597,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
   const int64_t pair = t == torch::kBFloat16 ? 2 : 1;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && kp == (k + pair - 1) / pair && panels * PANEL >= n &&
                   packed.size(2) == NR && packed.size(3) == 16 * pair, "linear: a weight packed by pack_linear for this k and n");
-  torch::Tensor bf;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "linear: a bias of n");
-    bf = bias->to(torch::kFloat).contiguous();
-  }
-  const float* bd = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "linear: a contiguous float32 bias of n (the caller converts it once)");
+  const float* bd = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto y = torch::empty({m, n}, x.options().dtype(float_out ? torch::kFloat : t));
   if (m == 0) return y;
 #if defined(__AVX512BF16__)
@@ -619,10 +636,17 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, tor
                                          std::vector<torch::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                          int64_t inter, double eps, double scale) {
   const size_t layers = in_norm.size();
+  TORCH_CHECK(layers > 0, "decode_layers: no layers");
   TORCH_CHECK(k_pools.size() == layers && v_pools.size() == layers && qkv.size() == layers && o_proj.size() == layers &&
                   post_norm.size() == layers && gate_up.size() == layers && down.size() == layers,
               "decode_layers: one of each weight and pool per layer");
   const int64_t rows = x.size(0), hidden = x.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  for (size_t i = 1; i < layers; ++i)
+    TORCH_CHECK(k_pools[i].size(0) == k_pools[0].size(0) && v_pools[i].size(0) == k_pools[0].size(0),
+                "decode_layers: every layer's pools hold the same slots");
+  auto out_slots = slots.contiguous(), rows_c = q_rows.contiguous(), lens_c = lens.contiguous();
+  check_slots(out_slots, k_pools[0].size(0));  // the new slots and the slot table, once for every layer
+  check_table(rows_c, table, lens_c, rows, k_pools[0].size(0));
   torch::Tensor residual;
   for (size_t i = 0; i < layers; ++i) {
     torch::Tensor h;
@@ -639,9 +663,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, tor
     auto k = proj.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     auto v = proj.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
     rope_(q, k, cos, sin);
-    store_kv(k_pools[i], v_pools[i], slots, k, v);
+    run_store(k_pools[i], v_pools[i], out_slots, k, v);
     auto attn = torch::empty({rows, heads, head_dim}, x.options());
-    decode_attention(q, k_pools[i], v_pools[i], attn, c10::nullopt, q_rows, table, lens, scale);
+    run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, scale);
     auto o = linear(attn.view({rows, q_size}), o_proj[i], hidden, c10::nullopt, false);
     auto r = rms_norm(o, residual, post_norm[i], eps);
     residual = r[1];

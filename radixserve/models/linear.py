@@ -57,13 +57,15 @@ class PackedLinear(nn.Module):
         self.packed_from = 1 if self.native is not None or w.dtype == torch.bfloat16 else 2
         packed = self.native.pack_linear(w) if self.native else torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
         self.register_buffer("packed", packed, persistent=False)
+        # the native kernel adds the bias in fp32: converted once here, not per call
+        self.native_bias = linear.bias.detach().float() if self.native and linear.bias is not None else None
         self.upcast = w.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.packed_from <= rows <= PACKED_MAX_ROWS:
             if self.native is not None:
-                return self.native.linear(x, self.packed, self.out_features, self.bias, self.float_out)
+                return self.native.linear(x, self.packed, self.out_features, self.native_bias, self.float_out)
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         elif self.upcast and rows >= UPCAST_MIN_ROWS:
             b = self.bias.float() if self.bias is not None else None
