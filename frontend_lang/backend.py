@@ -8,9 +8,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from frontend_lang import choices
 from frontend_lang.ir import Gen, Select
 
 Chunk = tuple[str, dict[str, Any]]  # (new text, meta so far)
+SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+                 "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "regex", "json_schema")
+LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 _MARK = "\x00radixserve-role\x00"
 _OPEN: set[RuntimeEndpoint] = set()  # endpoints with a live session, closed at exit
 
@@ -20,20 +24,53 @@ class FrontendError(RuntimeError):
 
 
 class RuntimeEndpoint:
-    """A radixserve server's native API. `cache_salt` keeps this endpoint's prefixes apart from
-    other callers of the same tenant; a program's `public_prefix_end()` mark is sent as
-    `public_prefix_len` (the tenant must be allowed the public prefix)."""
+    """A radixserve server's native API, with SGLang's arguments: `verify` (a CA bundle's path,
+    or False) checks an https server; `chat_template_name` picks one of SGLang's named templates
+    (chatml, llama-3-instruct, ...) instead of the served model's own, which is the default.
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0,
-                 cache_salt: str | None = None) -> None:
+    radixserve's extras: `cache_salt` keeps this endpoint's prefixes apart from other callers of
+    the same tenant; a program's `public_prefix_end()` mark is sent as `public_prefix_len` (the
+    tenant must be allowed the public prefix)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, verify: str | bool | None = None,
+                 chat_template_name: str | None = None, *, timeout: float = 300.0, cache_salt: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.verify = verify
         self.timeout = timeout
         self.cache_salt = cache_salt
+        self.chat_template_name = chat_template_name
+        self._named = named_template(chat_template_name) if chat_template_name else None
         self._template: str | None = None
         self._roles: dict[str, tuple[str, str]] = {}
         self._token_counts: dict[str, int] = {}
         self._session: Any = None
+        self._model_info: dict[str, Any] | None = None
+
+    # -- SGLang's synchronous calls ----------------------------------------------------------
+    def _sync(self, coro: Any) -> Any:
+        from frontend_lang.runtime import _submit
+
+        return _submit(coro).result()
+
+    def get_model_info(self) -> dict[str, Any]:
+        if self._model_info is None:
+            self._model_info = self._sync(self.request("GET", "/get_model_info", "get_model_info"))
+        return self._model_info
+
+    def get_model_name(self) -> str:
+        return self.get_model_info()["model_path"]
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._sync(self.server_info())
+
+    def flush_cache(self) -> Any:
+        return self._sync(self.request("POST", "/flush_cache", "flush_cache", {}))
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Compute (and cache) the KV of `prefix` now (run_batch does this for its programs'
+        shared prefix)."""
+        self._sync(self._measure(prefix, "cache_prefix", self._salt()))
 
     # -- HTTP --------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -42,7 +79,8 @@ class RuntimeEndpoint:
         if self._session is None or self._session.closed:
             _OPEN.add(self)
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+                                                  headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {},
+                                                  connector=aiohttp.TCPConnector(ssl=_ssl(self.verify)))
         return self._session
 
     @asynccontextmanager
@@ -91,7 +129,10 @@ class RuntimeEndpoint:
 
     # -- roles -------------------------------------------------------------------------------
     async def role(self, role: str) -> tuple[str, str]:
-        """The text that opens and closes a message of `role`, rendered by the model's template."""
+        """The text that opens and closes a message of `role`: the named template's, or as the
+        served model's own chat template renders it."""
+        if self._named is not None:
+            return self._named.get(role, ("", ""))
         if role not in self._roles:
             if self._template is None:
                 self._template = (await self.server_info()).get("chat_template") or ""
@@ -99,10 +140,13 @@ class RuntimeEndpoint:
         return self._roles[role]
 
     # -- calls -------------------------------------------------------------------------------
+    def _salt(self) -> dict[str, Any]:
+        return {"cache_salt": self.cache_salt} if self.cache_salt else {}
+
     async def _options(self, prompt: str, public_chars: int, what: str) -> dict[str, Any]:
         """cache_salt, and the public prefix in tokens: that of its text alone, less one token in
         case the last one merges with what follows."""
-        opts: dict[str, Any] = {"cache_salt": self.cache_salt} if self.cache_salt else {}
+        opts = self._salt()
         if public_chars:
             head = prompt[:public_chars]
             if head not in self._token_counts:
@@ -116,15 +160,23 @@ class RuntimeEndpoint:
         return r["meta_info"]
 
     async def _gen_body(self, prompt: str, g: Gen, what: str, public_chars: int) -> dict[str, Any]:
-        body: dict[str, Any] = {"text": prompt, "sampling_params": g.params, **await self._options(prompt, public_chars, what)}
-        if g.return_logprob:
-            body.update(return_logprob=True, top_logprobs_num=g.top_logprobs_num or 0)
-            if g.logprob_start_len is not None:
-                body["logprob_start_len"] = g.logprob_start_len
+        """SGLang's /generate body for a gen whose parameters are resolved (run() defaults filled in)."""
+        from frontend_lang.global_config import global_config
+
+        p = g.params
+        sampling = {"skip_special_tokens": global_config.skip_special_tokens_in_output,
+                    "spaces_between_special_tokens": global_config.spaces_between_special_tokens_in_out,
+                    **{k: p[k] for k in SAMPLING_KEYS if p.get(k) is not None}}
+        body: dict[str, Any] = {"text": prompt, "sampling_params": sampling,
+                                **{k: p[k] for k in LOGPROB_KEYS if p.get(k) is not None},
+                                **await self._options(prompt, public_chars, what)}
         return body
 
-    async def generate(self, prompt: str, g: Gen, what: str, public_chars: int = 0) -> tuple[str, dict[str, Any]]:
+    async def generate(self, prompt: str, g: Gen, what: str, public_chars: int = 0) -> tuple[Any, Any]:
+        """(text, meta_info); with n > 1 samples, a list of each."""
         r = await self.request("POST", "/generate", what, await self._gen_body(prompt, g, what, public_chars))
+        if isinstance(r, list):
+            return [x["text"] for x in r], [_checked(x["meta_info"], what) for x in r]
         return r["text"], _checked(r["meta_info"], what)
 
     async def generate_stream(self, prompt: str, g: Gen, what: str, public_chars: int = 0) -> AsyncIterator[Chunk]:
@@ -136,31 +188,35 @@ class RuntimeEndpoint:
             yield delta, _checked(chunk["meta_info"], what)
 
     async def select(self, prompt: str, s: Select, what: str, public_chars: int = 0) -> tuple[str, dict[str, Any]]:
-        """Score every choice from prompt logprobs in one batched request (plus one to measure the prefix)."""
+        """Score every choice from prompt logprobs in one batched request (after one that
+        computes the prompt, so the choices share it through the cache). A choice's tokens are
+        those after where its tokenization leaves the prompt's, so a last prompt token that
+        merges with the choice ("is " + "Paris" -> "is", " Paris") is scored with the choice."""
         opts = await self._options(prompt, public_chars, what)
-        zero = {"max_new_tokens": 0}
         prefix = await self._measure(prompt, what, opts)
-        # A few tokens before the prefix's end: the last prefix token may merge with a choice
-        # ("is " + "Paris" -> "is", " Paris"); the choices' tokens start where they first differ.
         start = max(prefix["prompt_tokens"] - 8, 0)
         scored = await self.request("POST", "/generate", what, {
-            "text": [prompt + c for c in s.choices], "sampling_params": zero, "return_logprob": True, "logprob_start_len": start,
-            **opts})
-        rows = [[(t[0], t[1]) for t in r["meta_info"]["input_token_logprobs"] if t[0] is not None] for r in scored]
-        lps = [[lp for lp, _ in row[_shared_len(rows):]] or [row[-1][0] if row else 0.0] for row in rows]
-        if s.choices_method == "greedy_token_selection":
-            scores = [lp[0] for lp in lps]
-        else:
-            scores = [sum(lp) / len(lp) for lp in lps]
-        if s.choices_method == "unconditional_likelihood_normalized":
+            "text": [prompt, *(prompt + c for c in s.choices)], "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": start, **opts})
+        rows = [r["meta_info"]["input_token_logprobs"] for r in scored]
+        base = [t[1] for t in rows[0]]
+        inputs = []
+        for row in rows[1:]:
+            k = next((i for i, (t, b) in enumerate(zip(row, base)) if t[1] != b), min(len(row), len(base)))
+            own = [t for t in row[min(k, len(row) - 1):] if t[0] is not None] or row[-1:]
+            inputs.append(own)
+        normalized = [sum(t[0] for t in row) / len(row) for row in inputs]
+        method = choices.method(s.choices_method)
+        unconditional = None
+        if method.requires_unconditional_logprobs:
             alone = await self.request("POST", "/generate", what, {
-                "text": s.choices, "sampling_params": zero, "return_logprob": True, "logprob_start_len": 0,
-                **({"cache_salt": self.cache_salt} if self.cache_salt else {})})
-            base = [[t[0] for t in r["meta_info"]["input_token_logprobs"] if t[0] is not None] or [0.0] for r in alone]
-            scores = [sc - sum(b) / len(b) for sc, b in zip(scores, base)]
-        best = max(range(len(scores)), key=scores.__getitem__)
+                "input_ids": [[t[1] for t in row] for row in inputs], "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 0, **self._salt()})
+            unconditional = [r["meta_info"]["input_token_logprobs"] for r in alone]
+        decision = method(choices=s.choices, normalized_prompt_logprobs=normalized, input_token_logprobs=inputs,
+                          output_token_logprobs=[[] for _ in s.choices], unconditional_token_logprobs=unconditional)
         cached = prefix.get("cached_tokens", 0) + sum(r["meta_info"].get("cached_tokens", 0) for r in scored)
-        return s.choices[best], {"normalized_prompt_logprobs": scores, "input_token_logprobs": lps, "cached_tokens": cached}
+        return decision.decision, {**(decision.meta_info or {}), "cached_tokens": cached}
 
 
 def _checked(meta: dict[str, Any], what: str) -> dict[str, Any]:
@@ -169,14 +225,6 @@ def _checked(meta: dict[str, Any], what: str) -> dict[str, Any]:
     if isinstance(finish, dict) and finish.get("type") == "error":
         raise FrontendError(f"{what}: the server failed the request: {finish.get('message')}")
     return meta
-
-
-def _shared_len(rows: list[list[tuple[float, int]]]) -> int:
-    """Leading positions where every choice has the same token (the prefix)."""
-    if len(rows) < 2:
-        return 0
-    n = min(len(r) for r in rows)
-    return next((i for i in range(n) if len({r[i][1] for r in rows}) > 1), n)
 
 
 def _role_text(template: str | None, role: str) -> tuple[str, str]:
@@ -196,3 +244,31 @@ def _role_text(template: str | None, role: str) -> tuple[str, str]:
     if role == "assistant":
         begin = render(sys, gen=True)[len(base):] or begin
     return begin, end
+
+
+def _ssl(verify: str | bool | None) -> Any:
+    """aiohttp's ssl argument for SGLang's `verify`: a CA bundle's path, False (no checks), or None."""
+    if verify is None or verify is True:
+        return True
+    if verify is False:
+        return False
+    import ssl
+
+    return ssl.create_default_context(cafile=str(verify))
+
+
+# SGLang's named chat templates (role -> (prefix, suffix)), for `chat_template_name=`.
+NAMED_TEMPLATES: dict[str, dict[str, tuple[str, str]]] = {
+    "default": {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")},
+    "chatml": {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant")},
+    "llama-3-instruct": {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>")
+                         for r in ("system", "user", "assistant")},
+    "claude": {"system": ("", ""), "user": ("\n\nHuman: ", ""), "assistant": ("\n\nAssistant:", "")},
+}
+
+
+def named_template(name: str) -> dict[str, tuple[str, str]]:
+    if name not in NAMED_TEMPLATES:
+        raise ValueError(f"chat_template_name: {name!r} is not one of {', '.join(NAMED_TEMPLATES)} (leave it unset to use "
+                         "the served model's own template)")
+    return NAMED_TEMPLATES[name]

@@ -10,13 +10,17 @@ from typing import Any
 from frontend_lang.backend import Chunk, FrontendError, RuntimeEndpoint
 from frontend_lang.ir import Gen, Select
 
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# gen parameter -> the completions field (radixserve's extras included: top_k, min_p, regex, ...)
+_FIELDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "n": "n", "stop": "stop",
+           "stop_token_ids": "stop_token_ids", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+           "min_p": "min_p", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+           "ignore_eos": "ignore_eos", "regex": "regex"}
 
 
 class OpenAI(RuntimeEndpoint):
     def __init__(self, model: str, base_url: str = "https://api.openai.com/v1", api_key: str | None = None,
                  timeout: float = 300.0) -> None:
-        super().__init__(base_url, api_key, timeout)
+        super().__init__(base_url, api_key, timeout=timeout)
         self.model = model
 
     async def role(self, role: str) -> tuple[str, str]:
@@ -24,22 +28,27 @@ class OpenAI(RuntimeEndpoint):
         return f"{role.capitalize()}: ", "\n"
 
     def _body(self, prompt: str, g: Gen, what: str, public_chars: int) -> dict[str, Any]:
-        if "json_schema" in g.params:
-            raise FrontendError(f"{what}: json_schema needs the native API (RuntimeEndpoint); the OpenAI backend sends "
-                                "plain completions")
+        for native in ("json_schema", "stop_regex"):
+            if g.params.get(native):
+                raise FrontendError(f"{what}: {native} needs the native API (RuntimeEndpoint); the OpenAI backend sends "
+                                    "plain completions")
         if public_chars:
             raise FrontendError(f"{what}: public_prefix_end needs the native API (RuntimeEndpoint)")
         body: dict[str, Any] = {"model": self.model, "prompt": prompt}
-        for k, v in g.params.items():
-            body[_OPENAI_NAMES.get(k, k)] = v
-        if g.return_logprob:
-            body["logprobs"] = g.top_logprobs_num or 0
+        for k, field in _FIELDS.items():
+            v = g.params.get(k)
+            if v is not None and v != []:
+                body[field] = v
+        if g.params.get("return_logprob"):
+            body["logprobs"] = g.params.get("top_logprobs_num") or 0
         return body
 
-    async def generate(self, prompt: str, g: Gen, what: str, public_chars: int = 0) -> tuple[str, dict[str, Any]]:
+    async def generate(self, prompt: str, g: Gen, what: str, public_chars: int = 0) -> tuple[Any, Any]:
         r = await self.request("POST", "/completions", what, self._body(prompt, g, what, public_chars))
-        choice = r["choices"][0]
-        return choice["text"], {"finish_reason": choice.get("finish_reason"), "usage": r.get("usage")}
+        metas = [{"finish_reason": c.get("finish_reason"), "usage": r.get("usage")} for c in r["choices"]]
+        if len(r["choices"]) > 1:
+            return [c["text"] for c in r["choices"]], metas
+        return r["choices"][0]["text"], metas[0]
 
     async def generate_stream(self, prompt: str, g: Gen, what: str, public_chars: int = 0) -> AsyncIterator[Chunk]:
         body = {**self._body(prompt, g, what, public_chars), "stream": True}

@@ -15,6 +15,7 @@ MAX_CACHE_SALT_CHARS = 256  # the prefix-cache namespace is (tenant, cache_salt)
 MAX_RID_CHARS = 256
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128  # OpenAI's own cap
+MAX_N = 64  # samples of one prompt (OpenAI's n, SGLang's sampling_params.n)
 MAX_METADATA_KEYS = 16  # OpenAI's own cap
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grammars.spec import GrammarError, GrammarSpec
+from radixserve import stop_regex
 from radixserve.limits import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, TooDeep, loads
 
 
@@ -64,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # stop once the output matches one (the match is kept)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -129,6 +131,10 @@ class SamplingParams:
                 raise InvalidParam("stop", "every stop string must be a non-empty string")
             if len(stops) > MAX_STOPS or sum(len(s) for s in stops) > MAX_STOP_CHARS:
                 raise InvalidParam("stop", f"at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters in all")
+        try:
+            stop_regex.validate(self.stop_regex)
+        except stop_regex.StopRegexError as e:
+            raise InvalidParam("stop_regex", str(e)) from None
         if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after):
             raise InvalidParam("grammar_after", "expected a non-empty string")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

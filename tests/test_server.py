@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -384,3 +385,87 @@ def test_streamed_completion_logprobs_offsets_run_on_and_models_retrieve_works(s
 
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+SGLANG_SAMPLING = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 6,
+                   "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 0.0,
+                   "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                   "ignore_eos": True, "regex": None, "json_schema": None}  # what SGLang's RuntimeEndpoint sends
+
+
+def _events(server, body: dict) -> list[dict]:
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as resp:
+        lines = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_native_generate_takes_every_field_sglangs_client_sends(server):
+    status, r = server.post("/generate", {"text": "Agents branch.", "sampling_params": SGLANG_SAMPLING,
+                                          "return_logprob": True, "top_logprobs_num": 0, "return_text_in_logprobs": True})
+    assert status == 200, r
+    meta = r["meta_info"]
+    assert meta["completion_tokens"] == 6 and meta["output_token_logprobs_length"] == 6
+    assert all(isinstance(t[2], str) for t in meta["output_token_logprobs"])  # return_text_in_logprobs: the token's text
+    assert meta["input_token_logprobs"] == []  # asked for logprobs, not the prompt's: SGLang's empty list
+    _, plain = server.post("/generate", {"text": "Agents branch.", "sampling_params": SGLANG_SAMPLING, "return_logprob": True})
+    assert [t[2] for t in plain["meta_info"]["output_token_logprobs"]] == [None] * 6  # SGLang's default: no text
+    status, bad = server.post("/generate", {"text": "x", "sampling_params": {**SGLANG_SAMPLING, "bogus": 1}})
+    assert status == 400 and "bogus" in bad["error"]["message"]  # truly unknown fields are still refused
+    for path in ("/get_model_info", "/model_info"):
+        status, info = server.get(path)
+        assert status == 200 and info["is_generation"] is True and info["model_path"] and info["max_context_len"] > 0
+    assert server.get("/get_server_info")[1].keys() == server.get("/server_info")[1].keys()
+    assert server.get("/health_generate")[0] == 200
+    status, ok = server.post("/concate_and_append_request", {"src_rids": ["a", "b"], "dst_rid": "c"})
+    assert status == 200 and ok["success"] is True
+    status, bad = server.post("/concate_and_append_request", {"src_rids": "a"})
+    assert status == 400 and "src_rids" in bad["error"]["message"]
+
+
+def test_native_n_samples_each_prompt_in_sglangs_order(server):
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "seed": 3}
+    status, one = server.post("/generate", {"text": "Hello", "sampling_params": {**sp, "n": 3}})
+    assert status == 200 and isinstance(one, list) and len(one) == 3
+    assert len({tuple(x["output_ids"]) for x in one}) > 1  # seeded samples differ from each other
+    status, batch = server.post("/generate", {"input_ids": [_ids(5, 1), _ids(9, 2)], "sampling_params": {**sp, "n": 2}})
+    assert status == 200 and [x["meta_info"]["prompt_tokens"] for x in batch] == [5, 9, 5, 9]
+    status, r = server.post("/generate", {"text": "Hello", "sampling_params": {**sp, "n": 0}})
+    assert status == 400 and r["error"]["param"] == "sampling_params.n"
+    status, r = server.post("/generate", {"text": "Hello", "stream": True, "sampling_params": {**sp, "n": 2}})
+    assert status == 400 and r["error"]["param"] == "stream"
+
+
+def test_native_stop_regex_stops_at_the_match_and_keeps_it(server):
+    base = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    _, whole = server.post("/generate", base)
+    pattern = re.escape(whole["text"][4:7])
+    cut_at = whole["text"].find(whole["text"][4:7]) + 3
+    status, r = server.post("/generate", {**base, "sampling_params": {**base["sampling_params"], "stop_regex": [pattern]}})
+    assert status == 200, r
+    assert r["text"] == whole["text"][:cut_at] and r["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern,
+                                                                                        "message": None}
+    status, bad = server.post("/generate", {**base, "sampling_params": {"stop_regex": "(a+)+"}})
+    assert status == 400 and bad["error"]["param"] == "sampling_params.stop_regex"
+
+
+def test_native_logprobs_of_a_scored_prompt_and_of_a_stream(server):
+    ids = [_ids(6, 3), _ids(4, 4)]
+    status, r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True})
+    assert status == 200
+    for x, want in zip(r, ids):  # nothing generated, no logprob_start_len: the whole prompt (SGLang's unconditional select)
+        lps = x["meta_info"]["input_token_logprobs"]
+        assert [t[1] for t in lps] == want and lps[0][0] is None and all(t[0] < 0 for t in lps[1:])
+    events = _events(server, {"input_ids": _ids(8, 5), "return_logprob": True,
+                              "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    seen = 0
+    for e in events:
+        meta = e["meta_info"]
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"] == len(e["output_ids"])
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - seen  # each event's new tokens only
+        seen = meta["completion_tokens"]
+    assert seen == 6

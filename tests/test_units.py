@@ -107,6 +107,31 @@ def test_detokenizer_waits_for_whole_characters_and_holds_back_stop_prefixes():
     assert out + d.take_delta(finished=True) == "héllo "
 
 
+def test_stop_regex_stops_at_the_first_match_and_keeps_it():
+    from radixserve.stop_regex import validate
+
+    d = IncrementalDetokenizer(_CharTok(), [], stops=[], regexes=validate([r"[0-9]+ apples", r"zz"]))
+    for b in b"I have 12 apples and more":
+        d.add(b)
+    assert d.stopped_on == "[0-9]+ apples" and d.text == "I have 12 apples"  # the match is kept, as SGLang does
+    both = IncrementalDetokenizer(_CharTok(), [], stops=["STOP"], regexes=validate(r"a\.b"))
+    for b in b"x a.b y STOP":
+        both.add(b)
+    assert both.stopped_on == r"a\.b" and both.text == "x a.b"  # the earlier of a regex and a string wins
+
+
+@pytest.mark.parametrize(("pattern", "why"), [
+    ("(a+)+", "exponential"), (r"(\w*\s?)*x", "exponential"), ("x*", "empty string"), ("(", "not a valid"),
+    ("a" * 300, "longer than"), (["a"] * 33, "more than the limit"), (5, "string or a list"),
+])
+def test_stop_regex_refuses_what_could_stall_the_engine(pattern, why):
+    from radixserve.request import InvalidParam, SamplingParams
+
+    with pytest.raises(InvalidParam, match=why) as e:
+        SamplingParams(stop_regex=pattern).validate(1000)
+    assert e.value.field == "stop_regex"
+
+
 def test_import_radixserve_is_light():
     code = "import sys, radixserve; print(sorted(m for m in ('torch','transformers','triton','xgrammar') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -9,20 +9,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve import stop_regex
+from radixserve.stop_regex import StopRegex
+
 _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stops: list[str], skip_special_tokens: bool = True,
+                 regexes: list[StopRegex] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.stops = stops
+        self.regexes = regexes or []
         self.tokens: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""  # output text so far (cut at a stop string once one is found)
         self.emitted = 0  # chars of `text` already handed out
-        self.stopped_on: str | None = None
+        self.stopped_on: str | None = None  # the stop string (cut off) or stop_regex pattern (kept) it stopped on
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
@@ -45,13 +50,15 @@ class IncrementalDetokenizer:
         self._find_stop(old)
 
     def _find_stop(self, old_len: int) -> None:
-        if not self.stops:
-            return
-        longest = max(len(s) for s in self.stops)
-        start = max(0, old_len - longest + 1)
-        hits = [(pos, s) for s in self.stops if (pos := self.text.find(s, start)) >= 0]
-        if hits:
-            pos, s = min(hits)
+        """The earliest stop in the new text: a stop string is cut off, a stop_regex match kept."""
+        cuts = []
+        if self.stops:
+            start = max(0, old_len - max(len(s) for s in self.stops) + 1)
+            cuts = [(pos, s) for s in self.stops if (pos := self.text.find(s, start)) >= 0]
+        if self.regexes and (hit := stop_regex.find(self.regexes, self.text, old_len)) is not None:
+            cuts.append(hit)  # (end of the match, pattern)
+        if cuts:
+            pos, s = min(cuts)
             self.text = self.text[:pos]
             self.stopped_on = s
 

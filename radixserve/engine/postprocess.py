@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve import stop_regex
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.jump_forward import forced_tokens
 from radixserve.engine.outputs import Delta, Output
@@ -53,7 +54,8 @@ class PostProcessor:
             req.finish(FinishReason.ERROR)
             sink(Delta(req.rid, "", finished=True, output=_output(req, "")))
             return False
-        detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, req.params.stop_strs, req.params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, req.token_ids, req.params.stop_strs, req.params.skip_special_tokens,
+                                       stop_regex.validate(req.params.stop_regex))
         self.streams[req.rid] = _Stream(req, detok, sink)
         return True
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,7 +21,7 @@ from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
 from radixserve.server.errors import ApiError
 from radixserve.server.openapi import openapi_document
-from radixserve.server.protocol import AbortRequest
+from radixserve.server.protocol import AbortRequest, ModelInfo
 from radixserve.server.state import ServerState, engine_rids
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,26 @@ async def server_info(request: web.Request) -> web.Response:
     })
 
 
+async def model_info(request: web.Request) -> web.Response:
+    """What SGLang's client reads first (`RuntimeEndpoint` calls GET /get_model_info)."""
+    state: ServerState = request.app["state"]
+    state.authenticate(request)
+    path = state.engine.model_path
+    hf = _hf_config(path)
+    return _json(ModelInfo(str(path), state.model_name, str(path), True, state.engine.context_len,
+                           model_type=hf.get("model_type"), architectures=hf.get("architectures")))
+
+
+def _hf_config(path: Any) -> dict[str, Any]:
+    """The model folder's config.json (nothing for a single .gguf file)."""
+    try:
+        with open(Path(path) / "config.json", "rb") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     if not state.authenticate(request).admin:
@@ -156,7 +178,12 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", openai.models)
     app.router.add_get("/v1/models/{model:.+}", openai.model)  # names may hold slashes
     app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)  # SGLang's name (its Runtime waits on it)
     app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)  # SGLang's older name
+    app.router.add_get("/model_info", model_info)
+    app.router.add_get("/get_model_info", model_info)  # what SGLang's RuntimeEndpoint calls
+    app.router.add_post("/concate_and_append_request", native.concat_and_append)  # SGLang's spelling
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)

@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from radixserve.engine.outputs import Output
+from radixserve.limits import MAX_N
 from radixserve.request import SamplingParams, TokenLogprob
 from radixserve.server import tools
 from radixserve.server.body import read_body
@@ -37,7 +38,6 @@ from radixserve.server.protocol import (
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import Flight, RequestOptions, ServerState
 
-MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
           "prompt": "messages", "json_schema": "response_format"}

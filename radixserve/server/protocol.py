@@ -59,8 +59,11 @@ class NativeSamplingParams(_In):
     repetition_penalty: float = 1.0
     stop: Stop = None
     stop_token_ids: StopTokenIds = None
+    stop_regex: str | list[str] | None = None  # stop once the output matches one; the match is kept
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted; Hugging Face's fast tokenizers decode the same either way
+    n: int = 1  # samples per prompt: a single prompt with n > 1 gets a list of n responses
     seed: int | None = None
     json_schema: str | None = None  # the schema as JSON text (SGLang's convention)
     regex: str | None = None
@@ -75,8 +78,9 @@ class GenerateRequest(_In):
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int | None = None  # None: -1 (output only), or 0 when nothing is generated
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # logprob triples carry the token's text (else null, as SGLang)
     rid: Rid = None
     priority: int | None = None
     cache_salt: CacheSalt = None
@@ -99,8 +103,9 @@ class MetaInfo(_Out):
     cached_tokens: int
     finish_reason: NativeFinishReason | None
     e2e_latency: float | None = None
-    output_token_logprobs: list[LogprobTriple] | None = None
+    output_token_logprobs: list[LogprobTriple] | None = None  # streamed: the new tokens' only
     output_top_logprobs: list[list[LogprobTriple]] | None = None
+    output_token_logprobs_length: int | None = None  # output logprobs so far (all of them, also when streamed)
     input_token_logprobs: list[LogprobTriple] | None = None
     input_top_logprobs: list[list[LogprobTriple]] | None = None
 
@@ -113,6 +118,28 @@ class GenerateResponse(_Out):
 
 class AbortRequest(_In):
     rid: str
+
+
+class ConcatAndAppendRequest(_In):
+    """SGLang's parallel-encoding join (its client's program-state ids)."""
+
+    src_rids: Annotated[list[Annotated[str, Meta(max_length=MAX_RID_CHARS)]], Meta(max_length=1024)]
+    dst_rid: Annotated[str, Meta(max_length=MAX_RID_CHARS)]
+
+
+class ModelInfo(_Out):
+    """GET /model_info (and SGLang's older /get_model_info)."""
+
+    model_path: str
+    served_model_name: str
+    tokenizer_path: str
+    is_generation: bool
+    max_context_len: int
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    model_type: str | None = None
+    architectures: list[str] | None = None
+    preferred_sampling_params: dict[str, Any] | None = None
 
 
 # -- OpenAI ------------------------------------------------------------------------------------
@@ -326,10 +353,12 @@ REQUEST_TYPES: dict[str, type] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/abort_request": AbortRequest,
+    "/concate_and_append_request": ConcatAndAppendRequest,
 }
 RESPONSE_TYPES: dict[str, Any] = {
     "/generate": GenerateResponse | list[GenerateResponse],  # a batch of prompts gets a list
     "/v1/chat/completions": ChatCompletionResponse,
     "/v1/completions": CompletionResponse,
     "/v1/models": ModelList,
+    "/model_info": ModelInfo,
 }

@@ -266,10 +266,12 @@ class ServerState:
         table = self.token_texts
         return table[token_id] if table is not None and 0 <= token_id < len(table) else self.engine.tokenizer.decode([token_id])
 
-    def triples(self, lps: list[TokenLogprob] | None) -> tuple[list[Any] | None, list[Any] | None]:
-        """SGLang's logprob shape: [logprob, token_id, text] per token, and the top alternatives."""
+    def triples(self, lps: list[TokenLogprob] | None, text: bool) -> tuple[list[Any] | None, list[Any] | None]:
+        """SGLang's logprob shape: [logprob, token_id, text] per token (text null unless asked
+        for), and the top alternatives."""
         if lps is None:
             return None, None
-        tokens = [(lp.logprob, lp.token_id, self.token_text(lp.token_id)) for lp in lps]
-        top = [[(v, t, self.token_text(t)) for v, t in lp.top] for lp in lps]
+        name = self.token_text if text else (lambda _: None)
+        tokens = [(lp.logprob, lp.token_id, name(lp.token_id)) for lp in lps]
+        top = [[(v, t, name(t)) for v, t in lp.top] for lp in lps]
         return tokens, top
