@@ -3,7 +3,6 @@ programs that bring their own server: `sgl.set_default_backend(sgl.Runtime(model
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import socket
@@ -25,15 +24,7 @@ _REFUSED = {
     "tokenizer_path": "radixserve reads the tokenizer from the model folder",
 }
 _SINGLE = ("tp_size", "dp_size", "pp_size", "ep_size")  # radixserve runs on one device: only 1 is accepted
-_NO_EFFECT = ("trust_remote_code", "skip_tokenizer_init_check")  # radixserve runs no model code from the model folder
-
-
-def _serve_options() -> dict[str, argparse.Action]:
-    from radixserve.server import serve
-
-    p = argparse.ArgumentParser(add_help=False)
-    serve.add_args(p)
-    return {a.dest: a for a in p._actions}
+_NO_EFFECT = ("trust_remote_code",)  # radixserve runs no model code from the model folder
 
 
 def _free_port(start: int) -> int:
@@ -48,28 +39,21 @@ def _free_port(start: int) -> int:
 
 
 def server_command(kwargs: dict[str, Any], log_level: str) -> list[str]:
-    """`radixserve serve` flags for SGLang-style keyword arguments; an unknown one is a TypeError."""
-    options = _serve_options()
+    """`radixserve serve` flags for keyword arguments (`kv_cache_tokens=4096` -> `--kv-cache-tokens 4096`,
+    `disable_radix_cache=True` -> `--disable-radix-cache`); `radixserve serve` itself refuses a
+    name it does not know."""
     argv = [sys.executable, "-m", "radixserve.server.cli", "--log-level", log_level, "serve"]
     for key, value in kwargs.items():
-        name = _RENAMED.get(key, key)
         if key in _REFUSED:
             raise TypeError(f"Runtime: {key} is not supported: {_REFUSED[key]}")
         if key in _SINGLE:
             if value not in (None, 1):
                 raise TypeError(f"Runtime: {key}={value}: radixserve serves a model on one device")
             continue
-        if key in _NO_EFFECT or value is None:
+        if key in _NO_EFFECT or value is None or value is False:
             continue
-        action = options.get(name)
-        if action is None:
-            raise TypeError(f"Runtime: {key!r} is not a radixserve serve option (see `radixserve serve --help`)")
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            if value:
-                argv.append(flag)
-        else:
-            argv += [flag, str(value)]
+        flag = "--" + _RENAMED.get(key, key).replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
     return argv
 
 
@@ -95,7 +79,8 @@ class Runtime:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
                 self._proc = None
-                raise RuntimeError(f"Runtime: radixserve serve exited with {code} while starting (its log is above)")
+                raise RuntimeError(f"Runtime: radixserve serve exited with {code} while starting (its log, above, says "
+                                   "why: e.g. an option it does not know)")
             if self._healthy():
                 break
             if time.monotonic() > deadline:
@@ -123,11 +108,6 @@ class Runtime:
 
     def cache_prefix(self, prefix: str) -> None:
         self.endpoint.cache_prefix(prefix)
-
-    def get_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.endpoint.get_model_name())
 
     def generate(self, prompt: str | list[str], sampling_params: dict[str, Any] | None = None,
                  return_logprob: bool | list[bool] = False, logprob_start_len: int | None = None,

@@ -310,3 +310,159 @@ def test_bench_agents_runs_both_versions_of_both_programs(backend, tmp_path):
     panel = points[0]
     assert panel["cached_prompt_tokens"] > panel["prompt_tokens"] / 2  # each fork reused the briefing
     assert agents.run_tool("calculator", "6 * 7") == "42" and agents.run_tool("calculator", "__import__('os')").startswith("error")
+
+
+def test_run_sampling_arguments_are_every_gens_defaults_and_a_gens_own_win(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def two(s):
+        s += "A: " + sgl.gen("a", ignore_eos=True)
+        s += " B: " + sgl.gen("b", max_tokens=2, ignore_eos=True)
+
+    s = two.run(backend=ep, max_new_tokens=5, temperature=0)
+    assert s.get_meta_info("a")["completion_tokens"] == 5 and s.get_meta_info("b")["completion_tokens"] == 2
+    again = two(backend=ep, max_new_tokens=5, temperature=0)  # calling the program runs it
+    assert again["a"] == s["a"]  # run()'s temperature=0 reached both gens
+    states = two.run_batch([{}, {}], backend=ep, max_new_tokens=3, temperature=0)
+    assert [st.get_meta_info("a")["completion_tokens"] for st in states] == [3, 3]
+    gen = two.run_batch([{}] * 3, backend=ep, max_new_tokens=3, generator_style=True)
+    assert len(list(gen)) == 3
+
+
+def test_gen_n_samples_bind_set_var_and_contains(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def greet(s, name, style):
+        s += f"{style} {name}: " + sgl.gen("x", n=3, max_tokens=3, ignore_eos=True, temperature=1.0)
+
+    s = greet.bind(style="Dear").run(name="Ann", backend=ep)
+    assert isinstance(s["x"], list) and len(s["x"]) == 3 and s.text() == "Dear Ann: " + s["x"][0]
+    s["y"] = 7
+    assert "y" in s and s.get_var("y") == 7 and "z" not in s
+    with pytest.raises(TypeError, match="no argument 'bogus'"):
+        greet.bind(bogus=1)
+
+
+def test_a_failed_append_stops_the_program_and_error_returns_it(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def bad(s):
+        s += "Hi " + sgl.gen("ok", max_tokens=2, ignore_eos=True)
+        s += sgl.gen("huge", max_tokens=100000)
+        s += sgl.gen("never", max_tokens=2)
+
+    s = bad.run(backend=ep)
+    assert isinstance(s.error(), sgl.FrontendError) and "gen 'huge'" in str(s.error())
+    assert len(s["ok"]) > 0  # what came before is kept
+    with pytest.raises(sgl.FrontendError, match="gen 'huge'"):
+        s["never"]
+    images = sgl.function(lambda s: s.__iadd__(sgl.user(sgl.image("cat.png") + "What is this?"))).run(backend=ep)
+    assert "image 'cat.png': radixserve serves text-only models" in str(images.error())
+
+
+def test_separate_reasoning_splits_the_thinking_from_the_answer(backend):
+    ep, _ = backend
+
+    @sgl.function
+    def think(s):
+        s += "Q: ? A: " + sgl.separate_reasoning(sgl.gen("a", regex=r"<think>[a-z]{3}</think> [a-z]{2}"), model_type="qwen3")
+        s += " Done."
+
+    s = think.run(backend=ep)
+    assert re.fullmatch(r"[a-z]{2}", s["a"]) and re.fullmatch(r"[a-z]{3}", s["a_reasoning_content"])
+    assert s.text() == "Q: ? A: " + s["a"] + " Done."
+    with pytest.raises(ValueError, match="not supported here"):
+        sgl.separate_reasoning(sgl.gen("a"), model_type="nonesuch")
+
+
+def test_tracing_finds_the_shared_prefix_run_batch_computes_once(backend):
+    from frontend_lang.tracer import extract_prefix
+
+    ep, server = backend
+
+    @sgl.function
+    def brief(s, question):
+        s += sgl.system("Shared rules. " * 40)
+        s += sgl.user("Q: " + question)
+        s += sgl.assistant(sgl.gen("a", max_tokens=2))
+
+    system_begin, system_end = sgl.runtime._submit(ep.role("system")).result()
+    user_begin, _ = sgl.runtime._submit(ep.role("user")).result()
+    assert extract_prefix(brief, ep) == system_begin + "Shared rules. " * 40 + system_end + user_begin + "Q: "
+    traced = brief.trace(backend=ep)
+    assert [type(n).__name__ for n in traced.nodes][-5:] == ["Argument", "RoleEnd", "RoleBegin", "Gen", "RoleEnd"]
+    sgl.flush_cache(ep)
+    before = server.get("/server_info")[1]["kv"]
+    states = brief.run_batch([{"question": f"q{i}"} for i in range(6)], backend=ep, temperature=0)
+    after = server.get("/server_info")[1]["kv"]
+    assert all(isinstance(st["a"], str) for st in states)
+    computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    assert computed < (after["prompt_tokens"] - before["prompt_tokens"]) / 3  # the prefix was computed once
+
+
+def test_streaming_meta_data_and_custom_choice_methods(backend):
+    ep, _ = backend
+
+    class Last(sgl.ChoicesSamplingMethod):
+        def __call__(self, *, choices, **scores):
+            assert len(scores["input_token_logprobs"]) == len(choices)
+            return sgl.ChoicesDecision(choices[-1], {"mine": True})
+
+    @sgl.function
+    def pick(s):
+        s += "Pick: " + sgl.select("x", ["a", "bb", "ccc"], choices_method=Last())
+        s += " then " + sgl.gen("g", max_tokens=4, ignore_eos=True, return_logprob=True)
+
+    s = pick.run(backend=ep)
+    assert s["x"] == "ccc" and s.get_meta_info("x")["mine"] is True
+
+    async def meta() -> list:
+        t = pick.run(backend=ep, stream=True)
+        return [c async for c in t.text_async_iter("g", return_meta_data=True)]
+
+    import asyncio
+
+    chunks = asyncio.run(meta())
+    assert sum(len(m["output_token_logprobs"]) for _, m in chunks) == chunks[-1][1]["completion_tokens"] == 4
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        sgl.select("x", ["a"], temperature=0.7)
+
+
+def test_named_chat_templates_and_the_global_default_backend(backend):
+    ep, server = backend
+    chatml = sgl.RuntimeEndpoint(server.url, chat_template_name="chatml")
+
+    @sgl.function
+    def hi(s):
+        s += sgl.user("Hi") + sgl.assistant(sgl.gen("a", max_tokens=2))
+
+    assert hi.run(backend=chatml).text().startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="chat_template_name: 'nonesuch'"):
+        sgl.RuntimeEndpoint(server.url, chat_template_name="nonesuch")
+    sgl.set_default_backend(ep)
+    try:
+        assert sgl.global_config.default_backend is ep and isinstance(hi.run()["a"], str)
+        assert sgl.get_server_info()["model"] and ep.get_model_name() == server.get("/get_model_info")[1]["model_path"]
+    finally:
+        sgl.set_default_backend(None)
+
+
+def test_runtime_starts_a_local_server_and_shuts_it_down(tiny_llama):
+    with pytest.raises(TypeError, match="mem_fraction_static is not supported"):
+        sgl.Runtime(model_path=str(tiny_llama), mem_fraction_static=0.8)
+    with pytest.raises(RuntimeError, match="exited with 2 while starting"):
+        sgl.Runtime(model_path=str(tiny_llama), bogus=1)  # radixserve serve: unrecognized arguments: --bogus 1
+    rt = sgl.Runtime(model_path=str(tiny_llama), kv_cache_tokens=4096, disable_cpu_kernels=True, tp_size=1)
+    try:
+        @sgl.function
+        def one(s):
+            s += "Hi " + sgl.gen("a", max_tokens=3, ignore_eos=True)
+
+        assert one.run(backend=rt).get_meta_info("a")["completion_tokens"] == 3  # a Runtime stands for its endpoint
+        assert json.loads(rt.generate("Hi", {"max_new_tokens": 2, "ignore_eos": True}))["meta_info"]["completion_tokens"] == 2
+    finally:
+        rt.shutdown()
+    assert rt._healthy() is False
