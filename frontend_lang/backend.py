@@ -1,4 +1,4 @@
-"""RuntimeEndpoint: a radixserve (or SGLang) server's native /generate, over one pooled
+"""RuntimeEndpoint: a radixserve server's native /generate (SGLang's shape), over one pooled
 aiohttp session. Roles render with the served model's own chat template (from /server_info)."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend_lang.backend import Chunk, FrontendError, RuntimeEndpoint
-from frontend_lang.ir import Gen, Select
+from frontend_lang.ir import SAMPLING_DEFAULTS, Gen, Select
 
 # gen parameter -> the completions field (radixserve's extras included: top_k, min_p, regex, ...)
 _FIELDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "n": "n", "stop": "stop",
@@ -22,6 +22,9 @@ class OpenAI(RuntimeEndpoint):
                  timeout: float = 300.0) -> None:
         super().__init__(base_url, api_key, timeout=timeout)
         self.model = model
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Nothing to precompute: an OpenAI server has no prompt-only request (run_batch calls this)."""
 
     async def role(self, role: str) -> tuple[str, str]:
         """Plain-text roles: an OpenAI server does not publish its chat template."""
@@ -37,8 +40,8 @@ class OpenAI(RuntimeEndpoint):
         body: dict[str, Any] = {"model": self.model, "prompt": prompt}
         for k, field in _FIELDS.items():
             v = g.params.get(k)
-            if v is not None and v != []:
-                body[field] = v
+            if v is not None and v != [] and (k == "max_new_tokens" or v != SAMPLING_DEFAULTS.get(k)):
+                body[field] = v  # what the program set: a strict OpenAI server refuses the extras it does not know
         if g.params.get("return_logprob"):
             body["logprobs"] = g.params.get("top_logprobs_num") or 0
         return body

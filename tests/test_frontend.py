@@ -200,6 +200,14 @@ def test_the_openai_backend_runs_gen_programs_and_refuses_what_needs_the_native_
     with pytest.raises(sgl.FrontendError, match="select needs prompt logprobs from the native API"):
         pick.run(backend=ep)["x"]
 
+    @sgl.function
+    def batch(s, i):
+        s += "Background. " * 10  # a shared prefix run_batch would precompute on a native server
+        s += "Item " + str(i) + ": " + sgl.gen("x", max_tokens=2)
+
+    states = batch.run_batch([{"i": 1}, {"i": 2}], backend=ep)
+    assert all(st.error() is None and isinstance(st["x"], str) for st in states)
+
 
 @sgl.function
 def two_parts(s):
