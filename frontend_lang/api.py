@@ -30,8 +30,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     if regex is not None:
         try:
             re.compile(regex)
-        except re.error as e:
-            raise ValueError(f"gen {name!r}: regex {regex!r} is not a valid regular expression: {e}") from None
+        except re.error as e:  # re.error, as SGLang's gen raises, naming the gen
+            raise re.error(f"gen {name!r}: regex {regex!r} is not a valid regular expression: {e.msg}", e.pattern,
+                           e.pos) from None
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"gen {name!r}: dtype must be int, float, str or bool, got {dtype!r}")
     if json_schema is not None and not isinstance(json_schema, str):

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from frontend_lang import choices
+from frontend_lang.global_config import global_config
 from frontend_lang.ir import Gen, Select
 
 Chunk = tuple[str, dict[str, Any]]  # (new text, meta so far)
@@ -46,6 +47,7 @@ class RuntimeEndpoint:
         self._token_counts: dict[str, int] = {}
         self._session: Any = None
         self._model_info: dict[str, Any] | None = None
+        self._default_system: tuple[str, str] | None = None
 
     # -- SGLang's synchronous calls ----------------------------------------------------------
     def _sync(self, coro: Any) -> Any:
@@ -55,7 +57,7 @@ class RuntimeEndpoint:
 
     def get_model_info(self) -> dict[str, Any]:
         if self._model_info is None:
-            self._model_info = self._sync(self.request("GET", "/get_model_info", "get_model_info"))
+            self._model_info = self._sync(self.request("GET", "/model_info", "get_model_info"))
         return self._model_info
 
     def get_model_name(self) -> str:
@@ -139,6 +141,19 @@ class RuntimeEndpoint:
             self._roles[role] = _role_text(self._template, role)
         return self._roles[role]
 
+    async def default_system(self) -> tuple[str, str]:
+        """(text, its content): the system message the model's template adds before a
+        conversation that opens with another role ("" for SGLang's named templates, which have
+        none). SGLang's interpreter inserts its template's default system prompt the same way."""
+        if self._named is not None:
+            return "", ""
+        if self._default_system is None:
+            begin, end = await self.role("system")
+            text = _default_system(self._template, (await self.role("user"))[0])
+            content = text[len(begin):-len(end) or None] if begin and text.startswith(begin) and text.endswith(end) else ""
+            self._default_system = (text, content)
+        return self._default_system
+
     # -- calls -------------------------------------------------------------------------------
     def _salt(self) -> dict[str, Any]:
         return {"cache_salt": self.cache_salt} if self.cache_salt else {}
@@ -161,8 +176,6 @@ class RuntimeEndpoint:
 
     async def _gen_body(self, prompt: str, g: Gen, what: str, public_chars: int) -> dict[str, Any]:
         """SGLang's /generate body for a gen whose parameters are resolved (run() defaults filled in)."""
-        from frontend_lang.global_config import global_config
-
         p = g.params
         sampling = {"skip_special_tokens": global_config.skip_special_tokens_in_output,
                     "spaces_between_special_tokens": global_config.spaces_between_special_tokens_in_out,
@@ -188,35 +201,42 @@ class RuntimeEndpoint:
             yield delta, _checked(chunk["meta_info"], what)
 
     async def select(self, prompt: str, s: Select, what: str, public_chars: int = 0) -> tuple[str, dict[str, Any]]:
-        """Score every choice from prompt logprobs in one batched request (after one that
-        computes the prompt, so the choices share it through the cache). A choice's tokens are
-        those after where its tokenization leaves the prompt's, so a last prompt token that
-        merges with the choice ("is " + "Paris" -> "is", " Paris") is scored with the choice."""
+        """Score every choice from prompt logprobs, as SGLang's client does (so the same program
+        picks the same choice): one request computes the prompt (the choices then share it
+        through the cache), one batched request scores prompt + choice from two tokens before
+        the choice (a last prompt token that merges with the choice is scored with it), and the
+        method picks from those logprobs."""
         opts = await self._options(prompt, public_chars, what)
         prefix = await self._measure(prompt, what, opts)
-        start = max(prefix["prompt_tokens"] - 8, 0)
         scored = await self.request("POST", "/generate", what, {
-            "text": [prompt, *(prompt + c for c in s.choices)], "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": start, **opts})
-        rows = [r["meta_info"]["input_token_logprobs"] for r in scored]
-        base = [t[1] for t in rows[0]]
-        inputs = []
-        for row in rows[1:]:
-            k = next((i for i, (t, b) in enumerate(zip(row, base)) if t[1] != b), min(len(row), len(base)))
-            own = [t for t in row[min(k, len(row) - 1):] if t[0] is not None] or row[-1:]
-            inputs.append(own)
-        normalized = [sum(t[0] for t in row) / len(row) for row in inputs]
+            "text": [prompt + c for c in s.choices], "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True, "return_text_in_logprobs": True,
+            "logprob_start_len": max(prefix["prompt_tokens"] - 2, 0), **opts})
+        inputs = [r["meta_info"]["input_token_logprobs"] for r in scored]
+        outputs = [r["meta_info"]["output_token_logprobs"] or [] for r in scored]
+        normalized = [_mean_logprob(row) for row in inputs]
+        for i, row in enumerate(inputs):  # SGLang's token healing: the first token is the prompt's own
+            if len(row) > 1 and row[0][2] is not None and prompt.endswith(row[0][2]):
+                normalized[i] = (normalized[i] * len(row) - (row[0][0] or 0.0)) / (len(row) - 1)
+                inputs[i] = row[1:]
         method = choices.method(s.choices_method)
         unconditional = None
-        if method.requires_unconditional_logprobs:
+        if method.requires_unconditional_logprobs:  # the same tokens without the prompt, from the first
             alone = await self.request("POST", "/generate", what, {
                 "input_ids": [[t[1] for t in row] for row in inputs], "sampling_params": {"max_new_tokens": 0},
                 "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 0, **self._salt()})
             unconditional = [r["meta_info"]["input_token_logprobs"] for r in alone]
         decision = method(choices=s.choices, normalized_prompt_logprobs=normalized, input_token_logprobs=inputs,
-                          output_token_logprobs=[[] for _ in s.choices], unconditional_token_logprobs=unconditional)
+                          output_token_logprobs=outputs, unconditional_token_logprobs=unconditional)
         cached = prefix.get("cached_tokens", 0) + sum(r["meta_info"].get("cached_tokens", 0) for r in scored)
         return decision.decision, {**(decision.meta_info or {}), "cached_tokens": cached}
+
+
+def _mean_logprob(row: list[Any]) -> float:
+    """SGLang's normalized prompt logprob: the mean of the logprobs there are (the first
+    token of a prompt has none)."""
+    values = [t[0] for t in row if t[0]]
+    return sum(values) / len(values) if values else float("-inf")
 
 
 def _checked(meta: dict[str, Any], what: str) -> dict[str, Any]:
@@ -227,9 +247,7 @@ def _checked(meta: dict[str, Any], what: str) -> dict[str, Any]:
     return meta
 
 
-def _role_text(template: str | None, role: str) -> tuple[str, str]:
-    if not template:
-        return "", "\n"
+def _renderer(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     t = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
@@ -237,6 +255,25 @@ def _role_text(template: str | None, role: str) -> tuple[str, str]:
     def render(messages: list[dict[str, str]], gen: bool = False) -> str:
         return t.render(messages=messages, add_generation_prompt=gen, bos_token="", eos_token="")
 
+    return render
+
+
+def _default_system(template: str | None, user_begin: str) -> str:
+    """What the template puts before a conversation that starts without a system message (its
+    default system prompt: SmolLM2's, Qwen's, ...), or ""."""
+    if not template:
+        return ""
+    try:
+        head = _renderer(template)([{"role": "user", "content": _MARK}]).partition(_MARK)[0]
+    except Exception:  # noqa: BLE001  a template that refuses a lone user message has no default to add
+        return ""
+    return head[: -len(user_begin)] if user_begin and head.endswith(user_begin) else ""
+
+
+def _role_text(template: str | None, role: str) -> tuple[str, str]:
+    if not template:
+        return "", "\n"
+    render = _renderer(template)
     sys = [{"role": "system", "content": "S"}]
     base = render(sys) if role != "system" else ""
     full = render([*sys, {"role": role, "content": _MARK}] if role != "system" else [{"role": "system", "content": _MARK}])

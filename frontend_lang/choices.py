@@ -2,7 +2,8 @@
 SGLang's names and call signature (a program may pass its own ChoicesSamplingMethod).
 
 Each gets, per choice, `input_token_logprobs`: the [logprob, token_id, text] of the choice's
-own tokens in context, and `normalized_prompt_logprobs`: their mean."""
+tokens in context, from two tokens before it (as SGLang's client scores them), and
+`normalized_prompt_logprobs`: their mean."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
         width = max(len(row) for row in input_token_logprobs)
         matrix = []
         for row in input_token_logprobs:
-            lps = [t[0] for t in row]
+            lps = [t[0] or 0.0 for t in row]  # a prompt's first token has no logprob
             mean = sum(lps) / len(lps) if lps else 0.0
             matrix.append(lps + [mean] * (width - len(lps)))
         remaining = list(range(len(choices)))
@@ -82,7 +83,7 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
         for row, alone in zip(input_token_logprobs, unconditional_token_logprobs):
             base = [t[0] or 0.0 for t in alone]  # the first token has no logprob on its own
             diffs = [t[0] - b for t, b in zip(row, base)]
-            scores.append(sum(diffs) / len(diffs) if diffs else 0.0)
+            scores.append(sum(diffs) / len(diffs) if diffs else float("-inf"))
         return ChoicesDecision(choices[_argmax(scores)], _meta(
             normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs,
             unconditional_token_logprobs=unconditional_token_logprobs, normalized_unconditional_prompt_logprobs=scores))

@@ -26,6 +26,9 @@ class OpenAI(RuntimeEndpoint):
     def cache_prefix(self, prefix: str) -> None:
         """Nothing to precompute: an OpenAI server has no prompt-only request (run_batch calls this)."""
 
+    async def default_system(self) -> tuple[str, str]:
+        return "", ""
+
     async def role(self, role: str) -> tuple[str, str]:
         """Plain-text roles: an OpenAI server does not publish its chat template."""
         return f"{role.capitalize()}: ", "\n"

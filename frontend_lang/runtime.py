@@ -10,6 +10,7 @@ import atexit
 import inspect
 import os
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -76,11 +77,17 @@ def _backend(backend: Any) -> RuntimeEndpoint:
     return b.endpoint if hasattr(b, "endpoint") else b
 
 
-def get_server_info(backend: Any = None) -> dict[str, Any]:
+def get_server_info(backend: Any = None) -> dict[str, Any] | None:
+    """The server's /server_info (None without a backend, as SGLang's)."""
+    if backend is None and global_config.default_backend is None:
+        return None
     return _backend(backend).get_server_info()
 
 
 def flush_cache(backend: Any = None) -> Any:
+    """Drop the server's cached prefixes (False without a backend, as SGLang's)."""
+    if backend is None and global_config.default_backend is None:
+        return False
     return _backend(backend).flush_cache()
 
 
@@ -140,10 +147,11 @@ class _Stream:
 
     def take(self, seen: int, var: str | None) -> tuple[list[tuple[str, dict[str, Any] | None]], int, bool]:
         """The (text, meta) chunks (of `var`, or all) after event `seen`, the new position, and
-        whether the reader is done; the program's error is raised once everything before it was
-        read. A chunk of `var` may be empty text with meta (logprobs of held-back text)."""
+        whether the reader is done (the program ended, also by a failure: as SGLang's readers,
+        they end and `error()` says why). A chunk of `var` may be empty text with meta
+        (logprobs of held-back text)."""
         with self._cond:
-            events, done, error = self.events[seen:], self.done, self.error
+            events, done = self.events[seen:], self.done
         chunks = []
         for tags, chunk, meta in events:
             seen += 1
@@ -152,10 +160,6 @@ class _Stream:
                     return chunks, seen, True
             elif (chunk and var is None) or (var is not None and var in tags and (chunk or meta is not None)):
                 chunks.append((chunk, meta))
-        if done and error is not None:
-            if chunks:
-                return chunks, seen, False  # hand these out first; the error comes on the next read
-            raise error
         return chunks, seen, done
 
 
@@ -185,6 +189,13 @@ def resolve(defaults: dict[str, Any], g: Gen) -> Gen:
         p["regex"] = {int: REGEX_INT, "int": REGEX_INT, float: REGEX_FLOAT, "float": REGEX_FLOAT, str: REGEX_STR,
                       "str": REGEX_STR, bool: REGEX_BOOL, "bool": REGEX_BOOL}[dtype]
     return Gen(g.name, p)
+
+
+class MissingVariable(FrontendError, KeyError):
+    """Reading a variable the program never set (a KeyError, as in SGLang)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class ProgramState:
@@ -219,7 +230,11 @@ class ProgramState:
         async def step() -> None:
             if prev is not None:
                 await asyncio.wrap_future(prev)  # a failure before this append fails it too
-            await self._exec(expr)
+            try:
+                await self._exec(expr)
+            except Exception as e:  # the first failure: said once (as SGLang's interpreter warns), kept for error()
+                warnings.warn(f"program stopped: {e}", stacklevel=1)
+                raise
 
         self._tail = _submit(step())
         return self
@@ -233,6 +248,11 @@ class ProgramState:
         elif isinstance(e, RoleBegin):
             if self._role is not None:
                 raise FrontendError(f"{e.role} role inside the open {self._role[0]} role: roles do not nest")
+            if not self._messages and e.role != "system":  # the template's default system prompt, as SGLang's
+                text, content = await self.backend.default_system()
+                if text:
+                    self._emit(text)
+                    self._messages.append({"role": "system", "content": content})
             begin, _ = await self.backend.role(e.role)
             self._emit(begin)
             self._role = (e.role, len(self._text))
@@ -317,18 +337,18 @@ class ProgramState:
         self.sync()
         return None if self._tail is None else self._tail.exception()
 
-    def _raise_error(self) -> None:
-        if (err := self.error()) is not None:
-            raise err
-
     def __getitem__(self, name: str) -> Any:
         return self.get_var(name)
 
     def get_var(self, name: str) -> Any:
+        """The variable's value; a KeyError if the program never set it (a MissingVariable,
+        also a FrontendError, naming the failure that stopped the program if one did)."""
         self.sync()
         if name not in self.variables:
-            self._raise_error()
-            raise KeyError(f"no variable {name!r}; the program set: {', '.join(map(str, self.variables)) or 'none'}")
+            err = self.error()
+            why = f"the program stopped at: {err}" if err is not None else \
+                f"the program set: {', '.join(map(str, self.variables)) or 'none'}"
+            raise MissingVariable(f"no variable {name!r}; {why}") from err
         return self.variables[name]
 
     def set_var(self, name: str, value: Any) -> None:
@@ -351,9 +371,8 @@ class ProgramState:
         return list(self._messages)
 
     def get_meta_info(self, name: str) -> Any:
+        """The call's meta info (None if it never ran)."""
         self.sync()
-        if name not in self.meta:
-            self._raise_error()
         return self.meta.get(name)
 
     def __repr__(self) -> str:
@@ -444,8 +463,11 @@ class ProgramState:
         size = int(size)
         if size < 1:
             raise ValueError(f"fork: size must be at least 1, got {size}")
-        return ForkGroup(self, [ProgramState(self.backend, self._text, self.variables, self._messages, self._public,
-                                             defaults=self.defaults) for _ in range(size)])
+        branches = [ProgramState(self.backend, self._text, self.variables, self._messages, self._public,
+                                 defaults=self.defaults) for _ in range(size)]
+        for b in branches:  # a fork inside an open role continues it (its end closes the branch's message)
+            b._role, b._scopes = self._role, dict(self._scopes)
+        return ForkGroup(self, branches)
 
     @contextmanager
     def copy(self, position_ids_offset: list[int] | None = None) -> Iterator[ProgramState]:
@@ -527,19 +549,19 @@ class ForkGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        """Wait for every branch (a failure names its branch). gather_variable: each variable a
-        branch set becomes a list on the parent; concate_and_append: the branches' new text is
-        appended to the parent's."""
+        """Wait for every branch. gather_variable: each variable the branches set becomes a list
+        on the parent (of the branches that set it: a failed branch, whose `error()` says why,
+        adds nothing, as in SGLang); concate_and_append: the branches' new text is appended to
+        the parent's."""
         if mode not in ("gather_variable", "concate_and_append"):
             raise ValueError(f"join: mode must be gather_variable or concate_and_append, got {mode!r}")
-        for i, b in enumerate(self.branches):
-            if (err := b.error()) is not None:
-                raise FrontendError(f"fork branch {i}: {err}") from err
+        for b in self.branches:
+            b.sync()
         if mode == "gather_variable":
             self.parent.sync()
             names = {k for b in self.branches for k in b.assigned}
             for k in sorted(names, key=str):
-                self.parent.variables[k] = [b.variables.get(k) for b in self.branches]
+                self.parent.variables[k] = [b.variables[k] for b in self.branches if k in b.variables]
         else:
             self.parent += "".join(b._text[self._start:] for b in self.branches)
 
@@ -621,11 +643,7 @@ class SglFunction:
             return iter(()) if generator_style else []
         ep = _backend(backend)
         if global_config.enable_precache_with_tracing and len(items) > 1:
-            from frontend_lang.tracer import extract_prefix
-
-            prefix = extract_prefix(self, ep)
-            if len(prefix) > 64:
-                ep.cache_prefix(prefix)
+            self.cache(ep)
         threads = max(96, (os.cpu_count() or 1) * 16) if num_threads == "auto" else int(num_threads)
         threads = max(min(threads, len(items)), 1)
         if generator_style:
@@ -662,6 +680,15 @@ class SglFunction:
         from frontend_lang.tracer import trace_program
 
         return trace_program(self, kwargs, backend)
+
+    def cache(self, backend: Any = None) -> None:
+        """Compute the program's traced prefix now (if over 64 characters), as run_batch does."""
+        from frontend_lang.tracer import extract_prefix
+
+        ep = _backend(backend)
+        prefix = extract_prefix(self, ep)
+        if len(prefix) > 64:
+            ep.cache_prefix(prefix)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         """Calling the program runs it (SGLang's `prog(...)`, `prog(..., stream=True)`)."""

@@ -67,6 +67,8 @@ def test_logprobs_with_top_alternatives_and_prompt_logprobs(tiny_engine):
 def test_prompt_logprobs_from_zero_start_with_none(tiny_engine):
     out = tiny_engine.generate([PROMPT], SamplingParams(max_new_tokens=0, logprob_start_len=0))[0]
     assert out.prompt_logprobs[0].logprob is None and len(out.prompt_logprobs) == len(PROMPT)
+    one = tiny_engine.generate([PROMPT[:1]], SamplingParams(max_new_tokens=0, logprob_start_len=0))[0]
+    assert [(e.token_id, e.logprob) for e in one.prompt_logprobs] == [(PROMPT[0], None)]  # nothing to score, still listed
 
 
 def _req(**kw) -> Req:

@@ -62,7 +62,9 @@ class ModelRunner:
                 sample_at.append((i, len(rows)))
                 rows.append(seq.q_start + it.length - 1)
         result = StepResult([None] * len(plan.items), [None] * len(plan.items))
-        if not rows:
+        if not rows:  # nothing to score but maybe a one-token prompt's first token (it has no logprob)
+            for req, targets, _ in prompt_at:
+                result.prompt_logprobs[req.rid] = self._prompt_logprobs(req, targets, None, 0)
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         if sample_at:
@@ -75,10 +77,10 @@ class ModelRunner:
             result.prompt_logprobs[req.rid] = self._prompt_logprobs(req, targets, logits, first)
         return result
 
-    def _prompt_logprobs(self, req: Req, targets: list[int], logits: torch.Tensor, first: int) -> list[TokenLogprob]:
+    def _prompt_logprobs(self, req: Req, targets: list[int], logits: torch.Tensor | None, first: int) -> list[TokenLogprob]:
         out = [TokenLogprob(req.token_ids[0], None)] if targets[0] == 0 else []
         scored = [t for t in targets if t > 0]
-        if scored:
+        if scored and logits is not None:
             n = len(scored)
             out += logprob_entries(
                 logits[first : first + n][:, : self.sampler.vocab_size],
