@@ -271,7 +271,7 @@ class ProgramState:
         elif isinstance(e, VarScopeBegin):
             self._scopes[e.name] = len(self._text)
         elif isinstance(e, VarScopeEnd):
-            self._set(e.name, self._text[self._scopes.pop(e.name):], {})
+            self._set(e.name, self._text[self._scopes.pop(e.name):], None)
         elif isinstance(e, PublicPrefixEnd):
             self._public = len(self._text)
         elif isinstance(e, Image):
@@ -461,8 +461,8 @@ class ProgramState:
         position_ids_offset is accepted and has no effect: branches run at their true positions.)"""
         self.sync()
         size = int(size)
-        if size < 1:
-            raise ValueError(f"fork: size must be at least 1, got {size}")
+        if size < 0:
+            raise ValueError(f"fork: size must not be negative, got {size}")
         branches = [ProgramState(self.backend, self._text, self.variables, self._messages, self._public,
                                  defaults=self.defaults) for _ in range(size)]
         for b in branches:  # a fork inside an open role continues it (its end closes the branch's message)

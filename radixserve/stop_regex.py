@@ -8,7 +8,10 @@ pattern may cost is bounded here, when the request is validated:
 - no unbounded repeat inside another one (`(a+)+`, `(\\w*)*`): Python's backtracking `re`
   can take exponential time on those;
 - a match is looked for among the last `window` characters: the pattern's longest possible
-  match, or MAX_UNBOUNDED_WINDOW characters for a pattern with an unbounded repeat.
+  match, or MAX_UNBOUNDED_WINDOW characters for a pattern with an unbounded repeat;
+- each search runs under SEARCH_TIMEOUT_S (the `regex` module's timeout): a pattern that still
+  backtracks too long (`(a|aa)+b` on a run of a's) ends its own request with an error naming
+  it (StopRegexTimeout) instead of stalling every request of the batch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
+
+import regex
 
 try:  # the parser behind `re` (sre_parse before Python 3.11)
     import re._parser as _parser  # type: ignore[import-not-found]
@@ -25,6 +31,7 @@ except ImportError:  # pragma: no cover
 MAX_STOP_REGEXES = 32
 MAX_STOP_REGEX_CHARS = 256
 MAX_UNBOUNDED_WINDOW = 1024
+SEARCH_TIMEOUT_S = 0.005
 _REPEATS = {_parser.MAX_REPEAT, _parser.MIN_REPEAT, getattr(_parser, "POSSESSIVE_REPEAT", None)} - {None}
 
 
@@ -32,10 +39,14 @@ class StopRegexError(ValueError):
     """Why a pattern is refused (the caller names the field)."""
 
 
+class StopRegexTimeout(RuntimeError):
+    """A search took longer than SEARCH_TIMEOUT_S: the request ends with this as its error."""
+
+
 @dataclass(frozen=True)
 class StopRegex:
     pattern: str
-    compiled: re.Pattern[str]
+    compiled: Any  # a `regex` pattern (re's syntax, searched with a timeout)
     window: int  # characters of the output's tail a match can span
 
 
@@ -52,9 +63,10 @@ def compile_stop_regex(pattern: str) -> StopRegex:
     if len(pattern) > MAX_STOP_REGEX_CHARS:
         raise StopRegexError(f"a pattern of {len(pattern)} characters is longer than the limit of {MAX_STOP_REGEX_CHARS}")
     try:
-        compiled = re.compile(pattern)
+        re.compile(pattern)  # Python's syntax, as SGLang takes it
         tree = _parser.parse(pattern)
-    except (re.error, RecursionError, OverflowError) as e:
+        compiled = regex.compile(pattern, regex.VERSION0)
+    except (re.error, regex.error, RecursionError, OverflowError) as e:
         raise StopRegexError(f"{pattern!r} is not a valid regular expression: {e}") from None
     if _nested_unbounded(tree, inside=False):
         raise StopRegexError(f"{pattern!r} repeats an unbounded repeat (like (a+)+), which can take exponential time")
@@ -108,9 +120,13 @@ def find(regexes: list[StopRegex], text: str, old_len: int) -> tuple[int, str] |
     best: tuple[int, str] | None = None
     for r in regexes:
         start = max(0, old_len - r.window + 1)
-        for m in r.compiled.finditer(text, start):
-            if m.end() > old_len:
-                if best is None or m.end() < best[0]:
-                    best = (m.end(), r.pattern)
-                break
+        try:
+            for m in r.compiled.finditer(text, start, timeout=SEARCH_TIMEOUT_S):
+                if m.end() > old_len:
+                    if best is None or m.end() < best[0]:
+                        best = (m.end(), r.pattern)
+                    break
+        except TimeoutError:
+            raise StopRegexTimeout(f"stop_regex {r.pattern!r} took over {SEARCH_TIMEOUT_S * 1000:g} ms to search the "
+                                   "output (it backtracks): simplify the pattern") from None
     return best

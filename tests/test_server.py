@@ -451,6 +451,12 @@ def test_native_stop_regex_stops_at_the_match_and_keeps_it(server):
                                                                                         "message": None}
     status, bad = server.post("/generate", {**base, "sampling_params": {"stop_regex": "(a+)+"}})
     assert status == 400 and bad["error"]["param"] == "sampling_params.stop_regex"
+    # A pattern that passes the checks but backtracks on this output ends its own request, saying why
+    status, slow = server.post("/generate", {"text": "x", "sampling_params": {
+        "max_new_tokens": 100, "regex": "a{90}c", "stop_regex": "(a|aa)+b"}})
+    assert status == 200 and slow["meta_info"]["finish_reason"]["type"] == "error"
+    assert "took over 5 ms" in slow["meta_info"]["finish_reason"]["message"]
+    assert server.post("/generate", base)[1]["text"] == whole["text"]  # the engine goes on
 
 
 def test_native_logprobs_of_a_scored_prompt_and_of_a_stream(server):

@@ -120,6 +120,15 @@ def test_stop_regex_stops_at_the_first_match_and_keeps_it():
     assert both.stopped_on == r"a\.b" and both.text == "x a.b"  # the earlier of a regex and a string wins
 
 
+def test_a_stop_regex_that_backtracks_too_long_fails_its_request_not_the_engine():
+    from radixserve.stop_regex import StopRegexTimeout, validate
+
+    d = IncrementalDetokenizer(_CharTok(), [], stops=[], regexes=validate(r"(a|aa)+b"))  # passes the upfront checks
+    with pytest.raises(StopRegexTimeout, match=r"'\(a\|aa\)\+b' took over 5 ms"):
+        for _ in range(200):
+            d.add(ord("a"))
+
+
 @pytest.mark.parametrize(("pattern", "why"), [
     ("(a+)+", "exponential"), (r"(\w*\s?)*x", "exponential"), ("x*", "empty string"), ("(", "not a valid"),
     ("a" * 300, "longer than"), (["a"] * 33, "more than the limit"), (5, "string or a list"),

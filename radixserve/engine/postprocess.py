@@ -76,6 +76,9 @@ class PostProcessor:
                 self._text(req, st, tok)
                 if req.finish_reason is None:
                     self._emit(st, finished=False)
+            except stop_regex.StopRegexTimeout as e:  # the caller's pattern: only this request fails, saying why
+                req.error = str(e)
+                req.finish(FinishReason.ERROR)
             except Exception as e:  # e.g. a tokenizer error: only this request fails
                 log.exception("post-processing failed for %s", req.rid)
                 req.error = f"internal error while detokenizing: {e!r}"
