@@ -12,6 +12,7 @@ import os
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -327,15 +328,14 @@ class ProgramState:
     def sync(self) -> None:
         """Wait for every append so far (a failure is kept for error(), not raised)."""
         if self._tail is not None:
-            try:
-                self._tail.result()
-            except BaseException:
-                pass
+            futures.wait([self._tail])  # a Ctrl-C while waiting still interrupts
 
     def error(self) -> BaseException | None:
         """The failure that stopped the program, or None."""
         self.sync()
-        return None if self._tail is None else self._tail.exception()
+        if self._tail is None:
+            return None
+        return futures.CancelledError("the program was cancelled") if self._tail.cancelled() else self._tail.exception()
 
     def __getitem__(self, name: str) -> Any:
         return self.get_var(name)
@@ -419,10 +419,7 @@ class ProgramState:
 
     async def _drained(self) -> None:
         if self._tail is not None:
-            try:
-                await asyncio.wrap_future(self._tail)
-            except BaseException:
-                pass
+            await asyncio.wait([asyncio.wrap_future(self._tail)])  # done, failed or not
 
     def _end_stream(self, error: BaseException | None = None) -> None:
         """After every append so far: mark the stream finished (with the first failure)."""
