@@ -15,6 +15,8 @@ _SUMMARIES = {
     "/v1/completions": "OpenAI completions",
     "/v1/models": "The served model",
     "/abort_request": "Abort an in-flight request by rid",
+    "/model_info": "The served model (also at SGLang's GET /get_model_info)",
+    "/concate_and_append_request": "SGLang's parallel-encoding join: acknowledged (the joined text is computed from the cache)",
 }
 _ERRORS = {400: "bad input", 401: "missing or invalid API key", 404: "unknown model or rid", 413: "body too large",
            429: "tenant over its queue share", 503: "overloaded or shutting down"}
