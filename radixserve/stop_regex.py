@@ -10,10 +10,11 @@ pattern may cost is bounded here, when the request is validated:
 - a match is looked for among the last `window` characters: the pattern's longest possible
   match, or MAX_UNBOUNDED_WINDOW characters for a pattern with an unbounded repeat;
 - a request's searches at one token, all its patterns together, share a budget of
-  SEARCH_BUDGET_S (the `regex` module's timeout): patterns that still backtrack too long
-  (`(a|aa)+b` on a run of a's) end their own request with an error naming the pattern
-  (StopRegexTimeout) instead of slowing every request of the batch. A plain pattern searches
-  a 1,024-character tail in microseconds.
+  SEARCH_BUDGET_S (the `regex` module's timeout), and after MEAN_AFTER_TOKENS tokens they may
+  average at most MEAN_BUDGET_S per token: patterns that backtrack (`(a|aa)+b` on a run of
+  a's) end their own request with an error naming the pattern (StopRegexTimeout) instead of
+  slowing every request of the batch. 32 plain patterns search a 1,024-character tail in
+  ~0.1 ms.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ MAX_STOP_REGEXES = 32
 MAX_STOP_REGEX_CHARS = 256
 MAX_UNBOUNDED_WINDOW = 1024
 SEARCH_BUDGET_S = 0.002
+MEAN_BUDGET_S = 0.0005
+MEAN_AFTER_TOKENS = 16
 _REPEATS = {_parser.MAX_REPEAT, _parser.MIN_REPEAT, getattr(_parser, "POSSESSIVE_REPEAT", None)} - {None}
 
 
@@ -43,7 +46,7 @@ class StopRegexError(ValueError):
 
 
 class StopRegexTimeout(RuntimeError):
-    """The searches at one token took longer than SEARCH_BUDGET_S: the request ends with this as its error."""
+    """The searches took longer than their budget: the request ends with this as its error."""
 
 
 @dataclass(frozen=True)
@@ -134,3 +137,23 @@ def find(regexes: list[StopRegex], text: str, old_len: int) -> tuple[int, str] |
             raise StopRegexTimeout(f"stop_regex {r.pattern!r}: the request's patterns took over {SEARCH_BUDGET_S * 1000:g} ms "
                                    "to search the output at one token (they backtrack): simplify them") from None
     return best
+
+
+class Searcher:
+    """One request's patterns, with the time its searches took (see the module's budgets)."""
+
+    def __init__(self, regexes: list[StopRegex]) -> None:
+        self.regexes = regexes
+        self.spent = 0.0
+        self.searches = 0
+
+    def find(self, text: str, old_len: int) -> tuple[int, str] | None:
+        t0 = time.perf_counter()
+        hit = find(self.regexes, text, old_len)
+        self.spent += time.perf_counter() - t0
+        self.searches += 1
+        if self.searches >= MEAN_AFTER_TOKENS and self.spent > self.searches * MEAN_BUDGET_S:
+            raise StopRegexTimeout(f"stop_regex {self.regexes[0].pattern!r}: the request's patterns took "
+                                   f"{self.spent / self.searches * 1000:.2f} ms a token to search the output, more than "
+                                   f"{MEAN_BUDGET_S * 1000:g} ms (they backtrack): simplify them")
+        return hit

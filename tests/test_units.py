@@ -129,6 +129,17 @@ def test_a_stop_regex_that_backtracks_too_long_fails_its_request_not_the_engine(
             d.add(ord("a"))
 
 
+def test_stop_regex_searches_that_average_over_the_budget_fail_their_request(monkeypatch):
+    from radixserve import stop_regex
+
+    monkeypatch.setattr(stop_regex, "MEAN_BUDGET_S", 0.0)  # every search is over it: the cap is reached at once
+    d = IncrementalDetokenizer(_CharTok(), [], stops=[], regexes=stop_regex.validate(r"\d+ apples"))
+    for b in b"x" * (stop_regex.MEAN_AFTER_TOKENS - 1):
+        d.add(b)  # the first tokens are only held to the per-token budget
+    with pytest.raises(stop_regex.StopRegexTimeout, match=r"ms a token to search the output, more than 0 ms"):
+        d.add(ord("x"))
+
+
 @pytest.mark.parametrize(("pattern", "why"), [
     ("(a+)+", "exponential"), (r"(\w*\s?)*x", "exponential"), ("x*", "empty string"), ("(", "not a valid"),
     ("a" * 300, "longer than"), (["a"] * 33, "more than the limit"), (5, "string or a list"),

@@ -21,7 +21,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.stops = stops
-        self.regexes = regexes or []
+        self.regexes = stop_regex.Searcher(regexes) if regexes else None
         self.tokens: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
         if self.stops:
             start = max(0, old_len - max(len(s) for s in self.stops) + 1)
             cuts = [(pos, s) for s in self.stops if (pos := self.text.find(s, start)) >= 0]
-        if self.regexes and (hit := stop_regex.find(self.regexes, self.text, old_len)) is not None:
+        if self.regexes is not None and (hit := self.regexes.find(self.text, old_len)) is not None:
             cuts.append(hit)  # (end of the match, pattern)
         if cuts:
             pos, s = min(cuts)
