@@ -45,12 +45,12 @@ class Admission:
             raise ApiError(429, f"tenant {tenant.id!r} has {self.by_tenant[tenant.id]} requests queued (max {cap})",
                            code="tenant_queue_full", headers={"Retry-After": self.retry_after})
 
-    def enter(self, tenant: Tenant, n: int = 1) -> list[Ticket]:
-        """n tickets (n > 1 for siblings of one call), or an ApiError (see `check`; 400 if n
-        requests could never be admitted)."""
+    def enter(self, tenant: Tenant, n: int = 1, field: str = "n") -> list[Ticket]:
+        """n tickets (n > 1 for siblings of one call), or an ApiError (see `check`; 400 naming
+        `field`, what made the call n requests, if n could never be admitted)."""
         if n > self.max_queued or (tenant.max_queued_requests is not None and n > tenant.max_queued_requests):
             cap = min(self.max_queued, tenant.max_queued_requests or self.max_queued)
-            raise ApiError(400, f"n: {n} requests at once can never be admitted (the queue takes {cap})", param="n")
+            raise ApiError(400, f"{field}: {n} requests at once can never be admitted (the queue takes {cap})", param=field)
         self.check(tenant, n)
         self.queued += n
         self.in_flight += n

@@ -4,6 +4,7 @@ small endpoints (health, server_info, flush_cache, abort_request, metrics, opena
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixserve.request import SamplingParams
 from radixserve.server import completions, native, openai
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
@@ -66,6 +68,28 @@ async def health(request: web.Request) -> web.Response:
         return _json({"status": "engine_down"}, 503)
     if state.admission.draining:
         return _json({"status": "draining"}, 503)
+    return _json({"status": "ok"})
+
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """SGLang's /health_generate: like /health, and the engine must also generate one token
+    (from a one-token prompt, greedy) within HEALTH_GENERATE_TIMEOUT_S."""
+    state: ServerState = request.app["state"]
+    down = await health(request)
+    if down.status != 200:
+        return down
+    req = state.engine.make_req([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            async with contextlib.aclosing(state.engine.submit(req)) as stream:  # left early: aborted, KV freed
+                async for d in stream:
+                    if d.finished:
+                        break
+    except TimeoutError:
+        return _json({"status": "engine_unresponsive"}, 503)
     return _json({"status": "ok"})
 
 
@@ -178,7 +202,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", openai.models)
     app.router.add_get("/v1/models/{model:.+}", openai.model)  # names may hold slashes
     app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health)  # SGLang's name (its Runtime waits on it)
+    app.router.add_get("/health_generate", health_generate)  # SGLang's (its Runtime waits on it): one token generated
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)  # SGLang's older name
     app.router.add_get("/model_info", model_info)

@@ -25,8 +25,8 @@ from radixserve.server.protocol import (
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import Flight, RequestOptions, ServerState, public_rid
 
-GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 NOT_ENGINE = {"n", "spaces_between_special_tokens"}  # sampling_params fields the route itself handles
+SAMPLING_NAMES = {f: f"sampling_params.{f}" for f in NativeSamplingParams.__struct_fields__}  # engine name -> ours
 
 
 def _prompts(body: GenerateRequest) -> tuple[list[Any], bool]:
@@ -57,7 +57,7 @@ def _params(body: GenerateRequest, sp: NativeSamplingParams, i: int) -> Sampling
         start = 0 if body.return_logprob and sp.max_new_tokens == 0 else -1
     fields = {f: getattr(sp, f) for f in sp.__struct_fields__ if f not in NOT_ENGINE}
     if sp.seed is not None:
-        fields["seed"] = sp.seed + i  # n seeded samples differ from each other, as OpenAI's do
+        fields["seed"] = (sp.seed + i) % 2**63  # n seeded samples differ from each other, as OpenAI's do
     return SamplingParams(**fields, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                           logprob_start_len=start)
 
@@ -97,9 +97,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "stream: streaming a batch of prompts (or n > 1 samples) is not supported; send them as "
                        "separate requests", param="stream")
     params = [_params(body, sp, i // (len(prompts) // sp.n)) for i in range(len(prompts))]
+    batch = "sampling_params.n" if sp.n > 1 else ("text" if body.text is not None else "input_ids")
     opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
-                          rename={"prompt": "text", "input_ids": "input_ids", **{k: f"sampling_params.{k}" for k in GRAMMARS},
-                                  "stop_regex": "sampling_params.stop_regex"})
+                          rename={**SAMPLING_NAMES, "prompt": "text" if body.text is not None else "input_ids", "n": batch})
     async with state.admit(tenant, prompts, params, opts, arrival) as flight:
         if not body.stream:
             outs = await state.collect(flight)

@@ -144,7 +144,7 @@ class ServerState:
         rids = engine_rids(tenant, opts.rid, len(prompts))
         if rids is not None and any(r in self.active for r in rids):
             raise ApiError(400, f"rid: {opts.rid!r} is already in flight", param="rid")
-        flight = Flight(self.admission.enter(tenant, len(prompts)), arrival)
+        flight = Flight(self.admission.enter(tenant, len(prompts), opts.rename.get("n", "n")), arrival)
         for r in rids or ():
             self.active[r] = None  # claimed before the first await: a concurrent twin gets the 400
         try:
