@@ -4,6 +4,8 @@ text every program of the batch starts with, and computes it once before the bat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from frontend_lang.ir import Argument, ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
@@ -47,22 +49,16 @@ class TracedState:
         raise StopTracing
 
     def _role(self, role: str, expr: Any) -> Any:
-        state = self
         if expr is not None:
-            state += ExprList([RoleBegin(role), expr, RoleEnd(role)])
+            self += ExprList([RoleBegin(role), expr, RoleEnd(role)])
             return None
+        return self._block(RoleBegin(role), RoleEnd(role))
 
-        class _Block:
-            def __enter__(self) -> TracedState:
-                nonlocal state
-                state += RoleBegin(role)
-                return state
-
-            def __exit__(self, *exc: object) -> None:
-                nonlocal state
-                state += RoleEnd(role)
-
-        return _Block()
+    @contextmanager
+    def _block(self, begin: Any, end: Any) -> Iterator[TracedState]:
+        self += begin
+        yield self
+        self += end
 
     def system(self, expr: Any = None) -> Any:
         return self._role("system", expr)
@@ -74,19 +70,7 @@ class TracedState:
         return self._role("assistant", expr)
 
     def var_scope(self, name: str) -> Any:
-        state = self
-
-        class _Scope:
-            def __enter__(self) -> TracedState:
-                nonlocal state
-                state += VarScopeBegin(name)
-                return state
-
-            def __exit__(self, *exc: object) -> None:
-                nonlocal state
-                state += VarScopeEnd(name)
-
-        return _Scope()
+        return self._block(VarScopeBegin(name), VarScopeEnd(name))
 
 
 def _flatten(expr: Any) -> list[Any]:
