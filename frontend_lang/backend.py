@@ -113,14 +113,8 @@ class RuntimeEndpoint:
     async def events(self, path: str, what: str, body: Any) -> AsyncIterator[Any]:
         """POST a streaming request; yield each server-sent `data:` object until [DONE]."""
         async with self._open("POST", path, what, body) as r:
-            async for line in r.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    return
-                yield json.loads(data)
-        raise FrontendError(f"{what}: the stream from {self.base_url + path} ended before [DONE] (cut off)")
+            async for obj in sse_objects(r.content, f"{what}: the stream from {self.base_url + path}"):
+                yield obj
 
     async def close(self) -> None:
         if self._session is not None:
@@ -237,6 +231,19 @@ def _mean_logprob(row: list[Any]) -> float:
     token of a prompt has none)."""
     values = [t[0] for t in row if t[0]]
     return sum(values) / len(values) if values else float("-inf")
+
+
+async def sse_objects(content: Any, where: str) -> AsyncIterator[Any]:
+    """Each server-sent `data:` object of a response body until [DONE]; a body that ends
+    before it is a FrontendError (`where` says whose stream was cut off)."""
+    async for line in content:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+    raise FrontendError(f"{where} ended before [DONE] (cut off)")
 
 
 def _checked(meta: dict[str, Any], what: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ tokens in context, from two tokens before it (as SGLang's client scores them), a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,15 +18,15 @@ class ChoicesDecision:
     meta_info: dict[str, Any] | None = None
 
 
-class ChoicesSamplingMethod:
+class ChoicesSamplingMethod(ABC):
     @property
     def requires_unconditional_logprobs(self) -> bool:
         return False
 
+    @abstractmethod
     def __call__(self, *, choices: list[str], normalized_prompt_logprobs: list[float],
                  input_token_logprobs: list[list[Any]], output_token_logprobs: list[list[Any]],
-                 unconditional_token_logprobs: list[list[Any]] | None = None) -> ChoicesDecision:
-        raise NotImplementedError
+                 unconditional_token_logprobs: list[list[Any]] | None = None) -> ChoicesDecision: ...
 
 
 def _meta(normalized: list[float], inputs: list[list[Any]], outputs: list[list[Any]], **extra: Any) -> dict[str, Any]:

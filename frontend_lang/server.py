@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
-from frontend_lang.backend import RuntimeEndpoint
+from frontend_lang.backend import RuntimeEndpoint, sse_objects
 
 # SGLang ServerArgs names that mean a radixserve option under another name.
 _RENAMED = {"model_path": "model"}
@@ -137,13 +137,8 @@ class Runtime:
             if r.status != 200:
                 raise RuntimeError(f"async_generate: the server answered {r.status}: {await r.text()}")
             pos = 0
-            async for line in r.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    break
-                text = json.loads(data)["text"]
+            async for chunk in sse_objects(r.content, "async_generate: the stream"):
+                text = chunk["text"]  # cumulative
                 if text[pos:]:
                     yield text[pos:]
                 pos = len(text)

@@ -240,15 +240,16 @@ def test_streaming_yields_the_text_as_it_is_generated(backend):
     assert list(plain.text_iter("b")) == [plain["b"]]
 
 
+@sgl.function
+def fails_midway(s):
+    s += "Hi " + sgl.gen("ok", max_tokens=2, ignore_eos=True)
+    s += sgl.gen("huge", max_tokens=100000)  # over the context window: a 400
+    s += sgl.gen("never", max_tokens=2)
+
+
 def test_a_failure_while_streaming_ends_the_reader_and_error_says_why(backend):
     ep, _ = backend
-
-    @sgl.function
-    def bad(s):
-        s += "Hi " + sgl.gen("ok", max_tokens=2, ignore_eos=True)
-        s += sgl.gen("huge", max_tokens=100000)
-
-    s = bad.run(backend=ep, stream=True)
+    s = fails_midway.run(backend=ep, stream=True)
     assert "".join(s.text_iter()) == s.text()  # the reader ends where the program stopped (SGLang's readers too)
     assert "gen 'huge': the server answered 400" in str(s.error())
     assert len(s.variables["ok"]) > 0 and list(s.text_iter("huge")) == []  # what came before the failure is kept
@@ -357,14 +358,7 @@ def test_gen_n_samples_bind_set_var_and_contains(backend):
 
 def test_a_failed_append_stops_the_program_and_error_returns_it(backend):
     ep, _ = backend
-
-    @sgl.function
-    def bad(s):
-        s += "Hi " + sgl.gen("ok", max_tokens=2, ignore_eos=True)
-        s += sgl.gen("huge", max_tokens=100000)
-        s += sgl.gen("never", max_tokens=2)
-
-    s = bad.run(backend=ep)
+    s = fails_midway.run(backend=ep)
     assert isinstance(s.error(), sgl.FrontendError) and "gen 'huge'" in str(s.error())
     assert len(s["ok"]) > 0  # what came before is kept
     with pytest.raises(sgl.FrontendError, match="gen 'huge'"):
