@@ -16,9 +16,14 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # None: the default SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32 | float32 | bfloat16 | float16
+    # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32, and float32 for quantized
+    # weights on a CPU | float32 | bfloat16 | float16 (the activations' and, with kv_cache_dtype auto, the KV's)
+    dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # cap below the model's own window
+    # auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights as they are (the default model: Q4_1), a folder as it is |
+    # none: every weight in --dtype | int8 | int4: float weights quantized at load (models/loader.py)
+    quantization: str = "auto"
     disable_packed_linears: bool = False  # CPU: True keeps plain torch linears (no oneDNN-packed copy of the weights)
     disable_cpu_kernels: bool = False  # CPU: True uses torch ops instead of radixserve's native kernels (kernels/cpu.py)
 

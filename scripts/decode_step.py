@@ -4,6 +4,7 @@ model, the head and an argmax; the median of several rounds. With --profile, tor
 op table over 10 steps (radixserve's native calls show as native::NAME).
 
     .venv/bin/python scripts/decode_step.py --dtype bfloat16 --batch 32 --context 200 [--kernels layers] [--profile]
+        [--quantization none]
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ def main() -> None:
     p.add_argument("--kernels", choices=["fused", "layers", "torch"], default="fused",
                    help="fused: the decode step in one native call (the default); layers: native kernels called layer by "
                         "layer; torch: --disable-cpu-kernels (torch ops, oneDNN-packed linears)")
+    p.add_argument("--quantization", default="auto", help="auto (the default model: its Q4_1 weights) | none | int8 | int4")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     b, ctx = args.batch, args.context
     eng = Engine(None, loop_thread=False, dtype=args.dtype, kv_cache_tokens=b * (ctx + 8) + 64,
-                 disable_cpu_kernels=args.kernels == "torch")
+                 disable_cpu_kernels=args.kernels == "torch", quantization=args.quantization)
     torch.set_flush_denormal(True)
     model, backend = eng.runner.model, eng.runner.backend
     if args.kernels == "layers":

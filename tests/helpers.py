@@ -19,14 +19,19 @@ from radixserve.sched.scheduler import PlanItem, SchedulePlan
 @torch.inference_mode()
 def our_prompt_logits(path: Path, ids: list[int]) -> torch.Tensor:
     """Logits (len(ids), vocab) of our model for one prompt, prefilled in one chunk."""
-    loaded = load_model(str(path), torch.float32, torch.device("cpu"))
-    a = loaded.arch
+    return forward_prompt(load_model(str(path), torch.float32, torch.device("cpu")).model, ids)
+
+
+@torch.inference_mode()
+def forward_prompt(model: Any, ids: list[int]) -> torch.Tensor:
+    """Logits (len(ids), vocab) of a loaded fp32 model for one prompt, prefilled in one chunk."""
+    a = model.cfg
     pool = KVPool(a.num_layers, len(ids), a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
     backend = create_backend("torch", pool, torch.device("cpu"))
     req = Req(ids, SamplingParams())
     plan = SchedulePlan([PlanItem(req, 0, len(ids))])
     batch = ForwardBatch.from_plan(plan, lambda r: list(range(len(ids))), backend, torch.device("cpu"))
-    return loaded.model.compute_logits(loaded.model(batch))
+    return model.compute_logits(model(batch))
 
 
 @torch.inference_mode()

@@ -9,10 +9,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -623,6 +625,346 @@ torch::Tensor linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch:
 
 bool linear_supports_dtype(torch::Tensor w) { return linear_supports(w.scalar_type()); }
 
+// --- quantized linears (GGUF Q4_0 / Q4_1 / Q8_0, and radixserve's own int4 / int8) ---------
+// Weights stay in their blocks of 32 along k, each with fp16 scales, repacked once
+// (pack_quant) into panels of 16 outputs so one 64-byte load feeds 16 outputs:
+//   4-bit, 320 bytes per (panel, block): 256 bytes of nibbles, then 16 fp16 d, then 16 fp16 m.
+//           Byte 64c + 4n + r holds output n's weight 4c + r (low nibble) and 16 + 4c + r
+//           (high nibble), q in [0, 15]: w = d*q + m (Q4_0 becomes m = -8d, exactly).
+//   8-bit, 544 bytes: 512 bytes q + 128 (byte 64c + 4n + r: weight 4c + r), then 16 fp16 d:
+//           w = d*q.
+// The block bytes are GGUF's own, so the repack is exact and dequant_quant reproduces
+// gguf-py's dequantization bit for bit (d*q is exact in fp32, then one rounding for + m).
+// A linear of few rows (qlinear) works in integers, as llama.cpp does on CPU: each row's
+// activations are quantized per block of 32 (to 16 bits, see QuantRows), and every block's dot
+// product is an integer sum of u8 x s8 products (vpdpbusd), scaled by d * dx. Many rows (prefill) dequantize the weight once per call instead
+// and run fp32 GEMM: exactly the dequantized model's numbers.
+constexpr int64_t QPANEL = 16, QBLOCK = 32, Q4_BYTES = 320, Q8_BYTES = 544;
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+  else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) u = sign;
+  else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while (!(m & 0x400));
+    u = sign | ((112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_half_exact(float f) {  // only for values fp16 holds exactly (-8 * an fp16 d)
+  return at::Half(f).x;
+}
+
+int64_t quant_bits(const std::string& kind) {
+  if (kind == "q4_0" || kind == "q4_1") return 4;
+  if (kind == "q8_0") return 8;
+  TORCH_CHECK(false, "pack_quant: kind must be q4_0, q4_1 or q8_0, got ", kind);
+}
+
+// GGUF blocks (n, k/32 * block bytes) -> panels (ceil(n/16), k/32, 320 or 544).
+torch::Tensor pack_quant(torch::Tensor raw, const std::string& kind, int64_t n, int64_t k) {
+  const int64_t bits = quant_bits(kind);
+  TORCH_CHECK(k % QBLOCK == 0, "pack_quant: k must be a multiple of 32, got ", k);
+  const int64_t kb = k / QBLOCK, src_block = kind == "q4_0" ? 18 : kind == "q4_1" ? 20 : 34;
+  auto rc = raw.contiguous();
+  TORCH_CHECK(rc.scalar_type() == torch::kByte && rc.numel() == n * kb * src_block,
+              "pack_quant: ", n, " rows of ", kb, " ", kind, " blocks (", n * kb * src_block, " bytes), got ", rc.numel());
+  const int64_t panels = (n + QPANEL - 1) / QPANEL, bytes = bits == 4 ? Q4_BYTES : Q8_BYTES;
+  auto out = torch::zeros({panels, kb, bytes}, rc.options());
+  const uint8_t* src = rc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  if (bits == 8) {  // padding rows: q + 128 = 128 (and d = 0)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t b = 0; b < kb; ++b) std::memset(dst + (p * kb + b) * bytes, 128, 512);
+  }
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = r / QPANEL, lane = r % QPANEL;
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* s = src + (r * kb + b) * src_block;
+        uint8_t* o = dst + (p * kb + b) * bytes;
+        uint16_t d;
+        std::memcpy(&d, s, 2);
+        if (bits == 8) {
+          for (int j = 0; j < 32; ++j) o[(j / 4) * 64 + lane * 4 + j % 4] = uint8_t(int(int8_t(s[2 + j])) + 128);
+          std::memcpy(o + 512 + 2 * lane, &d, 2);
+          continue;
+        }
+        uint16_t m;
+        const uint8_t* qs = s + (kind == "q4_1" ? 4 : 2);
+        if (kind == "q4_1") std::memcpy(&m, s + 2, 2);
+        else m = float_to_half_exact(-8.f * half_to_float(d));
+        for (int j = 0; j < 16; ++j)  // qs[j]: weight j (low nibble) and j + 16 (high)
+          o[(j / 4) * 64 + lane * 4 + j % 4] = qs[j];
+        std::memcpy(o + 256 + 2 * lane, &d, 2);
+        std::memcpy(o + 288 + 2 * lane, &m, 2);
+      }
+    }
+  });
+  return out;
+}
+
+void check_quant(const torch::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  (packed.size(2) == Q4_BYTES || packed.size(2) == Q8_BYTES) && packed.size(0) * QPANEL >= n &&
+                  packed.size(1) * QBLOCK >= k && (packed.size(1) - 1) * QBLOCK < k,
+              "a weight packed by pack_quant for this n and k");
+}
+
+// The fp32 weight rows `rows` (all when empty) of a packed weight: gguf-py's numbers.
+torch::Tensor dequant_quant(torch::Tensor packed, int64_t n, int64_t k, c10::optional<torch::Tensor> rows) {
+  check_quant(packed, n, k);
+  const int64_t kb = packed.size(1), bytes = packed.size(2);
+  torch::Tensor idx = rows.has_value() ? rows->contiguous() : torch::arange(n, torch::kLong);
+  TORCH_CHECK(idx.scalar_type() == torch::kLong, "dequant_quant: int64 rows");
+  const int64_t count = idx.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "dequant_quant: row ", ip[i], " out of range");
+  auto out = torch::empty({count, k}, torch::kFloat);
+  float* od = out.data_ptr<float>();
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = ip[i], p = r / QPANEL, lane = r % QPANEL;
+      float* orow = od + i * k;
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* blk = pd + (p * kb + b) * bytes;
+        uint16_t dh;
+        std::memcpy(&dh, blk + (bytes == Q4_BYTES ? 256 : 512) + 2 * lane, 2);
+        const float d = half_to_float(dh);
+        const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK);
+        if (bytes == Q8_BYTES) {
+          for (int64_t j = 0; j < lim; ++j) orow[b * QBLOCK + j] = d * float(int(blk[(j / 4) * 64 + lane * 4 + j % 4]) - 128);
+          continue;
+        }
+        uint16_t mh;
+        std::memcpy(&mh, blk + 288 + 2 * lane, 2);
+        const float m = half_to_float(mh);
+        for (int64_t j = 0; j < lim; ++j) {
+          const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4];
+          const float q = float(j < 16 ? byte & 0xf : byte >> 4);
+          const float dq = d * q;  // exact; then one rounding, as gguf-py's (d * q) + m
+          orow[b * QBLOCK + j] = dq + m;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Activations of `m` rows, quantized per block of 32 to 16 bits: xi = round(x / dx) with
+// dx = amax / 32639, held as two int8 halves xi = 256*hi + lo (hi in -127..127, lo in
+// -128..127), so u8 x s8 products (vpdpbusd) make each block's exact integer sum in two passes.
+// 16 bits, not llama.cpp's 8: the activations' rounding error (~1.5e-5 of a block's largest)
+// stays far below bf16's, and on SmolLM2 greedy output then agrees with the dequantized fp32
+// model as closely as fp32 kernels agree with each other (scripts/quant_check.py).
+// sq: the sum of a block's xi; sx = dx * sq, the sum of the values they stand for (Q4's m term
+// multiplies it: the result is then the exact dot product of the weights with the quantized
+// activations).
+constexpr float QSTEPS = 32639.f;  // 127 * 256 + 127: hi = (xi + 128) >> 8 stays in -127..127
+
+struct QuantRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> sq;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, QuantRows& out) {
+  out.hi.assign(m * kb * QBLOCK, 0);
+  out.lo.assign(m * kb * QBLOCK, 0);
+  out.dx.resize(m * kb);
+  out.sx.resize(m * kb);
+  out.sq.resize(m * kb);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < kb; ++b) {
+      float v[QBLOCK];
+      const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK);
+      float amax = 0.f;
+      for (int64_t j = 0; j < QBLOCK; ++j) {
+        v[j] = j < lim ? ld(x + r * ldx, b * QBLOCK + j) : 0.f;
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float d = amax / QSTEPS, inv = amax > 0.f ? QSTEPS / amax : 0.f;
+      int32_t sq = 0;
+      const int64_t at = r * kb + b;
+      for (int64_t j = 0; j < QBLOCK; ++j) {
+        const int32_t xi = int32_t(std::nearbyint(std::clamp(v[j] * inv, -QSTEPS, QSTEPS)));
+        const int32_t h = (xi + 128) >> 8;
+        out.hi[at * QBLOCK + j] = int8_t(h);
+        out.lo[at * QBLOCK + j] = int8_t(xi - 256 * h);
+        sq += xi;
+      }
+      out.dx[at] = d;
+      out.sx[at] = d * float(sq);
+      out.sq[at] = sq;
+    }
+}
+
+template <typename O>
+inline void store_row16(O* y, int64_t n0, int64_t n, const float* v, const float* bias) {
+  for (int64_t i = 0; i < QPANEL && n0 + i < n; ++i) st(y, n0 + i, v[i] + (bias ? bias[n0 + i] : 0.f));
+}
+
+// One panel's outputs for rows [m0, m0 + mr): the portable path (and the reference the AVX-512
+// path is checked against in tests, through qlinear on machines without VNNI).
+template <typename O>
+void qtile_generic(const uint8_t* panel, int64_t kb, int64_t bytes, const QuantRows& xr, int64_t m0, int64_t mr, const float* bias,
+                   O* y, int64_t ldy, int64_t n0, int64_t n) {
+  for (int64_t r = m0; r < m0 + mr; ++r) {
+    float acc[QPANEL] = {0};
+    for (int64_t b = 0; b < kb; ++b) {
+      const uint8_t* blk = panel + b * bytes;
+      const int8_t* hi = xr.hi.data() + (r * kb + b) * QBLOCK;
+      const int8_t* lo = xr.lo.data() + (r * kb + b) * QBLOCK;
+      int32_t q[QBLOCK];
+      for (int j = 0; j < QBLOCK; ++j) q[j] = 256 * hi[j] + lo[j];
+      const float dx = xr.dx[r * kb + b], sx = xr.sx[r * kb + b];
+      for (int64_t lane = 0; lane < QPANEL; ++lane) {
+        int32_t isum = 0;
+        uint16_t dh;
+        if (bytes == Q8_BYTES) {
+          for (int j = 0; j < 32; ++j) isum += int32_t(blk[(j / 4) * 64 + lane * 4 + j % 4]) * q[j];
+          isum -= 128 * xr.sq[r * kb + b];
+          std::memcpy(&dh, blk + 512 + 2 * lane, 2);
+          acc[lane] += float(isum) * (half_to_float(dh) * dx);
+        } else {
+          for (int j = 0; j < 32; ++j) {
+            const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4];
+            isum += int32_t(j < 16 ? byte & 0xf : byte >> 4) * q[j];
+          }
+          uint16_t mh;
+          std::memcpy(&dh, blk + 256 + 2 * lane, 2);
+          std::memcpy(&mh, blk + 288 + 2 * lane, 2);
+          acc[lane] += float(isum) * (half_to_float(dh) * dx) + half_to_float(mh) * sx;
+        }
+      }
+    }
+    store_row16(y + r * ldy, n0, n, acc, bias);
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t QMR = 4;  // rows per tile: 8 weight registers + 2 per row
+
+template <int MR, int BITS, typename O>
+void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
+           int64_t n) {
+  constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+    if (MR <= 2) prefetch_row(blk + 12 * bytes, bytes);  // ~4 KB ahead: DRAM's latency at one row
+    __m512i w[8];
+    __m512 d, mv = _mm512_setzero_ps();
+    if constexpr (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        w[c] = _mm512_and_si512(v, low);
+        w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 256)));
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288)));
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(blk + 64 * c);
+      d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 512)));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * kb + b;
+      const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
+      const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      for (int c = 0; c < 4; ++c) {  // four chains, so the sums overlap
+        h0 = _mm512_dpbusd_epi32(h0, w[c], _mm512_set1_epi32(hi[c]));
+        h1 = _mm512_dpbusd_epi32(h1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
+        l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
+        l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+      }
+      __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+      if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xr.sq[at]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xr.dx[at])), acc[m]);
+      if constexpr (BITS == 4) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xr.sx[at]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float v[QPANEL];
+    _mm512_store_ps(v, acc[m]);
+    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
+  }
+}
+
+template <int BITS, typename O>
+void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+  for (int64_t m0 = 0; m0 < m; m0 += QMR) {
+    switch (std::min<int64_t>(QMR, m - m0)) {
+      case 1: qtile<1, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 2: qtile<2, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 3: qtile<3, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      default: qtile<4, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+    }
+  }
+}
+constexpr bool HAS_VNNI = true;
+#else
+constexpr bool HAS_VNNI = false;
+#endif
+
+template <typename O>
+void qlinear_impl(const torch::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
+  const int64_t kb = packed.size(1), bytes = packed.size(2), panels = (n + QPANEL - 1) / QPANEL;
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = pd + p * kb * bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (vector) {
+        if (bytes == Q4_BYTES) qpanel<4>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+        else qpanel<8>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+        continue;
+      }
+#endif
+      qtile_generic(panel, kb, bytes, xr, 0, m, bias, y, n, p * QPANEL, n);
+    }
+  });
+}
+
+// y (M, n) = x (M, k) W^T + bias over a pack_quant weight; y is x's dtype, or fp32.
+// generic: the portable C++ path even where AVX512-VNNI is built (tests compare the two).
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias, bool float_out,
+                      bool generic) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "qlinear: 2-d float32 or bfloat16 x, rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1);
+  check_quant(packed, n, k);
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "qlinear: a contiguous float32 bias of n");
+  const float* bd = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto y = torch::empty({m, n}, x.options().dtype(float_out ? torch::kFloat : x.scalar_type()));
+  if (m == 0) return y;
+  QuantRows xr;
+  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, packed.size(1), xr); });
+  const bool vector = HAS_VNNI && !generic;
+  if (float_out) qlinear_impl(packed, xr, m, bd, y.data_ptr<float>(), n, vector);
+  else DISPATCH_FLOAT_BF16(y, "qlinear", [&] { qlinear_impl(packed, xr, m, bd, ptr<scalar>(y), n, vector); });
+  return y;
+}
+
+// Either kind of packed weight: a float/bf16 panel (pack_linear) or a quantized one (pack_quant).
+torch::Tensor any_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, bool float_out) {
+  if (w.scalar_type() == torch::kByte) return qlinear(x, w, n, c10::nullopt, float_out, false);
+  return linear(x, w, n, c10::nullopt, float_out);
+}
+
 // --- a whole decode step's layers in one call ---------------------------------------------
 // For a batch of decode rows only (one token each, no shared-prefix group), every decoder
 // layer of a Llama-family model without biases or q/k norms, run here instead of from
@@ -658,7 +1000,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, tor
       h = r[0];
       residual = r[1];
     }
-    auto proj = linear(h, qkv[i], q_size + 2 * kv_size, c10::nullopt, false);
+    auto proj = any_linear(h, qkv[i], q_size + 2 * kv_size, false);
     auto q = proj.narrow(1, 0, q_size).view({rows, heads, head_dim});
     auto k = proj.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     auto v = proj.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
@@ -666,10 +1008,10 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, tor
     run_store(k_pools[i], v_pools[i], out_slots, k, v);
     auto attn = torch::empty({rows, heads, head_dim}, x.options());
     run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, scale);
-    auto o = linear(attn.view({rows, q_size}), o_proj[i], hidden, c10::nullopt, false);
+    auto o = any_linear(attn.view({rows, q_size}), o_proj[i], hidden, false);
     auto r = rms_norm(o, residual, post_norm[i], eps);
     residual = r[1];
-    x = linear(silu_and_mul(linear(r[0], gate_up[i], 2 * inter, c10::nullopt, false)), down[i], hidden, c10::nullopt, false);
+    x = any_linear(silu_and_mul(any_linear(r[0], gate_up[i], 2 * inter, false)), down[i], hidden, false);
   }
   return {x, residual};
 }
@@ -685,5 +1027,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_supports", &linear_supports_dtype, "whether `linear` is built for this weight's dtype");
   m.def("pack_linear", &pack_linear, "pack a weight (N, K) for `linear`");
   m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only batch, in one call");
+  m.def("pack_quant", &pack_quant, "repack GGUF Q4_0/Q4_1/Q8_0 blocks (raw, kind, n, k) for qlinear");
+  m.def("dequant_quant", &dequant_quant, "fp32 rows of a pack_quant weight (packed, n, k, rows)");
+  m.def("qlinear", &qlinear, "a linear of a few rows over a pack_quant weight (x, packed, n, bias, float_out, generic)");
   m.def("linear", &linear, "a linear of a few rows over a packed weight (x, packed, n, bias, float_out)");
 }

@@ -30,7 +30,7 @@ from radixserve.engine.protocol import EngineStats
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
 from radixserve.models.linear import pack_linears
-from radixserve.models.loader import load_model
+from radixserve.models.loader import load_model, quantized_weights
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
@@ -53,11 +53,11 @@ class Engine(RequestFront):
         self.pid = os.getpid()  # the engine core's process
         self.own_process = own_process
         self.device = _device(cfg.model.device)
-        self.dtype = _dtype(cfg.model.dtype, self.device)
-        loaded = load_model(cfg.model.path, self.dtype, self.device)
         cpu_kernels.set_enabled(not cfg.model.disable_cpu_kernels)
-        if self.device.type == "cpu":
-            cpu_kernels.ops()  # built now (once per machine, cached), not in the first request
+        cpu_kernels.ops()  # built now (once per machine, cached), not in the first request; quantized weights are packed by it
+        self.dtype = _dtype(cfg.model.dtype, self.device, quantized_weights(cfg.model.path, cfg.model.quantization))
+        loaded = load_model(cfg.model.path, self.dtype, self.device, cfg.model.quantization)
+        self.quantization = loaded.quantization
         if not cfg.model.disable_packed_linears:
             pack_linears(loaded.model, self.dtype, self.device)
             fuse = getattr(loaded.model, "fuse_decode", None)
@@ -326,9 +326,14 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _dtype(name: str, device: torch.device) -> torch.dtype:
+def _dtype(name: str, device: torch.device, quantized: bool) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16; fp32 elsewhere, and on a CPU for
+    quantized weights (their integer kernels take fp32 activations as fast as bf16, and fp32 keeps
+    greedy output identical to the dequantized model's: scripts/quant_check.py)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() and not quantized else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; choose from: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

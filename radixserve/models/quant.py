@@ -1,0 +1,261 @@
+"""Quantized weights: GGUF's Q4_0 / Q4_1 / Q8_0 blocks served as they are, and int8 / int4
+quantization of float checkpoints at load time.
+
+A weight stays in blocks of 32 along its input dimension, each block with fp16 scales (GGUF's
+own layout, repacked once by `kernels.cpu` pack_quant into panels of 16 outputs):
+
+    q4_1   w = d*q + m, q in 0..15          GGUF Q4_1; `--quantization int4` (min/max per block)
+    q4_0   w = d*(q - 8)                    GGUF Q4_0 (stored as q4_1 with m = -8d, exactly)
+    q8_0   w = d*q, q in -127..127          GGUF Q8_0; `--quantization int8` (one d per output
+                                            row: per-channel, held in every block of the row)
+
+The repack keeps GGUF's bits, so dequantizing reproduces gguf-py's float weights bit for bit.
+How a `QuantLinear` computes, by the rows it gets:
+
+    few rows (decode, <= 64)  the native kernel quantizes each row's activations to int8 per
+                              block of 32 and sums u8 x s8 products in integers (vpdpbusd), as
+                              llama.cpp does on CPU: not the float path's numbers (the
+                              activations lose ~0.5 % relative precision), and ~5x faster than
+                              streaming bf16 weights (tests/test_quant.py, scripts/quant_check.py)
+    many rows (prefill)       the weight is dequantized once per call and multiplied in fp32:
+                              exactly the dequantized model's numbers
+    no native kernels         (another device, RADIXSERVE_CPU_KERNELS=0) dequantized in torch
+                              (`dequant_ref`) per call: correct, not fast
+
+Why not torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (or torchao around
+them): their group scales are in the activation dtype (bf16 would round GGUF's fp16 scales),
+they have no Q8_0-with-blocks form, and measured here on SmolLM2's 30 layers at one row
+they took 1.6 ms (bf16) and 18-34 ms (fp32) against this kernel's ~2.3 ms in either dtype,
+which also runs Q8_0 (the tied embedding/head) and batches of 32 at ~2x bf16's speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+KINDS = ("q4_0", "q4_1", "q8_0")
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # a GGUF block of 32 weights
+PANEL = 16
+MAX_NATIVE_ROWS = 64  # more rows: dequantize and run fp32 GEMM (see the module docstring)
+
+
+@dataclass
+class QuantTensor:
+    """A quantized 2-d weight (n, k) in GGUF blocks: `raw` is (n, k/32 * block bytes) uint8."""
+
+    kind: str
+    raw: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    def rows(self, index: torch.Tensor) -> QuantTensor:
+        return QuantTensor(self.kind, self.raw.index_select(0, index), self.n, self.k)
+
+
+def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
+    """Stack weights of one kind along the output dimension (q/k/v into qkv, gate/up)."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1 or len({p.k for p in parts}) != 1:
+        raise ValueError(f"cannot fuse quantized weights of kinds {sorted(kinds)}")
+    return QuantTensor(parts[0].kind, torch.cat([p.raw for p in parts]), sum(p.n for p in parts), parts[0].k)
+
+
+def packed_bytes(kind: str) -> int:
+    return 544 if kind == "q8_0" else 320
+
+
+def pack(q: QuantTensor) -> torch.Tensor:
+    ops = cpu.ops()
+    if ops is None:
+        raise RuntimeError("packing quantized weights needs radixserve's CPU kernels (kernels/cpu.py)")
+    return ops.pack_quant(q.raw, q.kind, q.n, q.k)
+
+
+def dequant_ref(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed weight's fp32 rows in torch (any device): the reference `dequant_quant` is
+    tested against, and the path where the native kernels are not built."""
+    panels, kb, nbytes = packed.shape
+    if rows is None:
+        rows = torch.arange(n, device=packed.device)
+    blk = packed[rows // PANEL]  # (r, kb, bytes)
+    lane = (rows % PANEL).view(-1, 1)
+    half = lambda off: blk[:, :, off:off + 2 * PANEL].contiguous().view(torch.float16).float()  # noqa: E731
+    take = lambda scales: scales.gather(2, lane.view(-1, 1, 1).expand(-1, kb, 1))  # noqa: E731
+    j = torch.arange(BLOCK, device=packed.device)
+    if nbytes == 544:  # 8-bit: byte 64c + 4n + r holds weight 4c + r
+        at = (j // 4) * 64 + j % 4
+        q = blk.gather(2, (at.view(1, 1, -1) + 4 * lane.view(-1, 1, 1)).expand(-1, kb, -1)).float() - 128
+        w = take(half(512)) * q
+    else:  # 4-bit: weight j < 16 in the low nibble of byte 64(j/4) + 4n + j%4, j >= 16 in the high one
+        jj = j % 16
+        at = (jj // 4) * 64 + jj % 4
+        byte = blk.gather(2, (at.view(1, 1, -1) + 4 * lane.view(-1, 1, 1)).expand(-1, kb, -1)).int()
+        q = torch.where(j < 16, byte & 0xF, byte >> 4).float()
+        w = take(half(256)) * q + take(half(288))
+    return w.reshape(len(rows), kb * BLOCK)[:, :k]
+
+
+# -- quantizing float weights (--quantization int8 / int4) ----------------------------------
+def _padded(w: torch.Tensor) -> torch.Tensor:
+    k = w.shape[1]
+    return F.pad(w.float(), (0, (-k) % BLOCK))
+
+
+def quantize_int4(w: torch.Tensor) -> QuantTensor:
+    """Group-wise asymmetric int4 (groups of 32): GGUF's Q4_1, d = (max - min)/15, m = min."""
+    n, k = w.shape
+    blocks = _padded(w).view(n, -1, BLOCK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+    q = ((blocks - m.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # byte j: weight j (low nibble), j + 16 (high)
+    raw = torch.cat([d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2), qs], -1)
+    return QuantTensor("q4_1", raw.reshape(n, -1).contiguous(), n, blocks.shape[1] * BLOCK)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantTensor:
+    """Per-channel symmetric int8: one scale amax/127 per output row (in each of its blocks)."""
+    n, k = w.shape
+    blocks = _padded(w).view(n, -1, BLOCK)
+    d = (w.float().abs().amax(1) / 127).half()  # (n,)
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(n))
+    q = (blocks * inv[:, None, None]).round().clamp(-127, 127).to(torch.int8)
+    dd = d.view(torch.uint8).view(n, 1, 2).expand(n, blocks.shape[1], 2)
+    raw = torch.cat([dd, q.view(torch.uint8)], -1)
+    return QuantTensor("q8_0", raw.reshape(n, -1).contiguous(), n, blocks.shape[1] * BLOCK)
+
+
+QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+
+
+# -- modules ---------------------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """nn.Linear's interface over a packed quantized weight (see the module docstring)."""
+
+    def __init__(self, n: int, k: int, kind: str, bias: bool, float_out: bool = False,
+                 packed: torch.Tensor | None = None) -> None:
+        """packed: share another module's weight (a head tied to a quantized embedding)."""
+        super().__init__()
+        self.in_features, self.out_features, self.kind = k, n, kind
+        self.float_out = float_out
+        if packed is None:
+            packed = torch.empty((n + PANEL - 1) // PANEL, (k + BLOCK - 1) // BLOCK, packed_bytes(kind), dtype=torch.uint8)
+        self.register_buffer("packed", packed)
+        self.bias = nn.Parameter(torch.empty(n)) if bias else None
+        self.native = None  # the kernels, once `finish` found them for this device
+        self.native_bias: torch.Tensor | None = None
+
+    def finish(self) -> None:
+        """After the weights are in: pick the kernels and convert the bias once."""
+        self.native = cpu.ops() if self.packed.device.type == "cpu" else None
+        if self.native is not None and self.bias is not None:
+            self.native_bias = self.bias.detach().float().contiguous()
+
+    def dequantized(self) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.dequant_quant(self.packed, self.out_features, self.in_features, None)
+        return dequant_ref(self.packed, self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.native is not None and x2.shape[0] <= MAX_NATIVE_ROWS and x2.dtype in (torch.float32, torch.bfloat16) \
+                and not (torch.is_grad_enabled() and x2.requires_grad):
+            y = self.native.qlinear(x2.contiguous(), self.packed, self.out_features, self.native_bias, self.float_out, False)
+        else:
+            b = self.bias.float() if self.bias is not None else None
+            y = F.linear(x2.float(), self.dequantized(), b)
+            y = y if self.float_out else y.to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, num: int, dim: int, kind: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.kind, self.dtype = num, dim, kind, dtype
+        self.register_buffer("packed", torch.empty((num + PANEL - 1) // PANEL, (dim + BLOCK - 1) // BLOCK,
+                                                   packed_bytes(kind), dtype=torch.uint8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        ops = cpu.ops() if self.packed.device.type == "cpu" else None
+        if ops is not None:
+            rows = ops.dequant_quant(self.packed, self.num_embeddings, self.embedding_dim, flat)
+        else:
+            rows = dequant_ref(self.packed, self.num_embeddings, self.embedding_dim, flat)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, each tensor's storage once (a tied head counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def describe(model: nn.Module) -> dict[str, int]:
+    """How many linears/embeddings hold each kind of weight."""
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            out[m.kind] = out.get(m.kind, 0) + 1
+    return out
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace the float linears of a loaded Llama-family model by QuantLinears (`--quantization
+    int8 | int4` on a float checkpoint). The head becomes int8 either way, as llama.cpp keeps
+    its output tensor at higher precision; a tied embedding then reads the head's int8 rows.
+    Returns how many linears were quantized."""
+    quantizer = QUANTIZERS[method]
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            head = name == "lm_head"
+            setattr(parent, name, quant_linear(child, quantize_int8 if head else quantizer, float_out=head))
+            n += 1
+    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings and isinstance(head, QuantLinear):
+        emb = QuantEmbedding(head.out_features, head.in_features, head.kind, inner.embed_tokens.weight.dtype)
+        emb.packed = head.packed
+        inner.embed_tokens = emb
+    return n
+
+
+@torch.no_grad()
+def quant_linear(linear: nn.Linear, quantizer, float_out: bool = False) -> QuantLinear:  # noqa: ANN001
+    q = quantizer(linear.weight.detach())
+    mod = QuantLinear(linear.out_features, linear.in_features, q.kind, linear.bias is not None, float_out=float_out,
+                      packed=pack(q).to(linear.weight.device))
+    if linear.bias is not None:
+        mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    mod.finish()
+    return mod

@@ -1,0 +1,66 @@
+"""Greedy agreement of the default model served from its own Q4_1 weights (`--quantization
+auto`) against the same file dequantized to fp32 (`--quantization none --dtype float32`): 32
+chat prompts x 64 tokens, and the weights' memory of each.
+
+    .venv/bin/python scripts/quant_check.py [--tokens 64] [--dtype auto] [--quantization auto] [--against none]
+
+(`--quantization none --dtype bfloat16` measures what bf16 activations alone change.)
+
+Prints, per prompt, how many leading tokens agree; then: prompts identical to the end, mean
+agreeing prefix, and the share of the first divergences' positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from radixserve import Engine, SamplingParams
+from radixserve.models.quant import weight_bytes
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis to a child.",
+    "List three uses of copper.", "How do I reverse a list in Python?", "What is 17 times 23?",
+    "Give me a recipe for pancakes.", "Who wrote Pride and Prejudice?", "Describe the water cycle.",
+    "What is a prime number?", "Translate 'good morning' into Spanish.", "Why is the sky blue?",
+    "Write a short poem about autumn.", "What does HTTP stand for?", "Summarize the plot of Hamlet.",
+    "How many legs does a spider have?", "What is the boiling point of water?", "Name the planets of the solar system.",
+    "Write a SQL query that counts rows in a table.", "What is machine learning?", "Suggest a name for a pet cat.",
+    "How does a bicycle work?", "What causes earthquakes?", "Write a limerick about a programmer.",
+    "Explain what a black hole is.", "Give three tips for better sleep.", "What is the tallest mountain on Earth?",
+    "How do vaccines work?", "Write a function in JavaScript that adds two numbers.", "What is democracy?",
+    "Describe a sunset in two sentences.", "What are the primary colors?",
+]
+
+
+def greedy(engine: Engine, tokens: int) -> list[list[int]]:
+    ids = [engine.chat_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(ids, params)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--dtype", default="auto", help="the candidate's activation dtype (auto: fp32 for quantized weights)")
+    p.add_argument("--quantization", default="auto", help="the candidate's --quantization (auto: the file's Q4_1)")
+    p.add_argument("--against", default="none", help="the reference's --quantization (none: dequantized fp32)")
+    args = p.parse_args()
+    runs = {}
+    for name, kw in (("candidate", dict(quantization=args.quantization, dtype=args.dtype)),
+                     ("reference", dict(quantization=args.against, dtype="float32"))):
+        with Engine(None, kv_cache_tokens=len(PROMPTS) * (args.tokens + 64) + 512, **kw) as engine:
+            runs[name] = greedy(engine, args.tokens)
+            print(f"{name}: {kw}, weights {weight_bytes(engine.runner.model) / 2**20:.1f} MiB ({engine.quantization})")
+    agree = []
+    for q, r in zip(runs["candidate"], runs["reference"]):
+        n = next((i for i, (a, b) in enumerate(zip(q, r)) if a != b), min(len(q), len(r)))
+        agree.append(n)
+    print("agreeing prefix per prompt:", agree)
+    same = sum(n == args.tokens for n in agree)
+    print(f"identical to the end: {same}/{len(agree)}; mean agreeing prefix {statistics.mean(agree):.1f} of {args.tokens} "
+          f"tokens; tokens before the first divergence: {sum(agree) / (len(agree) * args.tokens):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Quantized weights (models/quant.py, kernels/csrc/cpu_ops.cpp pack_quant / dequant_quant /
+qlinear): every kernel against a torch reference on fresh random inputs, the GGUF reader
+against gguf-py, and the served models against their dequantized selves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu
+from radixserve import Engine, SamplingParams
+from radixserve.models import quant
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf import quants  # noqa: E402
+
+QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
+SHAPES = [(1, 32), (37, 64), (100, 96), (16, 576), (33, 160)]  # odd output counts: partial panels
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu.ops()
+    if built is None:
+        pytest.skip("radixserve's CPU kernels are not built here")
+    return built
+
+
+def gguf_blocks(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights quantized by gguf-py: (raw blocks, gguf-py's dequantized fp32)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quants.quantize(w, QTYPES[kind])
+    return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, QTYPES[kind]).reshape(n, k).copy())
+
+
+def reference_qlinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What qlinear computes: each row's activations rounded per block of 32 to amax/32639
+    steps, then their exact dot product with the dequantized weight (float64)."""
+    m, k = x.shape
+    xp = F.pad(x.double(), (0, (-k) % 32)).view(m, -1, 32)
+    step = xp.abs().amax(-1, keepdim=True) / 32639
+    xq = torch.where(step > 0, torch.round(xp / step.clamp_min(1e-300)) * step, torch.zeros_like(xp))
+    return xq.view(m, -1)[:, :k] @ w.double().T
+
+
+@pytest.mark.parametrize("kind", list(QTYPES))
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_pack_then_dequantize_reproduces_gguf_py_bit_for_bit(ops, kind, n, k):
+    raw, ref = gguf_blocks(kind, n, k, seed=n * 1000 + k)
+    packed = ops.pack_quant(raw, kind, n, k)
+    assert torch.equal(ops.dequant_quant(packed, n, k, None), ref)
+    assert torch.equal(quant.dequant_ref(packed, n, k), ref)  # the torch path, for devices without the kernels
+    rows = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(ops.dequant_quant(packed, n, k, rows), ref[rows])
+
+
+@pytest.mark.parametrize("kind", list(QTYPES))
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64])
+def test_qlinear_is_the_dot_product_with_16_bit_activations(ops, kind, n, k, m):
+    raw, w = gguf_blocks(kind, n, k, seed=m + n + k)
+    packed = ops.pack_quant(raw, kind, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * n))
+    ref = reference_qlinear(x, w)
+    scale = ref.abs().max().item() + 1e-6
+    for generic in (False, True):  # the AVX512-VNNI path and the portable one
+        y = ops.qlinear(x, packed, n, None, False, generic)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert (y.double() - ref).abs().max().item() <= 2e-5 * scale
+    exact = x.double() @ w.double().T  # and against unquantized activations: 16 bits lose ~1e-4
+    assert (y.double() - exact).abs().max().item() <= 1e-3 * scale
+
+
+@pytest.mark.parametrize("kind", list(QTYPES))
+def test_qlinear_takes_bf16_a_bias_and_returns_fp32_logits_when_asked(ops, kind):
+    n, k, m = 50, 96, 3
+    raw, w = gguf_blocks(kind, n, k, seed=7)
+    packed = ops.pack_quant(raw, kind, n, k)
+    x = torch.randn(m, k).bfloat16()
+    bias = torch.randn(n)
+    ref = reference_qlinear(x.float(), w) + bias.double()
+    y = ops.qlinear(x, packed, n, bias, False, False)
+    assert y.dtype == torch.bfloat16 and (y.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    y32 = ops.qlinear(x, packed, n, bias, True, False)
+    assert y32.dtype == torch.float32 and (y32.double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+
+
+def test_the_kernels_refuse_what_they_cannot_run(ops):
+    raw, _ = gguf_blocks("q4_1", 16, 64, seed=1)
+    with pytest.raises(RuntimeError, match="kind must be q4_0, q4_1 or q8_0"):
+        ops.pack_quant(raw, "q5_0", 16, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.pack_quant(raw, "q4_1", 16, 48)
+    with pytest.raises(RuntimeError, match="rows of 2 q4_1 blocks"):
+        ops.pack_quant(raw[:, :20], "q4_1", 16, 64)
+    packed = ops.pack_quant(raw, "q4_1", 16, 64)
+    with pytest.raises(RuntimeError, match="packed by pack_quant for this n and k"):
+        ops.qlinear(torch.randn(2, 128), packed, 16, None, False, False)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.dequant_quant(packed, 16, 64, torch.tensor([16]))
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("k", [64, 80])  # 80: padded to whole blocks
+def test_load_time_quantization_makes_valid_gguf_blocks_within_half_a_step(ops, method, k):
+    n = 40
+    w = torch.randn(n, k) * 0.1
+    q = quant.QUANTIZERS[method](w)
+    assert q.kind == ("q4_1" if method == "int4" else "q8_0") and q.k == (k + 31) // 32 * 32
+    raw = q.raw.numpy()
+    theirs = torch.from_numpy(quants.dequantize(raw, QTYPES[q.kind]).reshape(n, q.k).copy())[:, :k]
+    ours = ops.dequant_quant(quant.pack(q), n, k, None)
+    assert torch.equal(ours, theirs)  # gguf-py reads our blocks as we do
+    blocks = q.raw.view(n, -1, 20 if method == "int4" else 34)
+    d = blocks[..., :2].contiguous().view(torch.float16).float().squeeze(-1)  # (n, blocks)
+    if method == "int8":
+        assert torch.equal(d, d[:, :1].expand_as(d))  # per-channel: one scale per output row
+        step = d[:, :1]
+    else:
+        step = d.repeat_interleave(32, 1)[:, :k]
+    assert ((ours - w).abs() <= step * 0.5 + 1e-3 * step + 1e-6).all()
+
+
+def test_a_quant_linear_runs_many_rows_exactly_on_the_dequantized_weight(ops):
+    raw, w = gguf_blocks("q4_1", 70, 64, seed=3)
+    mod = quant.QuantLinear(70, 64, "q4_1", bias=True)
+    mod.packed.copy_(ops.pack_quant(raw, "q4_1", 70, 64))
+    with torch.no_grad():
+        mod.bias.copy_(torch.randn(70))
+    mod.finish()
+    x = torch.randn(quant.MAX_NATIVE_ROWS + 1, 64)
+    with torch.no_grad():
+        assert torch.equal(mod(x), F.linear(x, w, mod.bias))  # prefill: the dequantized model's numbers
+        few = mod(x[:3])
+    assert (few - F.linear(x[:3], w, mod.bias)).abs().max() < 1e-3
+
+
+# -- GGUF files ------------------------------------------------------------------------------
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (what the reader undoes)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(path, folder, kinds: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tiny Llama's weights as a GGUF file: linears in the given GGUF types (q/k rows
+    permuted as llama.cpp stores them), the rest F32. Returns the weights it stands for (the
+    dequantized values, under Hugging Face names)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    names = {v: k for k, v in {**_gguf_names(cfg["num_hidden_layers"])}.items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    meant = {}
+    for hf, tensor in state.items():
+        if hf not in names:
+            continue
+        name, arr = names[hf], tensor.float().numpy()
+        kind = next((q for part, q in kinds.items() if part in name), None) if arr.ndim == 2 else None
+        if kind is None:
+            meant[hf] = torch.from_numpy(arr)
+            w.add_tensor(name, arr)
+            continue
+        raw = quants.quantize(arr, getattr(QT, kind.upper()))
+        meant[hf] = torch.from_numpy(quants.dequantize(raw, getattr(QT, kind.upper())).reshape(arr.shape).copy())
+        if ".attn_q." in name or ".attn_k." in name:
+            heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+            raw = _llama_permute(raw, heads)
+        w.add_tensor(name, raw, raw_dtype=getattr(QT, kind.upper()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return meant
+
+
+def _gguf_names(layers: int) -> dict[str, str]:
+    from radixserve.models.gguf import hf_name
+
+    parts = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    names = [f"blk.{i}.{p}.weight" for i in range(layers) for p in parts] + ["token_embd.weight", "output_norm.weight"]
+    return {n: hf_name(n) for n in names}
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    from tests.helpers import forward_prompt
+
+    return forward_prompt(model, ids)
+
+
+@pytest.mark.parametrize("embed_kind", ["q8_0", "q4_0"])
+def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(ops, tiny_llama, tmp_path, caplog, embed_kind):
+    import json
+
+    from radixserve.models.config import ArchConfig
+    from radixserve.models.loader import _build
+    from radixserve.models.gguf import read_tensors
+
+    path = tmp_path / "tiny.gguf"
+    kinds = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": "q4_0", "ffn_gate": "q8_0",
+             "ffn_up": "q8_0", "ffn_down": "q5_0", "token_embd": embed_kind}  # q5_0: not native, dequantized
+    meant = _write_tiny_gguf(path, tiny_llama, kinds)
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    arch = ArchConfig.from_hf(cfg)
+    model = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg)).eval()
+    assert "Q5_0 tensors are dequantized to float" in caplog.text
+    expected = {"q4_1": 2, "q4_0": 2, "q8_0": 2}  # per layer: qkv, o, gate_up (down is the q5_0 one)
+    expected[embed_kind] += 2  # the embedding, and the head tied to it
+    assert quant.describe(model) == expected
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, quant.QuantLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the q5_0 one
+    assert model.lm_head.packed is model.model.embed_tokens.packed  # tied: one copy of the blocks
+    ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
+    long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
+    assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))  # prefill: exactly the same numbers
+    short = long_prompt[:9]
+    err = (_logits(model, short) - _logits(ref, short)).abs().max().item()
+    assert err < 1e-3  # few rows: the integer kernel
+
+
+def test_quantization_int8_and_int4_serve_a_float_checkpoint_as_its_quantized_values(ops, tiny_llama):
+    """The served model computes what the float model computes with each weight replaced by its
+    quantized value (int8 per channel / int4 per group of 32; the head int8 either way)."""
+    from radixserve.models.loader import load_model
+    from tests.helpers import forward_prompt
+
+    ids = [5, 17, 42, 99, 123, 7, 250, 31]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    for method, kinds in (("int8", "q8_0"), ("int4", "q4_1+q8_0")):
+        ref = load_model(str(tiny_llama), torch.float32, torch.device("cpu"), "none").model
+        full = quant.weight_bytes(ref)
+        for name, mod in ref.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                q = (quant.quantize_int8 if name == "lm_head" else quant.QUANTIZERS[method])(mod.weight.detach())
+                with torch.no_grad():
+                    mod.weight.copy_(ops.dequant_quant(quant.pack(q), mod.out_features, mod.in_features, None))
+        with Engine(str(tiny_llama), kv_cache_tokens=512, quantization=method) as e:
+            assert e.quantization == kinds and e.dtype == torch.float32  # auto: fp32 activations for quantized weights
+            assert len(e.generate([ids], greedy)[0].token_ids) == 12
+            ours, theirs = forward_prompt(e.runner.model, ids), forward_prompt(ref, ids)
+            assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max(), method
+            assert quant.weight_bytes(e.runner.model) < full / 2  # the float copies are gone
+    with pytest.raises(Exception, match="quantization: 'int3' is not one of auto, none, int8, int4"):
+        Engine(str(tiny_llama), kv_cache_tokens=512, quantization="int3")
+
+
+@pytest.mark.smollm2
+def test_the_default_model_serves_its_q4_1_weights_with_the_dequantized_models_greedy_output(smollm2_dir):
+    from radixserve.models.gguf import default_gguf
+
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three uses of copper."]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    with Engine(None, kv_cache_tokens=1024) as e:  # the default: the GGUF's own blocks
+        assert e.quantization == "q4_1+q8_0" and e.dtype == torch.float32
+        assert quant.weight_bytes(e.runner.model) <= 1.3 * default_gguf().stat().st_size
+        ids = [e.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+        ours = [o.token_ids for o in e.generate(ids, greedy)]
+    with Engine(str(smollm2_dir), kv_cache_tokens=1024, dtype="float32") as e:  # the same file, dequantized
+        assert e.quantization == "none"
+        theirs = [o.token_ids for o in e.generate(ids, greedy)]
+    assert ours == theirs
