@@ -7,10 +7,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig
+from radixserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, SchedConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _NOT_FLAGS = {"path"}  # --model
+_CHOICES = {"quantization": QUANTIZATIONS}
 
 
 def scalar_fields(*classes: type) -> dict[str, tuple[Any, type]]:
@@ -39,7 +40,7 @@ def add_flags(p: argparse.ArgumentParser, flags: dict[str, tuple[Any, type]]) ->
         if typ is bool:
             p.add_argument(flag, dest=name, action="store_true", default=default)
         else:
-            p.add_argument(flag, dest=name, type=typ, default=default, help=f"(default: {default})")
+            p.add_argument(flag, dest=name, type=typ, default=default, choices=_CHOICES.get(name), help=f"(default: {default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # ModelConfig.quantization
+
 
 @dataclass(frozen=True)
 class ModelConfig:

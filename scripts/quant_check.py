@@ -1,6 +1,6 @@
 """Greedy agreement of the default model served from its own Q4_1 weights (`--quantization
 auto`) against the same file dequantized to fp32 (`--quantization none --dtype float32`): 32
-chat prompts x 64 tokens, and the weights' memory of each.
+chat prompts x 64 tokens; and the resident memory the quantized weights take, against the file.
 
     .venv/bin/python scripts/quant_check.py [--tokens 64] [--dtype auto] [--quantization auto] [--against none]
 
@@ -39,6 +39,32 @@ def greedy(engine: Engine, tokens: int) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(ids, params)]
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def weight_rss(quantization: str) -> float:
+    """The resident memory one load of the default model's weights adds to this process (MiB):
+    the tokenizer, kernels and transformers are loaded first, so only the weights count."""
+    import gc
+
+    import torch
+
+    from kernels import cpu
+    from radixserve.models.loader import load_model, load_tokenizer, model_dir
+
+    cpu.ops()
+    load_tokenizer(model_dir(None, quantization))
+    gc.collect()
+    before = rss_mib()
+    loaded = load_model(None, torch.float32, torch.device("cpu"), quantization)
+    gc.collect()
+    after = rss_mib()
+    del loaded
+    return after - before
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=64)
@@ -46,6 +72,12 @@ def main() -> None:
     p.add_argument("--quantization", default="auto", help="the candidate's --quantization (auto: the file's Q4_1)")
     p.add_argument("--against", default="none", help="the reference's --quantization (none: dequantized fp32)")
     args = p.parse_args()
+    if args.quantization == "auto":
+        from radixserve.models.gguf import default_gguf
+
+        size = default_gguf().stat().st_size / 2**20
+        rss = weight_rss("auto")
+        print(f"weights' resident memory: {rss:.1f} MiB for a {size:.1f} MiB GGUF file ({rss / size:.2f}x)")
     runs = {}
     for name, kw in (("candidate", dict(quantization=args.quantization, dtype=args.dtype)),
                      ("reference", dict(quantization=args.against, dtype="float32"))):

@@ -198,8 +198,8 @@ def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(op
     import json
 
     from radixserve.models.config import ArchConfig
-    from radixserve.models.loader import _build
     from radixserve.models.gguf import read_tensors
+    from radixserve.models.loader import _build
 
     path = tmp_path / "tiny.gguf"
     kinds = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": "q4_0", "ffn_gate": "q8_0",
@@ -264,3 +264,19 @@ def test_the_default_model_serves_its_q4_1_weights_with_the_dequantized_models_g
         assert e.quantization == "none"
         theirs = [o.token_ids for o in e.generate(ids, greedy)]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("kind", list(QTYPES))
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 37, 64), (20, 50, 96)])
+def test_the_triton_kernel_computes_its_torch_reference(ops, monkeypatch, kind, m, n, k):
+    """The CUDA path of QuantLinear (kernels/quant_matmul.py), in Triton's interpreter."""
+    from kernels import quant_matmul
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    raw, w = gguf_blocks(kind, n, k, seed=m * 7 + n)
+    packed = ops.pack_quant(raw, kind, n, k)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    ref = quant_matmul.quant_matmul_ref(x, packed, n, bias)
+    assert torch.allclose(ref, F.linear(x, w, bias), atol=1e-5)
+    y = quant_matmul.quant_matmul_triton(x, packed, n, bias)
+    assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4)

@@ -31,6 +31,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
 from radixserve.models.linear import pack_linears
 from radixserve.models.loader import load_model, quantized_weights
+from radixserve.models.quant import weight_bytes
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
@@ -63,6 +64,7 @@ class Engine(RequestFront):
             fuse = getattr(loaded.model, "fuse_decode", None)
             if fuse is not None and fuse():
                 log.info("decode steps run all %d layers in one native call", loaded.arch.num_layers)
+        self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
         self.tokenizer = loaded.tokenizer
         self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)

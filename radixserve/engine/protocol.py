@@ -106,6 +106,8 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     dtype: str
     device: str
     pid: int
+    quantization: str  # "none", or the weight kinds held, e.g. "q4_1+q8_0"
+    weight_bytes: int
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):

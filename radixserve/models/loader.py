@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from kernels import cpu
+from radixserve.config import QUANTIZATIONS
 from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, quant
 from radixserve.models.gguf import ModelLoadError, default_gguf, ensure_converted, ensure_meta, read_tensors
 
 log = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass

@@ -19,8 +19,11 @@ How a `QuantLinear` computes, by the rows it gets:
                               streaming bf16 weights (tests/test_quant.py, scripts/quant_check.py)
     many rows (prefill)       the weight is dequantized once per call and multiplied in fp32:
                               exactly the dequantized model's numbers
-    no native kernels         (another device, RADIXSERVE_CPU_KERNELS=0) dequantized in torch
-                              (`dequant_ref`) per call: correct, not fast
+    on CUDA                   kernels/quant_matmul.py: a Triton kernel dequantizing in registers
+                              (tested under TRITON_INTERPRET=1 against its torch reference; not
+                              timed: no GPU was lent)
+    no kernels at all         (RADIXSERVE_CPU_KERNELS=0) dequantized in torch (`dequant_ref`)
+                              per call: correct, not fast
 
 Why not torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (or torchao around
 them): their group scales are in the activation dtype (bf16 would round GGUF's fp16 scales),
@@ -39,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu
+from kernels._triton import use_triton
+from kernels.quant_matmul import dequant_ref, quant_matmul_triton
 
 log = logging.getLogger(__name__)
 
@@ -83,30 +88,6 @@ def pack(q: QuantTensor) -> torch.Tensor:
     if ops is None:
         raise RuntimeError("packing quantized weights needs radixserve's CPU kernels (kernels/cpu.py)")
     return ops.pack_quant(q.raw, q.kind, q.n, q.k)
-
-
-def dequant_ref(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed weight's fp32 rows in torch (any device): the reference `dequant_quant` is
-    tested against, and the path where the native kernels are not built."""
-    panels, kb, nbytes = packed.shape
-    if rows is None:
-        rows = torch.arange(n, device=packed.device)
-    blk = packed[rows // PANEL]  # (r, kb, bytes)
-    lane = (rows % PANEL).view(-1, 1)
-    half = lambda off: blk[:, :, off:off + 2 * PANEL].contiguous().view(torch.float16).float()  # noqa: E731
-    take = lambda scales: scales.gather(2, lane.view(-1, 1, 1).expand(-1, kb, 1))  # noqa: E731
-    j = torch.arange(BLOCK, device=packed.device)
-    if nbytes == 544:  # 8-bit: byte 64c + 4n + r holds weight 4c + r
-        at = (j // 4) * 64 + j % 4
-        q = blk.gather(2, (at.view(1, 1, -1) + 4 * lane.view(-1, 1, 1)).expand(-1, kb, -1)).float() - 128
-        w = take(half(512)) * q
-    else:  # 4-bit: weight j < 16 in the low nibble of byte 64(j/4) + 4n + j%4, j >= 16 in the high one
-        jj = j % 16
-        at = (jj // 4) * 64 + jj % 4
-        byte = blk.gather(2, (at.view(1, 1, -1) + 4 * lane.view(-1, 1, 1)).expand(-1, kb, -1)).int()
-        q = torch.where(j < 16, byte & 0xF, byte >> 4).float()
-        w = take(half(256)) * q + take(half(288))
-    return w.reshape(len(rows), kb * BLOCK)[:, :k]
 
 
 # -- quantizing float weights (--quantization int8 / int4) ----------------------------------
@@ -178,6 +159,9 @@ class QuantLinear(nn.Module):
         if self.native is not None and x2.shape[0] <= MAX_NATIVE_ROWS and x2.dtype in (torch.float32, torch.bfloat16) \
                 and not (torch.is_grad_enabled() and x2.requires_grad):
             y = self.native.qlinear(x2.contiguous(), self.packed, self.out_features, self.native_bias, self.float_out, False)
+        elif self.native is None and use_triton(x2):  # CUDA: kernels/quant_matmul.py
+            y = quant_matmul_triton(x2, self.packed, self.out_features, self.bias)
+            y = y if self.float_out else y.to(x.dtype)
         else:
             b = self.bias.float() if self.bias is not None else None
             y = F.linear(x2.float(), self.dequantized(), b)
