@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")  # radixserve.cache.pool maps them to torch dtypes
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -26,7 +28,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     kv_cache_tokens: int | None = None  # explicit pool size in tokens (slots)
+    kv_cache_memory_mb: int | None = None  # else: a byte budget in MiB (K, V and their scales); tokens follow from the dtype
     kv_mem_fraction: float = 0.25  # else: this fraction of available memory
+    # auto: the activations' dtype | bf16 | fp8_e4m3, int8: quantized, an fp32 scale per (token, KV head)
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     page_size: int = 1  # tokens per KV page; the prefix cache shares whole pages only
     disable_radix_cache: bool = False  # True: no prefix sharing (for A/B runs)
     radix_eviction_policy: str = "lru"  # lru | priority (lowest request priority first, then LRU)
