@@ -9,6 +9,10 @@ The ops, each with the torch reference it is tested against (tests/test_cpu_kern
     silu_and_mul(x)                     F.silu(x[..., :n]) * x[..., n:]
     store_kv(k_pool, v_pool, slots, k, v)
                                         kernels.store_kv.store_kv_ref
+    decode_attention_quant(q, k_pool, v_pool, k_scale, v_scale, out, lse, q_rows, table, seq_lens, scale)
+                                        decode_attention_ref (given the scales)
+    store_kv_quant(k_pool, v_pool, k_scale, v_scale, slots, k, v)
+                                        kernels.store_kv.store_kv_quant_ref
     pack_linear(w), linear(x, packed, n, bias, float_out), linear_supports(w)
                                         F.linear
     decode_layers(...)                  the same ops called layer by layer

@@ -11,7 +11,10 @@ still fill the GPU), computes each part's output and log-sum-exp for all the que
 one KV head at once (K/V read once per group), and a second pass merges the parts. On CPU
 the native kernel (kernels/cpu.py) does the same per (request, KV head), single-pass over
 the slots, reading the pool in place; it can also return each row's log-sum-exp (lse, (B,
-heads) fp32), so a caller can merge it with attention over other keys.
+heads) fp32), so a caller can merge it with attention over other keys. Given the scales of a
+quantized pool (int8 or fp8 e4m3 values, k/v_scale (slots, kv_heads) fp32, kernels/kv_quant.py)
+the reference dequantizes the rows it reads and the native kernel reads the quantized rows in
+place: each K row's scale multiplies its score, each V row's scale its softmax weight.
 """
 
 from __future__ import annotations
@@ -20,19 +23,26 @@ import torch
 
 from kernels import cpu
 from kernels._triton import interpreting, next_pow2, precise, use_triton
+from kernels.kv_quant import dequantize
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
                          table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None,
-                         lse: torch.Tensor | None = None) -> None:
+                         lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> None:
     """The torch reference: one request at a time, in fp32."""
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k_pool.shape[1]
     scale = dim**-0.5 if sm_scale is None else sm_scale
+
+    def rows(pool: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        x = pool.index_select(0, slots)
+        x = x.float() if scales is None else dequantize(x, scales.index_select(0, slots), torch.float32)
+        return x.repeat_interleave(group, 1)  # (n, heads, dim)
+
     for b in range(table.shape[0]):
         slots = table[b, : int(seq_lens[b])].long()
-        k = k_pool.index_select(0, slots).float().repeat_interleave(group, 1)  # (n, heads, dim)
-        v = v_pool.index_select(0, slots).float().repeat_interleave(group, 1)
+        k, v = rows(k_pool, k_scale, slots), rows(v_pool, v_scale, slots)
         row = int(q_rows[b])
         scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * scale
         if lse is not None:
@@ -57,13 +67,19 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 def decode_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
                          table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None,
-                         lse: torch.Tensor | None = None) -> None:
-    """The native CPU kernel (int64 rows/table/lengths). Raises if it is not built."""
+                         lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> None:
+    """The native CPU kernel (int64 rows/table/lengths); with k/v_scale, over a quantized
+    pool. Raises if it is not built."""
     ops = cpu.native_for(q)
     if ops is None:
         raise RuntimeError("radixserve's CPU kernels are not built here (see kernels/cpu.py)")
     scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
-    ops.decode_attention(q, k_pool, v_pool, out, lse, q_rows.long(), table.long(), seq_lens.long(), scale)
+    rows, table, lens = q_rows.long(), table.long(), seq_lens.long()
+    if k_scale is None or v_scale is None:
+        ops.decode_attention(q, k_pool, v_pool, out, lse, rows, table, lens, scale)
+    else:
+        ops.decode_attention_quant(q, k_pool, v_pool, k_scale, v_scale, out, lse, rows, table, lens, scale)
 
 
 def num_splits(programs: int, width: int, block_n: int) -> int:

@@ -1,7 +1,9 @@
 """Write new K/V rows into the pool: `k_pool[slots[t]] = k[t]` (and v), for T rows.
 
 k/v are (T, kv_heads, head_dim), any strides (they are often views of a fused qkv
-projection); the pools are (num_slots, kv_heads, head_dim) with contiguous rows.
+projection); the pools are (num_slots, kv_heads, head_dim) with contiguous rows. A quantized
+pool (int8 or fp8 e4m3, kernels/kv_quant.py) also takes each row's scale into its scale
+tensors (num_slots, kv_heads) fp32: `store_kv_quant`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 
 from kernels import cpu
 from kernels._triton import built, next_pow2, use_triton
+from kernels.kv_quant import quantize
 
 
 def store_kv_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -28,6 +31,26 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
         ops.store_kv(k_pool, v_pool, slots.long(), k, v)
     else:
         store_kv_ref(k_pool, v_pool, slots, k, v)
+
+
+def store_kv_quant_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                       slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for x, pool, scales in ((k, k_pool, k_scale), (v, v_pool, v_scale)):
+        q, s = quantize(x, pool.dtype)
+        pool.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # as bytes: no fp8 index_copy_ on CPU
+        scales.index_copy_(0, slots, s)
+
+
+def store_kv_quant(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Dispatcher: the native kernel on CPU where it is built (fp32 or bf16 k/v), torch
+    elsewhere (on CUDA too: a few elementwise ops per layer, no Triton kernel yet)."""
+    if slots.numel() == 0:
+        return
+    if (ops := cpu.native_for(k)) is not None and v.dtype == k.dtype:
+        ops.store_kv_quant(k_pool, v_pool, k_scale, v_scale, slots.long(), k, v)
+    else:
+        store_kv_quant_ref(k_pool, v_pool, k_scale, v_scale, slots, k, v)
 
 
 def store_kv_triton(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -7,22 +7,24 @@ import argparse
 import dataclasses
 from typing import Any
 
-from radixserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, SchedConfig
+from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _NOT_FLAGS = {"path"}  # --model
-_CHOICES = {"quantization": QUANTIZATIONS}
 
 
-def scalar_fields(*classes: type) -> dict[str, tuple[Any, type]]:
-    """Config field -> (its default, the CLI value type), for every field of a scalar type."""
-    out: dict[str, tuple[Any, type]] = {}
+Flag = tuple[Any, type, tuple[str, ...] | None]  # default, value type, choices (a field's metadata["choices"])
+
+
+def scalar_fields(*classes: type) -> dict[str, Flag]:
+    """Config field -> (its default, the CLI value type, its choices), for every field of a scalar type."""
+    out: dict[str, Flag] = {}
     for cls in classes:
         for f in dataclasses.fields(cls):
             typ = _TYPES.get(str(f.type).split(" | ")[0])
             if typ is None or f.name in _NOT_FLAGS:
                 continue  # config groups and mappings (tenant quotas come from --tenants)
-            out[f.name] = (f.default, typ)
+            out[f.name] = (f.default, typ, f.metadata.get("choices"))
     return out
 
 
@@ -34,13 +36,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, _ENGINE_FLAGS)
 
 
-def add_flags(p: argparse.ArgumentParser, flags: dict[str, tuple[Any, type]]) -> None:
-    for name, (default, typ) in flags.items():
+def add_flags(p: argparse.ArgumentParser, flags: dict[str, Flag]) -> None:
+    for name, (default, typ, choices) in flags.items():
         flag = "--" + name.replace("_", "-")
         if typ is bool:
             p.add_argument(flag, dest=name, action="store_true", default=default)
         else:
-            p.add_argument(flag, dest=name, type=typ, default=default, choices=_CHOICES.get(name), help=f"(default: {default})")
+            p.add_argument(flag, dest=name, type=typ, default=default, choices=choices, help=f"(default: {default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

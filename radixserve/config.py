@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # ModelConfig.quantization
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")  # radixserve.cache.pool maps them to torch dtypes
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ModelConfig:
     context_length: int | None = None  # cap below the model's own window
     # auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights as they are (the default model: Q4_1), a folder as it is |
     # none: every weight in --dtype | int8 | int4: float weights quantized at load (models/loader.py)
-    quantization: str = "auto"
+    quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     disable_packed_linears: bool = False  # CPU: True keeps plain torch linears (no oneDNN-packed copy of the weights)
     disable_cpu_kernels: bool = False  # CPU: True uses torch ops instead of radixserve's native kernels (kernels/cpu.py)
 
@@ -33,7 +34,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     kv_cache_tokens: int | None = None  # explicit pool size in tokens (slots)
+    kv_cache_memory_mb: int | None = None  # else: a byte budget in MiB (K, V and their scales); tokens follow from the dtype
     kv_mem_fraction: float = 0.25  # else: this fraction of available memory
+    # auto: the activations' dtype | bf16 | fp8_e4m3, int8: quantized, an fp32 scale per (token, KV head)
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     page_size: int = 1  # tokens per KV page; the prefix cache shares whole pages only
     disable_radix_cache: bool = False  # True: no prefix sharing (for A/B runs)
     radix_eviction_policy: str = "lru"  # lru | priority (lowest request priority first, then LRU)

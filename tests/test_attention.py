@@ -38,12 +38,12 @@ def _forward(name: str, pool: KVPool, spec, heads: int, kv_heads: int, dim: int,
     return backend.forward(q, k, v, 0, batch), batch
 
 
-def _random_pool(slots: int, kv_heads: int, dim: int, seed: int) -> KVPool:
-    """A one-layer pool whose every slot holds fresh random K/V."""
-    pool = KVPool(1, slots, kv_heads, dim, torch.float32, torch.device("cpu"))
+def _random_pool(slots: int, kv_heads: int, dim: int, seed: int, kv_dtype: torch.dtype | None = None) -> KVPool:
+    """A one-layer fp32 pool whose every slot holds fresh random K/V, stored as kv_dtype."""
+    pool = KVPool(1, slots, kv_heads, dim, torch.float32, torch.device("cpu"), kv_dtype)
     g = torch.Generator().manual_seed(seed)
-    pool.k[0][:slots] = torch.randn(slots, kv_heads, dim, generator=g)
-    pool.v[0][:slots] = torch.randn(slots, kv_heads, dim, generator=g)
+    k, v = torch.randn(slots, kv_heads, dim, generator=g), torch.randn(slots, kv_heads, dim, generator=g)
+    pool.store(0, torch.arange(slots), k, v)
     return pool
 
 
@@ -143,3 +143,64 @@ def test_the_triton_backend_generates_what_the_torch_backend_does(tiny_llama, mo
             assert_no_leak(e)
             got[name] = outs
     assert got["triton"] == got["torch"]
+
+
+KV_TOL = {torch.int8: 0.02, torch.float8_e4m3fn: 0.06, torch.bfloat16: 0.005}  # measured: 0.3-0.8%, 1.4-3.2%, 0.1-0.2%
+
+
+def _mixed_spec(rng: random.Random, slots: int) -> list[tuple[list[int], int]]:
+    """Decode rows first (two fork groups and a lone one), then chunks with and without prefixes."""
+    free = list(range(200, slots))
+    rng.shuffle(free)
+    prompt, scattered = list(range(150)), [free.pop() for _ in range(90)]
+    spec = [(prompt + [free.pop() for _ in range(rng.randint(1, 40))], 1) for _ in range(4)]
+    spec += [(scattered + [free.pop() for _ in range(rng.randint(1, 9))], 1) for _ in range(3)]
+    spec.append(([free.pop() for _ in range(rng.randint(1, 300))], 1))
+    spec.append((prompt[:100] + [free.pop() for _ in range(37)], 37))
+    spec.append((scattered[:61] + [free.pop() for _ in range(20)], 20))
+    spec.append(([free.pop() for _ in range(50)], 50))
+    return spec
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16], ids=["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("name", ["torch", "torch_ref"])
+def test_a_quantized_pool_attends_close_to_an_fp32_one_in_each_backend(name, kv_dtype, native_kernels):
+    heads, kv_heads, dim, decodes = 9, 3, 64, 8
+    spec = _mixed_spec(random.Random(5), 1024)
+    exact, _ = _forward(name, _random_pool(1024, kv_heads, dim, seed=7), spec, heads, kv_heads, dim, seed=3)
+    got, batch = _forward(name, _random_pool(1024, kv_heads, dim, seed=7, kv_dtype=kv_dtype), spec, heads, kv_heads, dim, seed=3)
+    err = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-5 < err < KV_TOL[kv_dtype]  # close, and the pool really was stored in kv_dtype
+    if name == "torch":  # decode rows: native in place (int8/fp8) or gathered, fork groups merged, as the oracle reads
+        assert ("dec_lens" in batch.attn_meta) is (native_kernels and kv_dtype != torch.bfloat16)
+        ref, _ = _forward("torch_ref", _random_pool(1024, kv_heads, dim, seed=7, kv_dtype=kv_dtype), spec, heads, kv_heads, dim,
+                          seed=3)
+        assert ((got[:decodes] - ref[:decodes]).norm() / ref[:decodes].norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_the_triton_backend_reads_a_quantized_pool_as_the_reference_does(kv_dtype, monkeypatch):
+    """Under TRITON_INTERPRET=1: the touched slots dequantized into a compact pool."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = random.Random(2)
+    free = list(range(512))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(40)]
+    spec = [(shared + [free.pop()], 1), (shared + [free.pop() for _ in range(3)], 1), ([free.pop() for _ in range(70)], 1)]
+    spec += [(shared[:30] + [free.pop() for _ in range(25)], 25)]
+    ref, _ = _forward("torch_ref", _random_pool(512, 2, 64, seed=4, kv_dtype=kv_dtype), spec, 6, 2, 64, seed=9)
+    got, _ = _forward("triton", _random_pool(512, 2, 64, seed=4, kv_dtype=kv_dtype), spec, 6, 2, 64, seed=9)
+    exact, _ = _forward("triton", _random_pool(512, 2, 64, seed=4), spec, 6, 2, 64, seed=9)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    assert 1e-5 < ((got - exact).norm() / exact.norm()).item() < KV_TOL[kv_dtype]
+
+
+def test_the_fused_decode_step_is_offered_only_a_pool_in_the_activations_dtype():
+    """A decode-only batch (the fused step's case): offered for fp32 K/V, refused for int8, fp8
+    and bf16 (under fp32), which then run layer by layer."""
+    spec = [([i * 50 + j for j in range(20 + i)], 1) for i in range(4)]  # no shared slots: no fork group
+    offered = {}
+    for kv_dtype in (None, torch.int8, torch.float8_e4m3fn, torch.bfloat16):
+        _, batch = _forward("torch", _random_pool(256, 2, 64, seed=1, kv_dtype=kv_dtype), spec, 4, 2, 64, seed=2)
+        offered[kv_dtype] = batch.attn_backend.native_decode(batch) is not None
+    assert offered == {None: True, torch.int8: False, torch.float8_e4m3fn: False, torch.bfloat16: False}

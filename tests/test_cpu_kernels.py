@@ -1,5 +1,5 @@
 """The native CPU kernels (kernels/cpu.py) against their torch references: fresh random
-inputs, outputs poisoned first, fp32 and bf16, head dims on the vector path (64, 128) and off
+inputs, outputs poisoned first, fp32 and bf16 (and int8 / fp8 KV pools), head dims on the vector path (64, 128) and off
 it (80), GQA ratios 1/3/8 and 16 (off the vector path), lengths not a multiple of 16, scattered
 slot tables, strided views. They must build here: CI has the compiler that users have."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels import cpu
 from kernels.decode_attention import decode_attention_cpu, decode_attention_ref
-from kernels.store_kv import store_kv, store_kv_ref
+from kernels.store_kv import store_kv, store_kv_quant, store_kv_quant_ref, store_kv_ref
 from radixserve.models.layers import RMSNorm, apply_rope, rope_qk
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -128,6 +128,75 @@ def test_store_kv_writes_strided_rows_and_refuses_a_slot_out_of_range(ops, dtype
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     with pytest.raises(RuntimeError, match="out of range"):
         ops.store_kv(pools[0], pools[1], torch.tensor([1, 2, 3, 10]), k, v)
+
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def _poisoned_pool(g: torch.Generator, slots: int, kv_heads: int, dim: int, qdtype: torch.dtype) -> torch.Tensor:
+    """Random values over every code but NaN (fp8's 0x7f and 0xff): what stores never write."""
+    if qdtype == torch.int8:
+        return torch.randint(-127, 128, (slots, kv_heads, dim), generator=g, dtype=torch.int8)
+    codes = torch.randint(0, 254, (slots, kv_heads, dim), generator=g)
+    return (codes + (codes >= 0x7f).long()).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_quant_writes_what_the_reference_does_bit_for_bit(ops, dtype, qdtype):
+    g = torch.Generator().manual_seed(5)
+    t, heads, dim, slots = 40, 3, 80, 64
+    span = torch.logspace(-6, 3, t * heads).view(t, heads, 1)  # scales from tiny to large; fp8 subnormals within rows
+    kv = (torch.randn(t, heads, 2 * dim, generator=g) * span).to(dtype)
+    kv[7, 1] = 0  # an all-zero row: scale FLT_MIN, values 0
+    k, v = kv[..., :dim], kv[..., dim:]  # strided views
+    where = torch.randperm(slots, generator=g)[:t]
+    pools = [_poisoned_pool(g, slots, heads, dim, qdtype) for _ in range(2)]
+    pools += [p.clone() for p in pools]
+    scales = [torch.full((slots, heads), float("nan")) for _ in range(2)]
+    scales += [s.clone() for s in scales]
+    store_kv_quant(pools[0], pools[1], scales[0], scales[1], where, k, v)
+    store_kv_quant_ref(pools[2], pools[3], scales[2], scales[3], where, k, v)
+    for i in (0, 1):
+        assert torch.equal(pools[i].view(torch.uint8), pools[i + 2].view(torch.uint8))
+        assert torch.equal(scales[i].view(torch.int32), scales[i + 2].view(torch.int32))  # bits: the NaN poison where neither wrote
+    assert scales[0][where].isfinite().all() and (scales[0][where] > 0).all()
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.store_kv_quant(pools[0], pools[1], scales[0], scales[1], torch.full((t,), slots), k, v)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "group"), [(64, 1), (64, 3), (128, 8), (80, 3), (64, 16)])
+def test_decode_attention_reads_a_quantized_pool_in_place_as_the_reference_does(ops, dtype, qdtype, dim, group):
+    g = torch.Generator().manual_seed(dim + group)
+    kv_heads, lens = 2, [1, 300, 37, 129, 16]
+    slots = sum(lens) + 40
+    k_pool, v_pool = _poisoned_pool(g, slots, kv_heads, dim, qdtype), _poisoned_pool(g, slots, kv_heads, dim, qdtype)
+    k_scale = torch.rand(slots, kv_heads, generator=g) * 0.02 + 1e-3  # scores of a few units: softmax neither flat nor one-hot
+    v_scale = torch.rand(slots, kv_heads, generator=g) + 0.01
+    if qdtype == torch.float8_e4m3fn:
+        k_scale /= 20
+    perm = torch.randperm(slots, generator=g)
+    table = torch.zeros(len(lens), max(lens) + 5, dtype=torch.int64)
+    at = 0
+    for i, n in enumerate(lens):
+        table[i, :n] = perm[at : at + n]
+        at += n
+    q = torch.randn(len(lens) + 2, kv_heads * group, dim, generator=g).to(dtype)
+    q_rows, seq_lens = torch.tensor([3, 0, 6, 1, 4]), torch.tensor(lens)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    ref, ref_lse = torch.full_like(q, float("nan")), torch.empty(len(lens), q.shape[1])
+    decode_attention_ref(q, k_pool, v_pool, ref, q_rows, table, seq_lens, lse=ref_lse, **scales)
+    out, lse = torch.full_like(q, float("nan")), torch.full((len(lens), q.shape[1]), float("nan"))
+    decode_attention_cpu(q, k_pool, v_pool, out, q_rows, table, seq_lens, lse=lse, **scales)
+    assert rel_err(out[q_rows], ref[q_rows]) < TOL[dtype]
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert out[torch.tensor([2, 5])].isnan().all()
+    bad = table.clone()
+    bad[1, 7] = slots
+    with pytest.raises(RuntimeError, match="out of range"):
+        decode_attention_cpu(q, k_pool, v_pool, out, q_rows, bad, seq_lens, **scales)
 
 
 

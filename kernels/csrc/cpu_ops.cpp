@@ -4,7 +4,8 @@
 // torch reference it is tested against (kernels/cpu.py names them).
 //
 // Types: fp32 and bf16 tensors; bf16 is read as raw uint16 and widened to fp32, and every
-// sum is accumulated in fp32. Threads: at::parallel_for, torch's own OpenMP pool.
+// sum is accumulated in fp32. A quantized KV pool is int8 or fp8 e4m3 (raw uint8) rows with
+// fp32 scales. Threads: at::parallel_for, torch's own OpenMP pool.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -300,6 +301,221 @@ void decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_poo
   run_decode(q, k_pool, v_pool, out, lse_p, rows, table, lens, scale);
 }
 
+// --- decode attention over a quantized pool -----------------------------------------------
+// The same attention over int8 or fp8 e4m3 K/V rows (kernels/kv_quant.py), read in place with
+// their fp32 scales (one per slot and KV head): a K row's scale multiplies its dot product, a
+// V row's scale its softmax weight, so rows are widened to fp32 and never rescaled. fp8 rows
+// are their raw bytes (uint8_t), int8 rows int8_t; neither ever holds a NaN.
+inline float ldq(const int8_t* p, int64_t i) { return float(p[i]); }
+inline float ldq(const uint8_t* p, int64_t i) {  // fp8 e4m3fn: s eeee mmm, exponent bias 7
+  const int e = (p[i] >> 3) & 15, m = p[i] & 7;
+  const float mag = e ? std::ldexp(float(8 + m), e - 10) : std::ldexp(float(m), -9);
+  return (p[i] & 0x80) ? -mag : mag;
+}
+
+template <typename E>
+void attend_quant_generic(const float* qf, const E* kd, const E* vd, const float* ks, const float* vs, int64_t sk0,
+                          int64_t sv0, int64_t sks0, int64_t svs0, const int64_t* slots, int64_t n, int64_t group,
+                          int64_t dim, float* scores, float* acc, float* mx, float* sum) {
+  for (int64_t j = 0; j < n; ++j) {
+    const E* kr = kd + slots[j] * sk0;
+    const float sc = ks[slots[j] * sks0];
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * ldq(kr, d);
+      scores[g * n + j] = s * sc;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    for (int64_t j = 0; j < n; ++j) z += (sg[j] = std::exp(sg[j] - m));
+    mx[g] = m;
+    sum[g] = z;
+  }
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const E* vr = vd + slots[j] * sv0;
+    const float sc = vs[slots[j] * svs0];
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * n + j] * sc;
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * ldq(vr, d);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+// fp8 e4m3 -> the fp16 of the same sign, exponent and mantissa bits (exponent bias 15, not 7:
+// the value / 256, exactly, subnormals included) -> fp32, times 256.
+inline __m512 load16(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+
+template <typename E>
+void attend_quant_avx512(const float* qf, const E* kd, const E* vd, const float* ks, const float* vs, int64_t sk0,
+                         int64_t sv0, int64_t sks0, int64_t svs0, const int64_t* slots, int64_t n, int64_t group,
+                         int64_t dim, float* scores, float* acc, float* mx, float* sum) {
+  const int64_t dv = dim / 16;
+  __m512 q[MAX_GROUP * MAX_DV], a[MAX_GROUP * MAX_DV], kv[MAX_DV], part[16];
+  float sc[16];
+  for (int64_t i = 0; i < group * dv; ++i) q[i] = _mm512_loadu_ps(qf + 16 * i);
+  for (int64_t jj = 0; jj < std::min<int64_t>(n, 16); ++jj) prefetch_row(kd + slots[jj] * sk0, dim);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {  // 16 slots at a time, their dot products summed by one tree, then scaled
+    for (int64_t jj = j + 16; jj < std::min(n, j + 32); ++jj) prefetch_row(kd + slots[jj] * sk0, dim);
+    for (int jj = 0; jj < 16; ++jj) sc[jj] = ks[slots[j + jj] * sks0];
+    const __m512 scale = _mm512_loadu_ps(sc);
+    for (int64_t g = 0; g < group; ++g) {
+      for (int jj = 0; jj < 16; ++jj) {
+        const E* kr = kd + slots[j + jj] * sk0;
+        __m512 s = _mm512_mul_ps(q[g * dv], load16(kr));
+        for (int64_t c = 1; c < dv; ++c) s = _mm512_fmadd_ps(q[g * dv + c], load16(kr + 16 * c), s);
+        part[jj] = s;
+      }
+      _mm512_storeu_ps(scores + g * n + j, _mm512_mul_ps(sum16(part), scale));
+    }
+  }
+  for (; j < n; ++j) {
+    const E* kr = kd + slots[j] * sk0;
+    const float s0 = ks[slots[j] * sks0];
+    for (int64_t c = 0; c < dv; ++c) kv[c] = load16(kr + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 s = _mm512_mul_ps(q[g * dv], kv[0]);
+      for (int64_t c = 1; c < dv; ++c) s = _mm512_fmadd_ps(q[g * dv + c], kv[c], s);
+      scores[g * n + j] = _mm512_reduce_add_ps(s) * s0;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + j));
+    }
+    const float mm = _mm512_reduce_max_ps(m);
+    const __m512 mv = _mm512_set1_ps(mm);
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), mv));
+      _mm512_mask_storeu_ps(sg + j, k, e);
+      z = _mm512_mask_add_ps(z, k, z, e);
+    }
+    mx[g] = mm;
+    sum[g] = _mm512_reduce_add_ps(z);
+  }
+  for (int64_t i = 0; i < group * dv; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < std::min<int64_t>(n, 8); ++j) prefetch_row(vd + slots[j] * sv0, dim);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + 8 < n) prefetch_row(vd + slots[j + 8] * sv0, dim);
+    const E* vr = vd + slots[j] * sv0;
+    const float s0 = vs[slots[j] * svs0];
+    for (int64_t c = 0; c < dv; ++c) kv[c] = load16(vr + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + j] * s0);
+      for (int64_t c = 0; c < dv; ++c) a[g * dv + c] = _mm512_fmadd_ps(p, kv[c], a[g * dv + c]);
+    }
+  }
+  for (int64_t i = 0; i < group * dv; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
+// Runs body with qtype = int8_t (an int8 pool) or uint8_t (the bytes of an fp8 e4m3 pool).
+#define DISPATCH_KV_QUANT(t, name, ...)                                                     \
+  do {                                                                                       \
+    if ((t).scalar_type() == torch::kChar) {                                                 \
+      using qtype = int8_t;                                                                  \
+      __VA_ARGS__();                                                                         \
+    } else if ((t).scalar_type() == c10::ScalarType::Float8_e4m3fn) {                        \
+      using qtype = uint8_t;                                                                 \
+      __VA_ARGS__();                                                                         \
+    } else {                                                                                 \
+      TORCH_CHECK(false, name ": an int8 or float8_e4m3fn pool only, got ", (t).scalar_type()); \
+    }                                                                                        \
+  } while (0)
+
+// decode_attention_impl over a quantized pool: queries and outputs in T, rows in E.
+template <typename T, typename E>
+void decode_attention_quant_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::Tensor& vp,
+                                 const torch::Tensor& ksc, const torch::Tensor& vsc, torch::Tensor& out, float* lse,
+                                 const int64_t* rows, const int64_t* table, int64_t table_stride, const int64_t* lens,
+                                 int64_t batch, float scale) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kp.size(1), group = heads / kv_heads;
+  const T* qd = ptr<T>(q);
+  const E* kd = ptr<E>(kp);
+  const E* vd = ptr<E>(vp);
+  const float* ks = ksc.data_ptr<float>();
+  const float* vs = vsc.data_ptr<float>();
+  T* od = ptr<T>(out);
+  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = kp.stride(0), sk1 = kp.stride(1), sv0 = vp.stride(0);
+  const int64_t sv1 = vp.stride(1), so0 = out.stride(0), so1 = out.stride(1), sks0 = ksc.stride(0), svs0 = vsc.stride(0);
+  auto attend = attend_quant_generic<E>;
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim / 16 <= MAX_DV && group <= MAX_GROUP) attend = attend_quant_avx512<E>;
+#endif
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores, mx(group), sum(group);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / kv_heads, h = w % kv_heads, n = lens[b], row = rows[b];
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qr = qd + row * sq0 + (h * group + g) * sq1;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(qr, d) * scale;
+      }
+      scores.resize(group * n);
+      attend(qf.data(), kd + h * sk1, vd + h * sv1, ks + h, vs + h, sk0, sv0, sks0, svs0, table + b * table_stride, n,
+             group, dim, scores.data(), acc.data(), mx.data(), sum.data());
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        T* orow = od + row * so0 + head * so1;
+        const float inv = n > 0 ? 1.f / sum[g] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) st(orow, d, acc[g * dim + d] * inv);
+        if (lse) lse[b * heads + head] = n > 0 ? mx[g] + std::log(sum[g]) : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
+// The scales of a quantized pool: fp32 (slots, kv_heads), one per row of the pool.
+void check_scales(const torch::Tensor& pool, const torch::Tensor& scales, const char* name) {
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.dim() == 2 && scales.size(0) == pool.size(0) &&
+                  scales.size(1) == pool.size(1) && scales.stride(1) == 1,
+              name, ": fp32 scales (slots, kv_heads) with contiguous rows, one per pool row");
+}
+
+void decode_attention_quant(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor k_scale,
+                            torch::Tensor v_scale, torch::Tensor out, c10::optional<torch::Tensor> lse, torch::Tensor q_rows,
+                            torch::Tensor table, torch::Tensor seq_lens, double scale) {
+  auto rows = q_rows.contiguous(), lens = seq_lens.contiguous();
+  check_table(rows, table, lens, std::min(q.size(0), out.size(0)), std::min(k_pool.size(0), v_pool.size(0)));
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && out.dim() == 3, "decode_attention_quant: 3-d q/pools/out");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && out.stride(2) == 1,
+              "decode_attention_quant: the head dim must be contiguous");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2),
+              "decode_attention_quant: pools of one dtype and shape, out in q's dtype");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "decode_attention_quant: heads must be a multiple of kv_heads");
+  check_scales(k_pool, k_scale, "decode_attention_quant");
+  check_scales(v_pool, v_scale, "decode_attention_quant");
+  float* lse_p = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == torch::kFloat && lse->is_contiguous() && lse->numel() == table.size(0) * q.size(1),
+                "decode_attention_quant: lse is a contiguous float32 (batch, heads)");
+    lse_p = lse->data_ptr<float>();
+  }
+  DISPATCH_FLOAT_BF16(q, "decode_attention_quant", [&] {
+    DISPATCH_KV_QUANT(k_pool, "decode_attention_quant", [&] {
+      decode_attention_quant_impl<scalar, qtype>(q, k_pool, v_pool, k_scale, v_scale, out, lse_p, rows.data_ptr<int64_t>(),
+                                                 table.data_ptr<int64_t>(), table.stride(0), lens.data_ptr<int64_t>(),
+                                                 table.size(0), float(scale));
+    });
+  });
+}
+
 // --- RMSNorm, with the residual add fused in ---------------------------------------------
 // x (rows, n). With a residual: r = x + residual (rounded to the dtype, as torch's add is),
 // returns (norm(r) * w, r); without: (norm(x) * w,).
@@ -456,6 +672,72 @@ void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
   auto s = slots.contiguous();
   check_slots(s, std::min(k_pool.size(0), v_pool.size(0)));
   run_store(k_pool, v_pool, s, k, v);
+}
+
+// --- quantized KV store: int8 or fp8 e4m3 values and an fp32 scale per (token, KV head) ----
+// As kernels/kv_quant.py's quantize, bit for bit: scale = max(absmax / QMAX, FLT_MIN), each
+// value x / scale clamped to +-QMAX, then rounded to nearest even (int8; fp8: to its 3-bit
+// mantissa, subnormals below 2^-6).
+inline float qmax(const int8_t*) { return 127.f; }
+inline float qmax(const uint8_t*) { return 448.f; }
+inline void stq(int8_t* p, int64_t i, float r) { p[i] = int8_t(std::nearbyint(r)); }
+inline void stq(uint8_t* p, int64_t i, float r) {  // |r| <= 448, not NaN
+  const uint8_t sign = std::signbit(r) ? 0x80 : 0;
+  const float a = std::fabs(r);
+  if (a < 0.015625f) {  // subnormal: steps of 2^-9 (8 steps is the smallest normal, 0x08)
+    p[i] = sign | uint8_t(std::nearbyint(a * 512.f));
+    return;
+  }
+  uint32_t u;
+  std::memcpy(&u, &a, 4);
+  u += 0x7ffffu + ((u >> 20) & 1u);  // round the mantissa to 3 bits, to nearest even (may carry into the exponent)
+  p[i] = sign | uint8_t((((u >> 23) - 120) << 3) | ((u >> 20) & 7u));
+}
+
+template <typename T, typename E>
+void store_kv_quant_impl(torch::Tensor& kp, torch::Tensor& vp, torch::Tensor& ksc, torch::Tensor& vsc, const int64_t* slots,
+                         const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t t_len = k.size(0), heads = k.size(1), dim = k.size(2);
+  const float qm = qmax(static_cast<const E*>(nullptr));
+  for (int pass = 0; pass < 2; ++pass) {
+    const torch::Tensor& src = pass ? v : k;
+    torch::Tensor& dst = pass ? vp : kp;
+    torch::Tensor& sc = pass ? vsc : ksc;
+    const T* sd = ptr<T>(src);
+    E* dd = ptr<E>(dst);
+    float* cd = sc.data_ptr<float>();
+    const int64_t s0 = src.stride(0), s1 = src.stride(1), d0 = dst.stride(0), d1 = dst.stride(1), c0 = sc.stride(0);
+    at::parallel_for(0, t_len, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* x = sd + t * s0 + h * s1;
+          float amax = 0.f;
+          for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(ld(x, d)));
+          const float s = std::max(amax / qm, std::numeric_limits<float>::min());
+          cd[slots[t] * c0 + h] = s;
+          E* y = dd + slots[t] * d0 + h * d1;
+          for (int64_t d = 0; d < dim; ++d) stq(y, d, std::min(std::max(ld(x, d) / s, -qm), qm));
+        }
+    });
+  }
+}
+
+void store_kv_quant(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor k_scale, torch::Tensor v_scale,
+                    torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  auto s = slots.contiguous();
+  check_slots(s, std::min(k_pool.size(0), v_pool.size(0)));
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 && k_pool.stride(2) == 1 &&
+                  v_pool.stride(2) == 1 && v.scalar_type() == k.scalar_type() && v_pool.scalar_type() == k_pool.scalar_type() &&
+                  k_pool.size(1) == k.size(1) && k_pool.size(2) == k.size(2) && v_pool.sizes() == k_pool.sizes() &&
+                  s.numel() == k.size(0),
+              "store_kv_quant: (T, kv_heads, D) k/v with contiguous D, pools of their shape, one slot per row");
+  check_scales(k_pool, k_scale, "store_kv_quant");
+  check_scales(v_pool, v_scale, "store_kv_quant");
+  DISPATCH_FLOAT_BF16(k, "store_kv_quant", [&] {
+    DISPATCH_KV_QUANT(k_pool, "store_kv_quant", [&] {
+      store_kv_quant_impl<scalar, qtype>(k_pool, v_pool, k_scale, v_scale, s.data_ptr<int64_t>(), k, v);
+    });
+  });
 }
 
 // --- linears for decode batches ---------------------------------------------------------
@@ -1024,6 +1306,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "neox rotary embedding of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("store_kv", &store_kv, "write K/V rows into the pool");
+  m.def("decode_attention_quant", &decode_attention_quant, "paged decode attention over an int8/fp8 pool, in place");
+  m.def("store_kv_quant", &store_kv_quant, "quantize K/V rows into an int8/fp8 pool and its scales");
   m.def("linear_supports", &linear_supports_dtype, "whether `linear` is built for this weight's dtype");
   m.def("pack_linear", &pack_linear, "pack a weight (N, K) for `linear`");
   m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only batch, in one call");

@@ -12,6 +12,11 @@ out the cache's slots), so 16 branches decoding over a 2,000-token prompt read i
 per step instead of 16 times. On CPU the fused kernel is torch's flash attention for CPU;
 elsewhere a plain-torch fallback computes the same (output, lse). torch_ref is the oracle
 these are tested against.
+
+A quantized pool (int8, fp8) is read in place by the native decode kernel too (its
+quantized variant, with the scales); every other read (gathered rows, a fork group's shared
+prefix, an extend's prefix) dequantizes the rows it reads. A chunk's own k/v come straight
+from its inputs, unquantized, as they always did.
 """
 
 from __future__ import annotations
@@ -53,52 +58,60 @@ class TorchFlashBackend(AttnBackend):
         meta["dec_idx"] = idx.to(dev)
         meta["dec_groups"] = groups
         lens = torch.tensor([len(r) for r in rest])
-        if cpu.native_for(self.pool.k[0]) is not None:
+        if self._reads_in_place():
             meta["dec_lens"] = lens
         else:
-            bias = torch.zeros(len(dec), width, dtype=self.pool.k[0].dtype)
+            bias = torch.zeros(len(dec), width, dtype=self.pool.dtype)
             bias.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], float("-inf"))
             meta["dec_bias"] = bias[:, None, None, :].to(dev)
 
+    def _reads_in_place(self) -> bool:
+        """Whether the native CPU decode kernel reads this pool: stored in the activations'
+        dtype, or quantized (read with its scales)."""
+        p = self.pool
+        if p.dtype not in (torch.float32, torch.bfloat16) or (p.kv_dtype != p.dtype and not p.quantized):
+            return False  # e.g. bf16 rows for fp32 activations: gathered and widened
+        return p.k[0].device.type == "cpu" and cpu.ops() is not None
+
     def native_decode(self, batch: ForwardBatch) -> NativeDecode | None:
+        """None for a pool not in the activations' dtype: the fused step stores and reads only that."""
         meta = batch.attn_meta
-        if "dec_lens" not in meta or meta["extend"] or meta["dec_groups"]:
+        if "dec_lens" not in meta or meta["extend"] or meta["dec_groups"] or self.pool.kv_dtype != self.pool.dtype:
             return None
         return NativeDecode(self.pool.k, self.pool.v, batch.out_slots, meta["dec_rows"], meta["dec_idx"], meta["dec_lens"])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
         meta = batch.attn_meta
         out = torch.empty_like(q)
         if "dec_rows" in meta:
-            self._decode(q, kp, vp, meta, out)
+            self._decode(q, layer, meta, out)
         for s, prefix in meta["extend"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            out[rows] = _extend(q[rows], k[rows], v[rows], kp, vp, s, prefix)
+            out[rows] = _extend(q[rows], k[rows], v[rows], self.pool.read(layer, prefix) if s.prefix_len else None)
         return out
 
-    def _decode(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, meta: dict, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, layer: int, meta: dict, out: torch.Tensor) -> None:
         """Each decode row over its own slots, then each fork group's shared prefix merged in."""
-        rows, idx = meta["dec_rows"], meta["dec_idx"]
-        b, heads, kv_heads, dim = rows.shape[0], q.shape[1], kp.shape[1], q.shape[2]
+        rows, idx, p = meta["dec_rows"], meta["dec_idx"], self.pool
+        b, heads, kv_heads, dim = rows.shape[0], q.shape[1], p.k[layer].shape[1], q.shape[2]
         group = heads // kv_heads
         if "dec_lens" in meta:  # the native kernel writes out[rows] itself
             lse = torch.empty(b, heads) if meta["dec_groups"] else None  # only a fork group's merge needs it
-            decode_attention_cpu(q, kp, vp, out, rows, idx, meta["dec_lens"], lse=lse)
+            scales = dict(k_scale=p.k_scale[layer], v_scale=p.v_scale[layer]) if p.quantized else {}
+            decode_attention_cpu(q, p.k[layer], p.v[layer], out, rows, idx, meta["dec_lens"], lse=lse, **scales)
             if lse is None:
                 return
             o, lse = out.index_select(0, rows).view(b, kv_heads, group, dim), lse.view(b, kv_heads, group)
         else:
             qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
-            kd = kp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)  # (b, kv_heads, L, dim)
-            vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
+            kd, vd = (x.transpose(1, 2) for x in p.read(layer, idx))  # (b, kv_heads, L, dim)
             o, lse = attention_lse(qd, kd, vd, bias=meta["dec_bias"])
         for g in meta["dec_groups"]:
             m = torch.tensor(g.members, device=q.device)
             n = len(g.members)
             qg = q.index_select(0, rows[m]).view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, n * group, dim)
-            og, lg = attention_lse(qg, _part(kp, g.kv), _part(vp, g.kv))
+            og, lg = attention_lse(qg, *_heads_first(p.read(layer, g.kv)))
             og = og.view(kv_heads, n, group, dim).transpose(0, 1)
             lg = lg.view(kv_heads, n, group).transpose(0, 1)
             merged = merge(o.index_select(0, m), lse.index_select(0, m), og, lg)
@@ -106,21 +119,21 @@ class TorchFlashBackend(AttnBackend):
         out.index_copy_(0, rows, o.reshape(b, heads, dim))
 
 
-def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
-            s: SeqView, prefix: slice | torch.Tensor) -> torch.Tensor:
-    """A chunk attending causally to itself (its k/v as computed) and fully to its prefix."""
+def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            prefix: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A chunk attending causally to itself (its k/v as computed) and fully to its prefix's
+    K/V rows (as the pool reads them), if it has one."""
     qe, ke, ve = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     o, lse = attention_lse(qe, ke, ve, causal=True)
-    if s.prefix_len:
-        op, lp = attention_lse(qe, _part(kp, prefix), _part(vp, prefix))
+    if prefix is not None:
+        op, lp = attention_lse(qe, *_heads_first(prefix))
         o = merge(o, lse, op, lp)
     return o[0].transpose(0, 1)
 
 
-def _part(pool: torch.Tensor, kv: slice | torch.Tensor) -> torch.Tensor:
-    """(1, kv_heads, L, dim) view (contiguous slots) or copy (gathered) of pool rows."""
-    rows = pool[kv] if isinstance(kv, slice) else pool.index_select(0, kv)
-    return rows.transpose(0, 1)[None]
+def _heads_first(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, kv_heads, dim) K and V rows as (1, kv_heads, L, dim) views."""
+    return kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]
 
 
 def _slots(slots: list[int], dev: torch.device) -> slice | torch.Tensor:

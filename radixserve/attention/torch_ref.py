@@ -2,7 +2,9 @@
 
 Decode rows (one query each) run as one padded batch, with the `group` query heads that
 share a KV head folded into the query-length dimension (no K/V copy per query head); each
-extend sequence (a prefill chunk over its cached prefix) runs on its own.
+extend sequence (a prefill chunk over its cached prefix) runs on its own. Every K/V row is
+read back from the pool (`KVPool.read`: dequantized, for an int8 or fp8 pool), the rows just
+stored included.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class TorchRefBackend(AttnBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         meta = batch.attn_meta
@@ -45,16 +46,13 @@ class TorchRefBackend(AttnBackend):
             rows = meta["dec_rows"]
             b = rows.shape[0]
             qd = q.index_select(0, rows).view(b, kv_heads, group, dim)
-            idx = meta["dec_idx"]
-            kd = kp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)  # (b, kv_heads, L, dim)
-            vd = vp.index_select(0, idx.view(-1)).view(b, -1, kv_heads, dim).transpose(1, 2)
+            kd, vd = (x.transpose(1, 2) for x in self.pool.read(layer, meta["dec_idx"]))  # (b, kv_heads, L, dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta["dec_mask"])
             out.index_copy_(0, rows, od.reshape(b, heads, dim))
         for s, slots in meta["extend"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
             qe = q[rows].transpose(0, 1)  # (heads, n, dim)
-            ke = kp.index_select(0, slots).transpose(0, 1)  # (kv_heads, L, dim)
-            ve = vp.index_select(0, slots).transpose(0, 1)
+            ke, ve = (x.transpose(0, 1) for x in self.pool.read(layer, slots))  # (kv_heads, L, dim)
             if s.prefix_len == 0:
                 oe = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
             else:

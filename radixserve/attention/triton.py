@@ -5,9 +5,16 @@ hit or a fork costs no copy. The tables are built once per batch in `prepare`.
 
 Chosen by `--attention-backend triton`, and by `auto` on CUDA. On CPU it runs only under
 TRITON_INTERPRET=1 (slowly: that is how CI tests it end to end on a tiny model).
+
+A pool not in the activations' dtype (int8, fp8, or bf16 under fp32) is stored through
+`KVPool.store` (quantized in torch), and each layer dequantizes the batch's touched slots, in
+torch, into a compact pool the kernels read through remapped tables: correct, but it costs a
+copy of every touched row per layer. Kernels that read quantized rows in place are not written.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -29,8 +36,12 @@ class TritonBackend(AttnBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         dev = batch.input_ids.device
-        dec = [s for s in batch.seqs if s.q_len == 1]
-        ext = [s for s in batch.seqs if s.q_len > 1]
+        seqs = batch.seqs
+        if self.pool.kv_dtype != self.pool.dtype:
+            touched, seqs = _compact(seqs)
+            batch.attn_meta["touched"] = touched.to(dev)
+        dec = [s for s in seqs if s.q_len == 1]
+        ext = [s for s in seqs if s.q_len > 1]
         if dec:
             batch.attn_meta["decode"] = (_ints([s.q_start for s in dec], dev), _table(dec, dev), _ints([s.kv_len for s in dec], dev))
         if ext:
@@ -38,10 +49,14 @@ class TritonBackend(AttnBackend):
                                          _ints([s.prefix_len for s in ext], dev), _table(ext, dev), max(s.q_len for s in ext))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        store_kv_triton(kp, vp, batch.out_slots, k, v)
-        out = torch.empty_like(q)
         meta = batch.attn_meta
+        if "touched" in meta:
+            self.pool.store(layer, batch.out_slots, k, v)
+            kp, vp = self.pool.read(layer, meta["touched"])
+        else:
+            kp, vp = self.pool.k[layer], self.pool.v[layer]
+            store_kv_triton(kp, vp, batch.out_slots, k, v)
+        out = torch.empty_like(q)
         if "decode" in meta:
             rows, table, lens = meta["decode"]
             decode_attention_triton(q, kp, vp, out, rows, table, lens)
@@ -49,6 +64,17 @@ class TritonBackend(AttnBackend):
             starts, q_lens, prefix_lens, table, longest = meta["extend"]
             extend_attention_triton(q, kp, vp, out, starts, q_lens, prefix_lens, table, longest)
         return out
+
+
+def _compact(seqs: list[SeqView]) -> tuple[torch.Tensor, list[SeqView]]:
+    """The distinct slots the sequences read, and the sequences with their slots renumbered
+    as indices into that list (rows of the compact pool)."""
+    touched, where = torch.unique(torch.tensor([x for s in seqs for x in s.slots], dtype=torch.int64), return_inverse=True)
+    out, at = [], 0
+    for s in seqs:
+        out.append(dataclasses.replace(s, slots=where[at : at + len(s.slots)].tolist()))
+        at += len(s.slots)
+    return touched, out
 
 
 def _ints(xs: list[int], dev: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from grammars.spec import GrammarSpec
 from kernels import cpu as cpu_kernels
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator
-from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token
+from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
@@ -57,6 +57,7 @@ class Engine(RequestFront):
         cpu_kernels.set_enabled(not cfg.model.disable_cpu_kernels)
         cpu_kernels.ops()  # built now (once per machine, cached), not in the first request; quantized weights are packed by it
         self.dtype = _dtype(cfg.model.dtype, self.device, quantized_weights(cfg.model.path, cfg.model.quantization))
+        self.kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         loaded = load_model(cfg.model.path, self.dtype, self.device, cfg.model.quantization)
         self.quantization = loaded.quantization
         if not cfg.model.disable_packed_linears:
@@ -75,7 +76,7 @@ class Engine(RequestFront):
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         a = self.arch
-        self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype)
         self.num_slots = self.pool.num_slots
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache)
@@ -111,10 +112,16 @@ class Engine(RequestFront):
         return RadixCache(c.page_size, c.radix_eviction_policy, c.tenant_max_cached_tokens)
 
     def _pool_slots(self) -> int:
+        """Tokens: kv_cache_tokens, else kv_cache_memory_mb's bytes, else kv_mem_fraction of the
+        free memory, over the bytes a token takes in the KV dtype (scales included)."""
         c, a = self.config, self.arch
-        per_token = kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        per_token = kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        if c.cache.kv_cache_tokens is not None and c.cache.kv_cache_memory_mb is not None:
+            raise ValueError("kv_cache_memory_mb: give it or kv_cache_tokens, not both")
         if c.cache.kv_cache_tokens is not None:
             n = c.cache.kv_cache_tokens
+        elif c.cache.kv_cache_memory_mb is not None:
+            n = (c.cache.kv_cache_memory_mb << 20) // per_token
         else:
             n = int(available_memory_bytes(self.device) * c.cache.kv_mem_fraction) // per_token
         if c.sched.max_total_tokens is not None:
@@ -265,6 +272,8 @@ class Engine(RequestFront):
             steps=self._loop.steps,
             jump_forward_tokens=self.post.jumped_tokens,
             engine_rss_bytes=_rss_bytes() if self.own_process else 0,
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_bytes_per_token=self.pool.bytes_per_token,
             **vars(c),
         )
 

@@ -98,7 +98,8 @@ class EngineProcess(RequestFront):
         self.dtype, self.device, self.pid = info.dtype, info.device, info.pid
         self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
         self.default_max_new_tokens = self.config.default_max_new_tokens
-        self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots)
+        self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots, kv_dtype=info.kv_dtype,
+                                     kv_bytes_per_token=info.kv_bytes_per_token)
         self._streams: dict[str, tuple[Callable[[Delta], None], int]] = {}  # rid -> (its sink, its prompt length)
         self._calls: dict[int, Future[Reply]] = {}
         self._ids = itertools.count(1)
@@ -293,7 +294,8 @@ class _Core:
         e.on_change = self._flush  # on the loop, after each step or command
         self.send(EngineInfo(e.model_name, str(e.model_path), e.context_len, e.vocab_size, e.model_vocab_size,
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid(),
-                             e.quantization, e.weight_bytes))
+                             e.quantization, e.weight_bytes,
+                             str(e.kv_dtype).removeprefix("torch."), e.pool.bytes_per_token))
         self._flush()  # the first stats, before any step
 
     def send(self, msg: Any) -> None:

@@ -46,6 +46,8 @@ class EngineStats:
     retractions: int = 0
     finished: int = 0
     engine_rss_bytes: int = 0  # the engine process's resident memory (0 for an engine in the caller's process)
+    kv_dtype: str = ""  # what the KV pool stores: the activations' dtype, bfloat16, int8 or float8_e4m3fn
+    kv_bytes_per_token: int = 0  # K and V of one token in every layer, scales included
 
 
 # -- front -> engine ----------------------------------------------------------------------------
@@ -108,6 +110,8 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     pid: int
     quantization: str  # "none", or the weight kinds held, e.g. "q4_1+q8_0"
     weight_bytes: int
+    kv_dtype: str
+    kv_bytes_per_token: int
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):

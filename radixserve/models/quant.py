@@ -192,14 +192,18 @@ class QuantEmbedding(nn.Module):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, each tensor's storage once (a tied head counts once)."""
+    """Bytes of every parameter and buffer, each tensor's storage once (a tied head counts once;
+    oneDNN's packed weights have no storage to share and count by their size)."""
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
-        key = t.untyped_storage().data_ptr()
+        try:
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError):  # an opaque (mkldnn) tensor
+            key, size = id(t), t.numel() * t.element_size()
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += size
     return total
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixserve.engine.protocol import EngineStats
 from radixserve.request import SamplingParams
 from radixserve.server import completions, native, openai
 from radixserve.server.auth import request_key
@@ -130,8 +131,14 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": e.config.sched.max_running_requests,
         "page_size": e.config.cache.page_size,
         "radix_cache": not e.config.cache.disable_radix_cache,
+        **_kv_pool(e.snapshot()),
         **extra,
     })
+
+
+def _kv_pool(s: EngineStats) -> dict[str, Any]:
+    """What the KV pool stores and holds: its dtype, a token's bytes (scales included), its tokens."""
+    return {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots}
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -31,6 +31,7 @@ class _EngineCollector(Collector):
             "radixserve_running_requests": ("requests the scheduler is running", s.running),
             "radixserve_waiting_requests": ("requests waiting in the scheduler", s.waiting),
             "radixserve_kv_total_tokens": ("KV pool size in tokens", s.kv_total_slots),
+            "radixserve_kv_bytes_per_token": ("KV bytes of one token in every layer, scales included", s.kv_bytes_per_token),
             "radixserve_kv_in_use_tokens": ("KV tokens held by requests", s.kv_in_use_slots),
             "radixserve_kv_cached_tokens": ("KV tokens held by the prefix cache", s.kv_cached_tokens),
             "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.cache_hit_rate),
@@ -39,6 +40,9 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        dtype = GaugeMetricFamily("radixserve_kv_cache_dtype_info", "what the KV pool stores (1 for its dtype)", labels=["dtype"])
+        dtype.add_metric([s.kv_dtype], 1)
+        yield dtype
         counters = {
             "radixserve_prefill_tokens_computed": ("prompt tokens run through the model", "prefill_tokens_computed"),
             "radixserve_prompt_tokens_cached": ("prompt tokens served from the prefix cache", "cached_prompt_tokens"),
