@@ -125,6 +125,30 @@ def check_store(shape: str, dtype: torch.dtype, tokens: int, bench: bool) -> dic
     return row
 
 
+def check_quant(kind: str, dtype: torch.dtype, m: int, n: int, k: int, bench: bool) -> dict:
+    """kernels/quant_matmul.py (QuantLinear's CUDA path) against its torch reference; the blocks
+    are random bytes with sane fp16 scales, packed by the CPU kernels as the loader packs them."""
+    from kernels import cpu
+    from kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton
+
+    g = torch.Generator().manual_seed(m + n + k)
+    block = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[kind]
+    raw = torch.randint(0, 256, (n, k // 32, block), dtype=torch.uint8, generator=g)
+    raw[..., :2] = torch.full((n, k // 32), 0.01).half().view(torch.uint8).view(n, k // 32, 2)
+    if kind == "q4_1":
+        raw[..., 2:4] = torch.full((n, k // 32), -0.08).half().view(torch.uint8).view(n, k // 32, 2)
+    packed = cpu.ops().pack_quant(raw.view(n, -1), kind, n, k).to(DEV)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    ref = quant_matmul_ref(x, packed, n)
+    err = rel_err(quant_matmul_triton(x, packed, n), ref)
+    row = {"kernel": "qmatmul", "shape": f"{kind} M={m} N={n} K={k}", "dtype": _name(dtype), "rel_err": err,
+           "ok": err < (1e-3 if dtype == torch.float32 else 2e-2)}
+    if bench:
+        ms = _bench(lambda: quant_matmul_triton(x, packed, n))
+        row.update(us=ms * 1e3, gbps=packed.numel() / ms / 1e6, tflops=2 * m * n * k / ms / 1e9)
+    return row
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 28, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -161,6 +185,9 @@ def kernels(bench: bool) -> list[dict]:
             rows.append(check_extend(shape, dtype, ns([512, 77, 1, 300]), ns([2048, 0, 900, 31]), False))  # over prefixes
             rows.append(check_extend(shape, dtype, [n(256)] * 8, [n(2048)] * 8, timed))  # chunks over a cached prefix
             rows.append(check_store(shape, dtype, n(8192), timed))
+        for kind in ("q4_1", "q8_0"):
+            for m in (1, 32, n(512)):
+                rows.append(check_quant(kind, dtype, m, n(4096), n(4096) // 32 * 32 or 32, timed))
     return rows
 
 

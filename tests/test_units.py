@@ -170,15 +170,18 @@ def test_layer_contracts_hold():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_matmuls(monkeypatch):
+def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_matmuls_and_fp32_for_quantized_weights(monkeypatch):
     import torch
 
     from radixserve.engine import engine as eng
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(eng, "cpu_has_bf16", lambda: True)
-    assert eng._dtype("auto", cpu) is torch.bfloat16
+    assert eng._dtype("auto", cpu, False) is torch.bfloat16
+    assert eng._dtype("auto", cpu, True) is torch.float32  # quantized weights: fp32 activations on a CPU
+    assert eng._dtype("auto", torch.device("cuda"), True) is torch.bfloat16
+    assert eng._dtype("bfloat16", cpu, True) is torch.bfloat16  # an explicit dtype wins
     monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
-    assert eng._dtype("auto", cpu) is torch.float32
-    assert eng._dtype("auto", torch.device("cuda")) is torch.bfloat16
-    assert eng._dtype("float32", cpu) is torch.float32
+    assert eng._dtype("auto", cpu, False) is torch.float32
+    assert eng._dtype("auto", torch.device("cuda"), False) is torch.bfloat16
+    assert eng._dtype("float32", cpu, False) is torch.float32

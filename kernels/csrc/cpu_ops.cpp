@@ -1022,6 +1022,34 @@ torch::Tensor dequant_quant(torch::Tensor packed, int64_t n, int64_t k, c10::opt
         std::memcpy(&dh, blk + (bytes == Q4_BYTES ? 256 : 512) + 2 * lane, 2);
         const float d = half_to_float(dh);
         const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // the scalar loops below, 16 weights at a time: row `lane`'s 4 bytes of each 64-byte
+        // chunk are its next 4 weights (and, in the high nibbles, the 4 after the first 16)
+        const __mmask16 m0 = lim >= 16 ? __mmask16(0xffff) : __mmask16((1u << lim) - 1);
+        const __mmask16 m1 = lim >= 32 ? __mmask16(0xffff) : lim > 16 ? __mmask16((1u << (lim - 16)) - 1) : __mmask16(0);
+        auto quads = [&](int c0) {  // the 16 bytes at 64c + 4*lane, c = c0 .. c0 + 3
+          int32_t q[4];
+          for (int c = 0; c < 4; ++c) std::memcpy(&q[c], blk + 64 * (c0 + c) + 4 * lane, 4);
+          return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+        };
+        const __m512 dv = _mm512_set1_ps(d);
+        if (bytes == Q8_BYTES) {
+          for (int half = 0; half < 2; ++half) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(quads(4 * half), _mm512_set1_epi32(128)));
+            _mm512_mask_storeu_ps(orow + b * QBLOCK + 16 * half, half ? m1 : m0, _mm512_mul_ps(dv, q));
+          }
+          continue;
+        }
+        uint16_t mbits;
+        std::memcpy(&mbits, blk + 288 + 2 * lane, 2);
+        const __m512 mv = _mm512_set1_ps(half_to_float(mbits));
+        const __m512i bytes16 = quads(0);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes16, _mm512_set1_epi32(0xf)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes16, 4));
+        _mm512_mask_storeu_ps(orow + b * QBLOCK, m0, _mm512_add_ps(_mm512_mul_ps(dv, lo), mv));  // d*q exact, then one rounding
+        _mm512_mask_storeu_ps(orow + b * QBLOCK + 16, m1, _mm512_add_ps(_mm512_mul_ps(dv, hi), mv));
+        continue;
+#endif
         if (bytes == Q8_BYTES) {
           for (int64_t j = 0; j < lim; ++j) orow[b * QBLOCK + j] = d * float(int(blk[(j / 4) * 64 + lane * 4 + j % 4]) - 128);
           continue;
@@ -1058,6 +1086,20 @@ struct QuantRows {
   std::vector<int32_t> sq;
 };
 
+// One block of row r: xi, its halves, and the block's scale and sums (see QuantRows).
+inline void finish_block(QuantRows& out, int64_t at, float d, int32_t sq) {
+  out.dx[at] = d;
+  out.sx[at] = d * float(sq);
+  out.sq[at] = sq;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
 template <typename T>
 void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, QuantRows& out) {
   out.hi.assign(m * kb * QBLOCK, 0);
@@ -1065,29 +1107,49 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, Qu
   out.dx.resize(m * kb);
   out.sx.resize(m * kb);
   out.sq.resize(m * kb);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t b = 0; b < kb; ++b) {
-      float v[QBLOCK];
-      const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK);
-      float amax = 0.f;
-      for (int64_t j = 0; j < QBLOCK; ++j) {
-        v[j] = j < lim ? ld(x + r * ldx, b * QBLOCK + j) : 0.f;
-        amax = std::max(amax, std::fabs(v[j]));
+  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < kb; ++b) {
+        const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK), at = r * kb + b;
+        const T* xr = x + r * ldx + b * QBLOCK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // the scalar loop below, 32 lanes at a time (the same roundings, so the same numbers)
+        const __mmask16 m0 = lim >= 16 ? __mmask16(0xffff) : __mmask16((1u << lim) - 1);
+        const __mmask16 m1 = lim >= 32 ? __mmask16(0xffff) : lim > 16 ? __mmask16((1u << (lim - 16)) - 1) : __mmask16(0);
+        const __m512 v0 = load16_masked(xr, m0), v1 = load16_masked(xr + 16, m1);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? QSTEPS / amax : 0.f), hi_q = _mm512_set1_ps(QSTEPS), lo_q = _mm512_set1_ps(-QSTEPS);
+        const __m512i x0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, inv), lo_q), hi_q));
+        const __m512i x1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, inv), lo_q), hi_q));
+        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(x0, _mm512_set1_epi32(128)), 8);
+        const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(x1, _mm512_set1_epi32(128)), 8);
+        int8_t* hp = out.hi.data() + at * QBLOCK;
+        int8_t* lp = out.lo.data() + at * QBLOCK;
+        _mm_storeu_si128((__m128i*)hp, _mm512_cvtepi32_epi8(h0));
+        _mm_storeu_si128((__m128i*)(hp + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128((__m128i*)lp, _mm512_cvtepi32_epi8(_mm512_sub_epi32(x0, _mm512_slli_epi32(h0, 8))));
+        _mm_storeu_si128((__m128i*)(lp + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x1, _mm512_slli_epi32(h1, 8))));
+        finish_block(out, at, amax / QSTEPS, _mm512_reduce_add_epi32(_mm512_add_epi32(x0, x1)));
+#else
+        float v[QBLOCK];
+        float amax = 0.f;
+        for (int64_t j = 0; j < QBLOCK; ++j) {
+          v[j] = j < lim ? ld(xr, j) : 0.f;
+          amax = std::max(amax, std::fabs(v[j]));
+        }
+        const float inv = amax > 0.f ? QSTEPS / amax : 0.f;
+        int32_t sq = 0;
+        for (int64_t j = 0; j < QBLOCK; ++j) {
+          const int32_t xi = int32_t(std::nearbyint(std::clamp(v[j] * inv, -QSTEPS, QSTEPS)));
+          const int32_t h = (xi + 128) >> 8;
+          out.hi[at * QBLOCK + j] = int8_t(h);
+          out.lo[at * QBLOCK + j] = int8_t(xi - 256 * h);
+          sq += xi;
+        }
+        finish_block(out, at, amax / QSTEPS, sq);
+#endif
       }
-      const float d = amax / QSTEPS, inv = amax > 0.f ? QSTEPS / amax : 0.f;
-      int32_t sq = 0;
-      const int64_t at = r * kb + b;
-      for (int64_t j = 0; j < QBLOCK; ++j) {
-        const int32_t xi = int32_t(std::nearbyint(std::clamp(v[j] * inv, -QSTEPS, QSTEPS)));
-        const int32_t h = (xi + 128) >> 8;
-        out.hi[at * QBLOCK + j] = int8_t(h);
-        out.lo[at * QBLOCK + j] = int8_t(xi - 256 * h);
-        sq += xi;
-      }
-      out.dx[at] = d;
-      out.sx[at] = d * float(sq);
-      out.sq[at] = sq;
-    }
+  });
 }
 
 template <typename O>

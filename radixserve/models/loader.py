@@ -136,6 +136,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
             quant.quantize_model(model, quantization)
     tokenizer = load_tokenizer(folder)
     model.eval()
+    _release_freed_memory()
     kinds = quant.describe(model)
     held = "+".join(sorted(kinds)) or "none"
     name = path if path is not None else "SmolLM2-135M-Instruct"
@@ -204,6 +205,20 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
         if isinstance(m, quant.QuantLinear):
             m.finish()
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the load's transient copies back to the OS: a GGUF's raw blocks, their fused and
+    permuted copies and the packing pass freed ~2x the weights, which glibc keeps in its heap
+    (its mmap threshold grows after large frees) unless asked to trim."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _quant_target(name: str) -> tuple[str, int, int] | None:
