@@ -43,6 +43,17 @@ class CacheConfig:
     radix_eviction_policy: str = "lru"  # lru | priority (lowest request priority first, then LRU)
     tenant_max_cached_tokens: Mapping[str, int] = field(default_factory=dict)  # tenant -> quota
 
+    def check(self) -> None:
+        """The pool's sizing options, refused before a model loads (ValueError naming the option)."""
+        if self.kv_cache_tokens is not None and self.kv_cache_memory_mb is not None:
+            raise ValueError("kv_cache_memory_mb: give it or kv_cache_tokens, not both")
+        for name in ("kv_cache_tokens", "kv_cache_memory_mb", "page_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value}")
+        if not 0 < self.kv_mem_fraction <= 1:
+            raise ValueError(f"kv_mem_fraction: must be in (0, 1], got {self.kv_mem_fraction}")
+
 
 @dataclass(frozen=True)
 class SchedConfig:
@@ -119,7 +130,9 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {name!r}; known options: {', '.join(known)}")
         base = cls()
         parts = {g: replace(getattr(base, g), **kw) for g, kw in per_group.items()}
-        return replace(base, **parts, **top)
+        cfg = replace(base, **parts, **top)
+        cfg.cache.check()
+        return cfg
 
 
 def _field_names(cls: type) -> set[str]:

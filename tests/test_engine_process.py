@@ -235,7 +235,7 @@ def test_a_server_whose_engine_process_dies_fails_its_streams_and_exits_for_a_re
 
 
 def test_an_engine_that_cannot_start_is_a_clean_error_and_leaves_nothing_behind(tiny_llama, tmp_path):
-    for args, says in ((["--kv-cache-tokens", "0"], "kv_cache_tokens: the KV pool would hold 0 tokens"),
+    for args, says in ((["--max-total-tokens", "0"], "max_total_tokens: the KV pool would hold 0 tokens"),
                        (["--model", str(tmp_path / "missing")], "does not exist")):
         model = [] if args[0] == "--model" else ["--model", str(tiny_llama)]
         r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", "serve", *model, *args, "--port", "1"],
@@ -243,4 +243,4 @@ def test_an_engine_that_cannot_start_is_a_clean_error_and_leaves_nothing_behind(
         assert r.returncode == 2 and "radixserve: error: " in r.stderr and says in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr, r.stderr[-2000:]
     # the engine process that failed is gone (its command line holds its options as JSON)
-    assert subprocess.run(["pgrep", "-f", 'radixserve.engine.process .*"kv_cache_tokens": 0,']).returncode == 1
+    assert subprocess.run(["pgrep", "-f", 'radixserve.engine.process .*"max_total_tokens": 0']).returncode == 1

@@ -117,3 +117,16 @@ def test_the_server_reports_its_kv_dtype_bytes_per_token_and_capacity(tiny_llama
         assert "radixserve_kv_bytes_per_token 160.0" in text and "radixserve_kv_total_tokens 6553.0" in text
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.parametrize("options,says", [
+    (dict(kv_cache_memory_mb=0), "kv_cache_memory_mb: must be a positive integer, got 0"),
+    (dict(kv_cache_tokens=-5), "kv_cache_tokens: must be a positive integer, got -5"),
+    (dict(kv_cache_tokens=1000, kv_cache_memory_mb=100), "kv_cache_memory_mb: give it or kv_cache_tokens, not both"),
+    (dict(kv_mem_fraction=1.5), r"kv_mem_fraction: must be in \(0, 1\], got 1.5"),
+])
+def test_pool_sizes_are_refused_before_a_model_loads(options, says):
+    from radixserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=says):
+        EngineConfig.build(None, **options)

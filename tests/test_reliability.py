@@ -102,6 +102,7 @@ BAD = [
     ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= ("}}, 400, "sampling_params.ebnf"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": -5}}, 400, "top_k"),
     ("/generate", {"text": "hi", "priority": "high"}, 400, "priority"),
+    ("/generate", {"text": "hi", "priority": -9754709280149553020928}, 400, "priority"),  # past int64: found by the fuzzer
     ("/generate", {"text": "hi", "public_prefix_len": -3}, 400, "public_prefix_len"),
     ("/generate", {"text": "hi", "rid": 5}, 400, "rid"),
     ("/generate", {"text": ["a", "b"], "stream": True}, 400, "stream"),

@@ -64,7 +64,9 @@ class Engine(RequestFront):
             pack_linears(loaded.model, self.dtype, self.device)
             fuse = getattr(loaded.model, "fuse_decode", None)
             if fuse is not None and fuse():
-                log.info("decode steps run all %d layers in one native call", loaded.arch.num_layers)
+                how = "in one native call" if self.kv_dtype == self.dtype else \
+                    "layer by layer (the one-call step reads a pool in the activations' dtype only)"
+                log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -116,21 +118,18 @@ class Engine(RequestFront):
         free memory, over the bytes a token takes in the KV dtype (scales included)."""
         c, a = self.config, self.arch
         per_token = kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
-        if c.cache.kv_cache_tokens is not None and c.cache.kv_cache_memory_mb is not None:
-            raise ValueError("kv_cache_memory_mb: give it or kv_cache_tokens, not both")
         if c.cache.kv_cache_tokens is not None:
             n = c.cache.kv_cache_tokens
         elif c.cache.kv_cache_memory_mb is not None:
             n = (c.cache.kv_cache_memory_mb << 20) // per_token
         else:
             n = int(available_memory_bytes(self.device) * c.cache.kv_mem_fraction) // per_token
-        if c.sched.max_total_tokens is not None:
-            n = min(n, c.sched.max_total_tokens)
-        if c.cache.page_size < 1:
-            raise ValueError(f"page_size: must be at least 1, got {c.cache.page_size}")
+        given = "kv_cache_tokens" if c.cache.kv_cache_memory_mb is None else "kv_cache_memory_mb"
+        if c.sched.max_total_tokens is not None and c.sched.max_total_tokens < n:
+            n, given = c.sched.max_total_tokens, "max_total_tokens"
         n -= n % c.cache.page_size
         if n < 1:
-            raise ValueError(f"kv_cache_tokens: the KV pool would hold {n} tokens; give it at least one page")
+            raise ValueError(f"{given}: the KV pool would hold {n} tokens ({per_token} bytes each); give it at least one page")
         return n
 
     # -- grammars ---------------------------------------------------------------------------

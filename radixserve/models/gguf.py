@@ -164,7 +164,9 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     try:
         reader = GGUFReader(str(gguf_path))
     except Exception as e:  # a truncated or foreign file
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+        size = gguf_path.stat().st_size
+        hint = " (the file looks truncated: its tensors do not fit in its " + f"{size:,} bytes)" if "reshape" in str(e) else ""
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}{hint}: {e}") from e
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     permute = cfg.get("model_type") in ("llama", "mistral")
     fallback: dict[str, int] = {}

@@ -130,6 +130,9 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
         arch = read_arch(folder)
         model = _build(arch, dtype, device, iter_safetensors(folder))
         if quantization in quant.QUANTIZERS:
+            if gguf_file(path) is not None:
+                log.warning("quantization %s: %s is quantized again from its dequantized weights (rounded twice); "
+                            "--quantization auto serves the file's own blocks", quantization, path or "the default model")
             if cpu.ops() is None:
                 raise ModelLoadError(f"quantization {quantization}: needs radixserve's CPU kernels (kernels/cpu.py), "
                                      "which are not available here")

@@ -24,6 +24,8 @@ Stop = str | Annotated[list[str], Meta(max_length=MAX_STOPS)] | None
 StopTokenIds = Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None
 CacheSalt = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None
 Rid = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
+# crosses to the engine process as a msgpack int: bounded so a huge one is a 400, not an encoding error
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None
 
 
 class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -82,7 +84,7 @@ class GenerateRequest(_In):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False  # logprob triples carry the token's text (else null, as SGLang)
     rid: Rid = None
-    priority: int | None = None
+    priority: Priority = None
     cache_salt: CacheSalt = None
     public_prefix_len: int | None = None
 
@@ -193,7 +195,7 @@ class _OpenAISampling(_In):
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool = True
-    priority: int | None = None
+    priority: Priority = None
     cache_salt: CacheSalt = None
     public_prefix_len: int | None = None
     rid: Rid = None
