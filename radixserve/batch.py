@@ -43,6 +43,8 @@ class NativeDecode:
     rows: torch.Tensor
     table: torch.Tensor
     lens: torch.Tensor
+    k_scales: list[torch.Tensor] = field(default_factory=list)  # an int8 / fp8 pool's (empty: a float pool)
+    v_scales: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass

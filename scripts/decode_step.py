@@ -4,7 +4,7 @@ model, the head and an argmax; the median of several rounds. With --profile, tor
 op table over 10 steps (radixserve's native calls show as native::NAME).
 
     .venv/bin/python scripts/decode_step.py --dtype bfloat16 --batch 32 --context 200 [--kernels layers] [--profile]
-        [--quantization none]
+        [--quantization none] [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -29,17 +29,20 @@ def main() -> None:
                    help="fused: the decode step in one native call (the default); layers: native kernels called layer by "
                         "layer; torch: --disable-cpu-kernels (torch ops, oneDNN-packed linears)")
     p.add_argument("--quantization", default="auto", help="auto (the default model: its Q4_1 weights) | none | int8 | int4")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | bf16 | fp8_e4m3 | int8")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     b, ctx = args.batch, args.context
     eng = Engine(None, loop_thread=False, dtype=args.dtype, kv_cache_tokens=b * (ctx + 8) + 64,
-                 disable_cpu_kernels=args.kernels == "torch", quantization=args.quantization)
+                 disable_cpu_kernels=args.kernels == "torch", quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     torch.set_flush_denormal(True)
     model, backend = eng.runner.model, eng.runner.backend
     if args.kernels == "layers":
         model.model.fused = None
-    for t in eng.pool.k + eng.pool.v:
-        t.normal_()
+    for t in eng.pool.k + eng.pool.v:  # random K/V (a quantized pool: random codes at a plausible scale)
+        t.copy_(torch.randn(t.shape).clamp(-4, 4).mul(32 if t.dtype == torch.int8 else 1).to(t.dtype))
+    for t in eng.pool.k_scale + eng.pool.v_scale:
+        t.fill_(1 / 32 if eng.pool.kv_dtype == torch.int8 else 1.0)
 
     @torch.inference_mode()
     def step() -> torch.Tensor:

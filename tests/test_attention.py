@@ -196,11 +196,11 @@ def test_the_triton_backend_reads_a_quantized_pool_as_the_reference_does(kv_dtyp
 
 
 def test_the_fused_decode_step_is_offered_only_a_pool_in_the_activations_dtype():
-    """A decode-only batch (the fused step's case): offered for fp32 K/V, refused for int8, fp8
-    and bf16 (under fp32), which then run layer by layer."""
+    """A decode-only batch (the fused step's case): offered for fp32 K/V and for int8 / fp8 (with
+    their scales), refused for bf16 under fp32, which then runs layer by layer."""
     spec = [([i * 50 + j for j in range(20 + i)], 1) for i in range(4)]  # no shared slots: no fork group
     offered = {}
     for kv_dtype in (None, torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         _, batch = _forward("torch", _random_pool(256, 2, 64, seed=1, kv_dtype=kv_dtype), spec, 4, 2, 64, seed=2)
         offered[kv_dtype] = batch.attn_backend.native_decode(batch) is not None
-    assert offered == {None: True, torch.int8: False, torch.float8_e4m3fn: False, torch.bfloat16: False}
+    assert offered == {None: True, torch.int8: True, torch.float8_e4m3fn: True, torch.bfloat16: False}

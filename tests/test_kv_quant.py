@@ -87,13 +87,13 @@ def test_the_engine_serves_forks_and_prefix_hits_from_a_quantized_pool(tiny_llam
     for name in ("auto", kv_dtype):
         with Engine(str(tiny_llama), kv_cache_tokens=2048, chunked_prefill_size=64, kv_cache_dtype=name) as e:
             fused = e.runner.model.model.fused
-            assert fused is not None  # the fused decode step exists; a quantized pool must not take it
+            assert fused is not None  # the fused decode step exists, and takes int8 / fp8 pools too (with their scales)
             calls = []
             orig = fused.run
             fused.run = lambda *a, calls=calls, orig=orig: calls.append(1) or orig(*a)
             outs[name] = e.generate(first, params) + e.generate(then, params)
             assert e.stats().cached_prompt_tokens >= len(then) * 150 - len(then)
-            assert bool(calls) is (name == "auto")
+            assert calls  # decode-only steps ran in one native call
             assert_no_leak(e)
     for exact, got in zip(outs["auto"], outs[kv_dtype]):
         assert exact.token_ids[0] == got.token_ids[0]

@@ -105,16 +105,17 @@ def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama, page_size
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(tiny_llama, dtype):
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "fp8_e4m3"),
+                                      ("float32", "fp8_e4m3")])
+def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(tiny_llama, dtype, kv):
     """The same kernels in one native call or called layer by layer from Python: the same
-    tokens and logprobs, in both dtypes (a batch of three unrelated prompts: a fork group's
-    steps take the per-layer path either way)."""
+    tokens and logprobs, in both dtypes, over float and int8 / fp8 pools (a batch of three
+    unrelated prompts: a fork group's steps take the per-layer path either way)."""
     from radixserve import Engine
 
     prompts = [[(5 * i) % 200 + 3 for i in range(40)], [(7 * i) % 190 + 11 for i in range(23)], [4, 5, 6]]
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, return_logprob=True)
-    with Engine(str(tiny_llama), kv_cache_tokens=1024, dtype=dtype) as e:
+    with Engine(str(tiny_llama), kv_cache_tokens=1024, dtype=dtype, kv_cache_dtype=kv) as e:
         model = e.runner.model.model
         fused = model.fused
         assert fused is not None

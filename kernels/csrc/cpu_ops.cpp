@@ -1320,8 +1320,16 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, tor
                                          std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o_proj,
                                          std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> gate_up,
                                          std::vector<torch::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                         int64_t inter, double eps, double scale) {
+                                         int64_t inter, double eps, double scale, std::vector<torch::Tensor> k_scales,
+                                         std::vector<torch::Tensor> v_scales) {
   const size_t layers = in_norm.size();
+  const bool quantized = !k_scales.empty();  // an int8 / fp8 pool: stored and read with its scales
+  TORCH_CHECK(!quantized || (k_scales.size() == layers && v_scales.size() == layers),
+              "decode_layers: a quantized pool's scales, one per layer");
+  for (size_t i = 0; quantized && i < layers; ++i) {
+    check_scales(k_pools[i], k_scales[i], "decode_layers");
+    check_scales(v_pools[i], v_scales[i], "decode_layers");
+  }
   TORCH_CHECK(layers > 0, "decode_layers: no layers");
   TORCH_CHECK(k_pools.size() == layers && v_pools.size() == layers && qkv.size() == layers && o_proj.size() == layers &&
                   post_norm.size() == layers && gate_up.size() == layers && down.size() == layers,
@@ -1349,9 +1357,20 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, torch::Tensor cos, tor
     auto k = proj.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     auto v = proj.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
     rope_(q, k, cos, sin);
-    run_store(k_pools[i], v_pools[i], out_slots, k, v);
     auto attn = torch::empty({rows, heads, head_dim}, x.options());
-    run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, scale);
+    if (quantized) {  // store_kv_quant and decode_attention_quant, past their (once-only) checks
+      DISPATCH_FLOAT_BF16(x, "decode_layers", [&] {
+        DISPATCH_KV_QUANT(k_pools[i], "decode_layers", [&] {
+          store_kv_quant_impl<scalar, qtype>(k_pools[i], v_pools[i], k_scales[i], v_scales[i], out_slots.data_ptr<int64_t>(), k, v);
+          decode_attention_quant_impl<scalar, qtype>(q, k_pools[i], v_pools[i], k_scales[i], v_scales[i], attn, nullptr,
+                                                     rows_c.data_ptr<int64_t>(), table.data_ptr<int64_t>(), table.stride(0),
+                                                     lens_c.data_ptr<int64_t>(), table.size(0), float(scale));
+        });
+      });
+    } else {
+      run_store(k_pools[i], v_pools[i], out_slots, k, v);
+      run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, scale);
+    }
     auto o = any_linear(attn.view({rows, q_size}), o_proj[i], hidden, false);
     auto r = rms_norm(o, residual, post_norm[i], eps);
     residual = r[1];

@@ -74,11 +74,14 @@ class TorchFlashBackend(AttnBackend):
         return p.k[0].device.type == "cpu" and cpu.ops() is not None
 
     def native_decode(self, batch: ForwardBatch) -> NativeDecode | None:
-        """None for a pool not in the activations' dtype: the fused step stores and reads only that."""
+        """The fused step stores and reads a pool in the activations' dtype, or an int8 / fp8 one
+        with its scales; None for another float dtype (a bf16 pool under an fp32 model)."""
         meta = batch.attn_meta
-        if "dec_lens" not in meta or meta["extend"] or meta["dec_groups"] or self.pool.kv_dtype != self.pool.dtype:
+        pool = self.pool
+        if "dec_lens" not in meta or meta["extend"] or meta["dec_groups"] or (pool.kv_dtype != pool.dtype and not pool.quantized):
             return None
-        return NativeDecode(self.pool.k, self.pool.v, batch.out_slots, meta["dec_rows"], meta["dec_idx"], meta["dec_lens"])
+        return NativeDecode(pool.k, pool.v, batch.out_slots, meta["dec_rows"], meta["dec_idx"], meta["dec_lens"],
+                            pool.k_scale, pool.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)

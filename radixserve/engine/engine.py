@@ -16,6 +16,7 @@ import torch
 
 from grammars.spec import GrammarSpec
 from kernels import cpu as cpu_kernels
+from kernels.kv_quant import is_quantized
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
@@ -64,8 +65,8 @@ class Engine(RequestFront):
             pack_linears(loaded.model, self.dtype, self.device)
             fuse = getattr(loaded.model, "fuse_decode", None)
             if fuse is not None and fuse():
-                how = "in one native call" if self.kv_dtype == self.dtype else \
-                    "layer by layer (the one-call step reads a pool in the activations' dtype only)"
+                how = "in one native call" if self.kv_dtype == self.dtype or is_quantized(self.kv_dtype) else \
+                    "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch

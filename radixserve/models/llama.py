@@ -103,7 +103,8 @@ class FusedDecode:
     def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
         heads, kv_heads, head_dim, inter = self.shape
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
-                                             plan.lens, *self.weights, heads, kv_heads, head_dim, inter, self.eps, self.scale)
+                                             plan.lens, *self.weights, heads, kv_heads, head_dim, inter, self.eps, self.scale,
+                                             plan.k_scales, plan.v_scales)
         return x, residual
 
 
