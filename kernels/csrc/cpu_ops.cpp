@@ -63,6 +63,19 @@ T* ptr(const torch::Tensor& t) {
   } while (0)
 
 // --- decode attention ----------------------------------------------------------------------
+// Each query row of scores (group, n) replaced by exp(score - its max), with the max and the
+// sum kept (the caller divides): one pass over the float pool's scores or a quantized one's.
+inline void softmax_generic(float* scores, int64_t n, int64_t group, float* mx, float* sum) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    for (int64_t j = 0; j < n; ++j) z += (sg[j] = std::exp(sg[j] - m));
+    mx[g] = m;
+    sum[g] = z;
+  }
+}
+
 // One (request, KV head): scores of the group's scaled queries qf (group, dim) against the
 // n slots' keys, softmax, then the weighted sum of their values into acc (group, dim), with
 // each query's max and denominator. Scores live in `scores` (group, n).
@@ -77,14 +90,7 @@ void attend_generic(const float* qf, const T* kd, const T* vd, int64_t sk0, int6
       scores[g * n + j] = s;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    for (int64_t j = 0; j < n; ++j) z += (sg[j] = std::exp(sg[j] - m));
-    mx[g] = m;
-    sum[g] = z;
-  }
+  softmax_generic(scores, n, group, mx, sum);
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const T* vr = vd + slots[j] * sv0;
@@ -126,6 +132,28 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+inline void softmax_avx512(float* scores, int64_t n, int64_t group, float* mx, float* sum) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + j));
+    }
+    const float mm = _mm512_reduce_max_ps(m);
+    const __m512 mv = _mm512_set1_ps(mm);
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), mv));
+      _mm512_mask_storeu_ps(sg + j, k, e);
+      z = _mm512_mask_add_ps(z, k, z, e);
+    }
+    mx[g] = mm;
+    sum[g] = _mm512_reduce_add_ps(z);
+  }
 }
 
 // One head's K or V row (dim elements) on its way into the cache: the slots are scattered, so
@@ -178,25 +206,7 @@ void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64
       scores[g * n + j] = _mm512_reduce_add_ps(s);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * n;
-    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + j));
-    }
-    const float mm = _mm512_reduce_max_ps(m);
-    const __m512 mv = _mm512_set1_ps(mm);
-    __m512 z = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), mv));
-      _mm512_mask_storeu_ps(sg + j, k, e);
-      z = _mm512_mask_add_ps(z, k, z, e);
-    }
-    mx[g] = mm;
-    sum[g] = _mm512_reduce_add_ps(z);
-  }
+  softmax_avx512(scores, n, group, mx, sum);
   for (int64_t i = 0; i < group * dv; ++i) a[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < std::min<int64_t>(n, 8); ++j) prefetch_row(vd + slots[j] * sv0, dim * sizeof(T));
   for (int64_t j = 0; j < n; ++j) {
@@ -215,21 +225,16 @@ void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64
 // For request b: query row q[q_rows[b]] (heads, D) attends to the KV slots table[b, :lens[b]]
 // of the pools (slots, kv_heads, D). All query heads of one KV head are scored together, so
 // each K/V row is read once per group. Writes out[q_rows[b]] and, if given, lse[b, head].
-template <typename T>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::Tensor& vp, torch::Tensor& out,
-                           float* lse, const int64_t* rows, const int64_t* table, int64_t table_stride, const int64_t* lens,
-                           int64_t batch, float scale) {
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kp.size(1), group = heads / kv_heads;
+// attend(qf, kv_head, slots, n, scores, acc, mx, sum) reads one KV head's rows of the pool:
+// the float pool's (decode_attention_impl) or a quantized one's (decode_attention_quant_impl).
+template <typename T, typename Attend>
+void decode_rows(const torch::Tensor& q, int64_t kv_heads, torch::Tensor& out, float* lse, const int64_t* rows,
+                 const int64_t* table, int64_t table_stride, const int64_t* lens, int64_t batch, float scale,
+                 const Attend& attend) {
+  const int64_t heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
   const T* qd = ptr<T>(q);
-  const T* kd = ptr<T>(kp);
-  const T* vd = ptr<T>(vp);
   T* od = ptr<T>(out);
-  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = kp.stride(0), sk1 = kp.stride(1);
-  const int64_t sv0 = vp.stride(0), sv1 = vp.stride(1), so0 = out.stride(0), so1 = out.stride(1);
-  auto attend = attend_generic<T>;
-#if defined(__AVX512F__)
-  if (dim % 16 == 0 && dim / 16 <= MAX_DV && group <= MAX_GROUP) attend = attend_avx512<T>;
-#endif
+  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores, mx(group), sum(group);
     for (int64_t w = begin; w < end; ++w) {
@@ -239,8 +244,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, cons
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(qr, d) * scale;
       }
       scores.resize(group * n);
-      attend(qf.data(), kd + h * sk1, vd + h * sv1, sk0, sv0, table + b * table_stride, n, group, dim, scores.data(),
-             acc.data(), mx.data(), sum.data());
+      attend(qf.data(), h, table + b * table_stride, n, scores.data(), acc.data(), mx.data(), sum.data());
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = h * group + g;
         T* orow = od + row * so0 + head * so1;
@@ -250,6 +254,24 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, cons
       }
     }
   });
+}
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::Tensor& vp, torch::Tensor& out,
+                           float* lse, const int64_t* rows, const int64_t* table, int64_t table_stride, const int64_t* lens,
+                           int64_t batch, float scale) {
+  const int64_t dim = q.size(2), kv_heads = kp.size(1), group = q.size(1) / kv_heads;
+  const T* kd = ptr<T>(kp);
+  const T* vd = ptr<T>(vp);
+  const int64_t sk0 = kp.stride(0), sk1 = kp.stride(1), sv0 = vp.stride(0), sv1 = vp.stride(1);
+  auto attend = attend_generic<T>;
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim / 16 <= MAX_DV && group <= MAX_GROUP) attend = attend_avx512<T>;
+#endif
+  decode_rows<T>(q, kv_heads, out, lse, rows, table, table_stride, lens, batch, scale,
+                 [&](const float* qf, int64_t h, const int64_t* slots, int64_t n, float* scores, float* acc, float* mx, float* sum) {
+                   attend(qf, kd + h * sk1, vd + h * sv1, sk0, sv0, slots, n, group, dim, scores, acc, mx, sum);
+                 });
 }
 
 // The index checks of decode_attention, apart: a bad slot would read outside the pool, so
@@ -326,14 +348,7 @@ void attend_quant_generic(const float* qf, const E* kd, const E* vd, const float
       scores[g * n + j] = s * sc;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    for (int64_t j = 0; j < n; ++j) z += (sg[j] = std::exp(sg[j] - m));
-    mx[g] = m;
-    sum[g] = z;
-  }
+  softmax_generic(scores, n, group, mx, sum);
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const E* vr = vd + slots[j] * sv0;
@@ -390,25 +405,7 @@ void attend_quant_avx512(const float* qf, const E* kd, const E* vd, const float*
       scores[g * n + j] = _mm512_reduce_add_ps(s) * s0;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * n;
-    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + j));
-    }
-    const float mm = _mm512_reduce_max_ps(m);
-    const __m512 mv = _mm512_set1_ps(mm);
-    __m512 z = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), mv));
-      _mm512_mask_storeu_ps(sg + j, k, e);
-      z = _mm512_mask_add_ps(z, k, z, e);
-    }
-    mx[g] = mm;
-    sum[g] = _mm512_reduce_add_ps(z);
-  }
+  softmax_avx512(scores, n, group, mx, sum);
   for (int64_t i = 0; i < group * dv; ++i) a[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < std::min<int64_t>(n, 8); ++j) prefetch_row(vd + slots[j] * sv0, dim);
   for (int64_t j = 0; j < n; ++j) {
@@ -445,39 +442,22 @@ void decode_attention_quant_impl(const torch::Tensor& q, const torch::Tensor& kp
                                  const torch::Tensor& ksc, const torch::Tensor& vsc, torch::Tensor& out, float* lse,
                                  const int64_t* rows, const int64_t* table, int64_t table_stride, const int64_t* lens,
                                  int64_t batch, float scale) {
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = kp.size(1), group = heads / kv_heads;
-  const T* qd = ptr<T>(q);
+  const int64_t dim = q.size(2), kv_heads = kp.size(1), group = q.size(1) / kv_heads;
   const E* kd = ptr<E>(kp);
   const E* vd = ptr<E>(vp);
   const float* ks = ksc.data_ptr<float>();
   const float* vs = vsc.data_ptr<float>();
-  T* od = ptr<T>(out);
-  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = kp.stride(0), sk1 = kp.stride(1), sv0 = vp.stride(0);
-  const int64_t sv1 = vp.stride(1), so0 = out.stride(0), so1 = out.stride(1), sks0 = ksc.stride(0), svs0 = vsc.stride(0);
+  const int64_t sk0 = kp.stride(0), sk1 = kp.stride(1), sv0 = vp.stride(0), sv1 = vp.stride(1);
+  const int64_t sks0 = ksc.stride(0), svs0 = vsc.stride(0);
   auto attend = attend_quant_generic<E>;
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim / 16 <= MAX_DV && group <= MAX_GROUP) attend = attend_quant_avx512<E>;
 #endif
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores, mx(group), sum(group);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / kv_heads, h = w % kv_heads, n = lens[b], row = rows[b];
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qr = qd + row * sq0 + (h * group + g) * sq1;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(qr, d) * scale;
-      }
-      scores.resize(group * n);
-      attend(qf.data(), kd + h * sk1, vd + h * sv1, ks + h, vs + h, sk0, sv0, sks0, svs0, table + b * table_stride, n,
-             group, dim, scores.data(), acc.data(), mx.data(), sum.data());
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        T* orow = od + row * so0 + head * so1;
-        const float inv = n > 0 ? 1.f / sum[g] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) st(orow, d, acc[g * dim + d] * inv);
-        if (lse) lse[b * heads + head] = n > 0 ? mx[g] + std::log(sum[g]) : -std::numeric_limits<float>::infinity();
-      }
-    }
-  });
+  decode_rows<T>(q, kv_heads, out, lse, rows, table, table_stride, lens, batch, scale,
+                 [&](const float* qf, int64_t h, const int64_t* slots, int64_t n, float* scores, float* acc, float* mx, float* sum) {
+                   attend(qf, kd + h * sk1, vd + h * sv1, ks + h, vs + h, sk0, sv0, sks0, svs0, slots, n, group, dim, scores,
+                          acc, mx, sum);
+                 });
 }
 
 // The scales of a quantized pool: fp32 (slots, kv_heads), one per row of the pool.
