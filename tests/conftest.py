@@ -40,6 +40,16 @@ def cpu_kernels_built():
     cpu.ops()
 
 
+@pytest.fixture(scope="session")
+def ops():
+    """The built CPU kernels; a failed build fails the tests that need them (never a skip)."""
+    from kernels import cpu
+
+    mod = cpu.ops()
+    assert mod is not None, "the CPU kernels did not build (see the warning logged by kernels.cpu)"
+    return mod
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", help="the full soak (3,000 requests) instead of CI's bounded one (600)")
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
 from kernels.decode_attention import decode_attention_cpu, decode_attention_ref
 from kernels.store_kv import store_kv, store_kv_quant, store_kv_quant_ref, store_kv_ref
 from radixserve.models.layers import RMSNorm, apply_rope, rope_qk
@@ -22,13 +21,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def no_grad():
     with torch.no_grad():  # the kernels have no backward; under autograd the torch ops run
         yield
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = cpu.ops()
-    assert mod is not None, "the CPU kernels did not build (see the warning logged by kernels.cpu)"
-    return mod
 
 
 def _cpu_flags() -> set[str]:

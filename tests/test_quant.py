@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
 from radixserve import Engine, SamplingParams
 from radixserve.models import quant
 
@@ -19,14 +18,6 @@ from gguf import quants  # noqa: E402
 
 QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
 SHAPES = [(1, 32), (37, 64), (100, 96), (16, 576), (33, 160)]  # odd output counts: partial panels
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu.ops()
-    if built is None:
-        pytest.skip("radixserve's CPU kernels are not built here")
-    return built
 
 
 def gguf_blocks(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,3 +271,13 @@ def test_the_triton_kernel_computes_its_torch_reference(ops, monkeypatch, kind, 
     assert torch.allclose(ref, F.linear(x, w, bias), atol=1e-5)
     y = quant_matmul.quant_matmul_triton(x, packed, n, bias)
     assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(QTYPES))
+def test_a_quant_tensor_dequantizes_as_its_packed_form_does(ops, kind):
+    """QuantTensor.dequantize (gguf-py: a fused group of mixed kinds falls back to it) against
+    the kernels' dequant_quant of the same blocks."""
+    raw, ref = gguf_blocks(kind, 24, 64, seed=5)
+    q = quant.QuantTensor(kind, raw, 24, 64)
+    assert torch.equal(q.dequantize(), ref)
+    assert torch.equal(q.dequantize(), ops.dequant_quant(quant.pack(q), 24, 64, None))

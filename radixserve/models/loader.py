@@ -173,7 +173,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     for module, parts in list(shards.items()):  # a fused group mixing kinds, or partly float, runs in float
         if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
             log.warning("%s: shards of kinds %s are dequantized to float", module, sorted({p.kind for p in parts if p}))
-            floats += [(n, _dequantize(p)) for n, p in _shard_names(module, parts)]
+            floats += [(n, p.dequantize()) for n, p in _shard_names(module, parts)]
             del shards[module]
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
@@ -241,7 +241,3 @@ def _shard_names(module: str, parts: list[Any]) -> list[tuple[str, Any]]:
     prefix, _, leaf = module.rpartition(".")
     names = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(leaf, [leaf])
     return [(f"{prefix}.{n}.weight" if prefix else f"{n}.weight", p) for n, p in zip(names, parts) if p is not None]
-
-
-def _dequantize(q: Any) -> torch.Tensor:
-    return cpu.ops().dequant_quant(quant.pack(q), q.n, q.k, None)

@@ -63,6 +63,13 @@ class QuantTensor:
     def rows(self, index: torch.Tensor) -> QuantTensor:
         return QuantTensor(self.kind, self.raw.index_select(0, index), self.n, self.k)
 
+    def dequantize(self) -> torch.Tensor:
+        """fp32 (n, k), by gguf-py (what dequant_quant reproduces)."""
+        from gguf import GGMLQuantizationType, quants
+
+        values = quants.dequantize(self.raw.numpy(), GGMLQuantizationType[self.kind.upper()])
+        return torch.from_numpy(values.reshape(self.n, -1)[:, : self.k].copy())
+
 
 def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
     """Stack weights of one kind along the output dimension (q/k/v into qkv, gate/up)."""
