@@ -149,9 +149,7 @@ class QuantLinear(nn.Module):
             self.native_bias = self.bias.detach().float().contiguous()
 
     def dequantized(self) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.dequant_quant(self.packed, self.out_features, self.in_features, None)
-        return dequant_ref(self.packed, self.out_features, self.in_features)
+        return dequantize_packed(self.packed, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -182,13 +180,14 @@ class QuantEmbedding(nn.Module):
                                                    packed_bytes(kind), dtype=torch.uint8))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).long()
-        ops = cpu.ops() if self.packed.device.type == "cpu" else None
-        if ops is not None:
-            rows = ops.dequant_quant(self.packed, self.num_embeddings, self.embedding_dim, flat)
-        else:
-            rows = dequant_ref(self.packed, self.num_embeddings, self.embedding_dim, flat)
+        rows = dequantize_packed(self.packed, self.num_embeddings, self.embedding_dim, ids.reshape(-1).long())
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def dequantize_packed(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 rows (all: None) of a packed weight: the native kernel on CPU, torch elsewhere."""
+    ops = cpu.ops() if packed.device.type == "cpu" else None
+    return ops.dequant_quant(packed, n, k, rows) if ops is not None else dequant_ref(packed, n, k, rows)
 
 
 def weight_bytes(model: nn.Module) -> int:
