@@ -25,10 +25,17 @@ class SeqView:
     q_len: int  # tokens fed now
     prefix_len: int  # KV tokens before them
     slots: list[int]  # KV slots, len == prefix_len + q_len
+    draft: bool = False  # a decode with a speculative draft: its rows are verified like decode rows
 
     @property
     def kv_len(self) -> int:
         return self.prefix_len + self.q_len
+
+    def rows(self) -> list[SeqView]:
+        """Each fed token as a one-row view over the slots up to it (causal): a draft's rows then
+        attend exactly as the decodes they stand for would."""
+        return [SeqView(self.q_start + j, 1, self.prefix_len + j, self.slots[: self.prefix_len + j + 1])
+                for j in range(self.q_len)]
 
 
 @dataclass
@@ -71,8 +78,8 @@ class ForwardBatch:
         for it in plan.items:
             end = it.start + it.length
             slots = slots_of(it.req)[:end]
-            seqs.append(SeqView(len(ids), it.length, it.start, slots))
-            ids.extend(it.req.token_ids[it.start : end])
+            seqs.append(SeqView(len(ids), it.length, it.start, slots, it.spec is not None))
+            ids.extend(it.fed_ids)
             pos.extend(range(it.start, end))
             out.extend(slots[it.start : end])
 

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig
+from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig, SpecConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _NOT_FLAGS = {"path"}  # --model
@@ -28,7 +28,7 @@ def scalar_fields(*classes: type) -> dict[str, Flag]:
     return out
 
 
-_ENGINE_FLAGS = scalar_fields(ModelConfig, CacheConfig, SchedConfig, EngineConfig)
+_ENGINE_FLAGS = scalar_fields(ModelConfig, CacheConfig, SchedConfig, SpecConfig, EngineConfig)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -44,11 +44,12 @@ class TorchFlashBackend(AttnBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         dev = batch.input_ids.device
         meta = batch.attn_meta
-        meta["extend"] = [(s, _slots(s.slots[: s.prefix_len], dev)) for s in batch.seqs if s.q_len > 1]
-        dec = [s for s in batch.seqs if s.q_len == 1]
-        if not dec:
+        meta["extend"] = [(s, _slots(s.slots[: s.prefix_len], dev)) for s in batch.seqs if s.q_len > 1 and not s.draft]
+        owned = [(n, r) for n, s in enumerate(batch.seqs) if s.q_len == 1 or s.draft for r in (s.rows() if s.draft else [s])]
+        if not owned:
             return
-        groups, shared = _fork_groups(dec, dev)
+        dec = [r for _, r in owned]
+        groups, shared = _fork_groups(dec, [n for n, _ in owned], dev)
         rest = [s.slots[n:] for s, n in zip(dec, shared)]
         width = max(len(r) for r in rest)
         idx = torch.full((len(dec), width), self.pool.pad_slot, dtype=torch.int64)
@@ -145,15 +146,16 @@ def _slots(slots: list[int], dev: torch.device) -> slice | torch.Tensor:
     return torch.tensor(slots, dtype=torch.int64, device=dev)
 
 
-def _fork_groups(dec: list[SeqView], dev: torch.device) -> tuple[list[_Group], list[int]]:
-    """Decode sequences whose KV starts with the same slots (a fork off a cached prompt).
-    Returns the groups and, per sequence, how many leading slots its group covers."""
+def _fork_groups(dec: list[SeqView], owners: list[int], dev: torch.device) -> tuple[list[_Group], list[int]]:
+    """Decode rows of different requests whose KV starts with the same slots (a fork off a
+    cached prompt; a draft's rows are one request's). Returns the groups and, per row, how many
+    leading slots its group covers."""
     by_first: dict[int, list[int]] = {}
     for i, s in enumerate(dec):
         by_first.setdefault(s.slots[0], []).append(i)
     groups, shared = [], [0] * len(dec)
     for members in by_first.values():
-        if len(members) < 2:
+        if len({owners[i] for i in members}) < 2:
             continue
         head = dec[members[0]].slots
         n = min(common_prefix_len(head, dec[i].slots) for i in members[1:])

@@ -81,6 +81,19 @@ class PrefixCache(ABC):
     @abstractmethod
     def evictable_tokens(self) -> int: ...
 
+    def branches(self, ns: Namespace, tokens: list[int], public_len: int, context: int, limit: int) -> list[list[int]]:
+        """What other requests of namespace `ns` went on to write where they share a prefix with
+        `tokens` (speculative drafting, sched/spec.py): token runs, each the `context` tokens of
+        `tokens` before a branch point and then one cached path below it, most recently used
+        first, `limit` tokens in all. Read-only: touches no LRU time. Never another namespace's
+        tokens (PUBLIC ones neither). The null cache has none."""
+        return []
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the cached token sequences do (what `branches` returns may differ)."""
+        return 0
+
     @property
     def locked_tokens(self) -> int:
         return self.cached_tokens - self.evictable_tokens

@@ -70,6 +70,7 @@ class RadixCache(PrefixCache):
         self._cached = 0
         self._evictable = 0
         self._tick = 0
+        self._version = getattr(self, "_version", 0) + 1
         self.tenant_tokens: Counter[str | None] = Counter()
         self._namespaces: dict[Namespace, list[Any]] = {}  # ns -> [its one shared instance, nodes in it]
 
@@ -129,6 +130,59 @@ class RadixCache(PrefixCache):
         slots = chunks[0] if len(chunks) == 1 else [s for c in chunks for s in c]
         return PrefixMatch(n, list(slots), node)
 
+    def branches(self, ns: Namespace, tokens: list[int], public_len: int, context: int, limit: int) -> list[list[int]]:
+        # Walk `tokens` down without splitting or touching anything; then, from the deepest point
+        # up, collect the other cached paths of `ns` below each node on the way.
+        total = self.aligned(len(tokens))
+        plen = self.aligned(min(public_len, total))
+        path: list[tuple[Node, int]] = [(self.root, 0)]  # (node, tokens matched through it)
+        node, i = self.root, 0
+        inside: tuple[Node, int] | None = None  # the child the match ends within, and how far into it
+        while i < total:
+            cur, end = (PUBLIC, plen) if i < plen else (ns, total)
+            child = node.children.get((cur, self._child_key(tokens, i)))
+            if child is None:
+                break
+            n = self.aligned(common_prefix_len(child.key, tokens[i : min(i + len(child.key), end)]))
+            if n < len(child.key):
+                inside = (child, n) if n else None
+                break
+            node, i = child, i + n
+            path.append((node, i))
+        runs: list[list[int]] = []
+        budget = [limit]
+        if inside is not None and inside[0].ns != ns:
+            inside = None  # a PUBLIC edge: shared prompt text, not a branch of this namespace's
+        if inside is not None:  # the same prefix, continued: the rest of that edge and below it
+            child, n = inside
+            self._collect(child, tokens[max(i + n - context, 0) : i + n] + child.key[n:], ns, runs, budget)
+        taken = inside[0] if inside is not None else None
+        for node, depth in reversed(path):
+            head = tokens[max(depth - context, 0) : depth]
+            for child in sorted(node.children.values(), key=lambda c: -c.last_access):
+                if child is not taken and child.ns == ns and budget[0] > 0:
+                    self._collect(child, head + child.key, ns, runs, budget)
+            taken = node
+        return runs
+
+    def _collect(self, node: Node, run: list[int], ns: Namespace, runs: list[list[int]], budget: list[int]) -> None:
+        """Every root-to-leaf path below `node` (its edge already in `run`), most recent first."""
+        stack = [(node, run)]
+        while stack and budget[0] > 0:
+            node, run = stack.pop()
+            kids = sorted((c for c in node.children.values() if c.ns == ns), key=lambda c: c.last_access)
+            if not kids:
+                run = run[: budget[0]]
+                budget[0] -= len(run)
+                runs.append(run)
+                continue
+            for c in kids:  # the most recent is popped first
+                stack.append((c, run + c.key))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
     # -- insert -----------------------------------------------------------------------------
     def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0) -> int:
         total = len(tokens)
@@ -147,6 +201,7 @@ class RadixCache(PrefixCache):
         return dup
 
     def _account(self, node: Node, sign: int) -> None:
+        self._version += 1
         n = sign * len(node.key)
         self._cached += n
         self._evictable += n  # new and removed nodes are unlocked

@@ -36,6 +36,7 @@ from radixserve.models.quant import weight_bytes
 from radixserve.request import Req, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.spec import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Engine(RequestFront):
         self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype)
         self.num_slots = self.pool.num_slots
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
-        self.scheduler = Scheduler(cfg.sched, self.cache)
+        self.scheduler = Scheduler(cfg.sched, self.cache, self._proposer())
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # warms a compile worker in the background
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
@@ -107,6 +108,14 @@ class Engine(RequestFront):
     def add(self, req: Req, sink: Callable[[Delta], None]) -> None:
         """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""
         self._loop.add(req, sink)
+
+    def _proposer(self) -> NgramProposer | None:
+        s = self.config.spec
+        if s.speculative == "none":
+            return None
+        fixed = s.spec_fixed_cost_rows or (64.0 if self.device.type == "cuda" else 3.0)
+        return NgramProposer(s, self.cache, self.eos_ids, self.context_len, fixed, self.tokenizer.decode,
+                             not self.config.disable_jump_forward)
 
     def _prefix_cache(self) -> PrefixCache:
         c = self.config.cache

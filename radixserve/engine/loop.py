@@ -132,8 +132,8 @@ class EngineLoop:
             req.error = f"internal error in the forward step: {e!r}"
             req.finish(FinishReason.ERROR)
         else:
-            self.scheduler.process(plan)
-            self.post.process(plan, result)
+            kept = self.post.process(plan, result)
+            self.scheduler.process(plan, result.accepted, kept)
 
     def _reap(self) -> None:
         self.post.finish(self.scheduler.reap())

@@ -59,21 +59,31 @@ class PostProcessor:
         self.streams[req.rid] = _Stream(req, detok, sink)
         return True
 
-    def process(self, plan: SchedulePlan, result: StepResult) -> None:
-        for it, tok, lp in zip(plan.items, result.tokens, result.logprobs):
+    def process(self, plan: SchedulePlan, result: StepResult) -> list[int]:
+        """Append each item's tokens; returns how many each appended. A speculative item's
+        tokens are appended in order until one finishes the request or the grammar forces text
+        after one (jump-forward appends it): the tokens after that were verified in a context
+        without it, so they are dropped, exactly as decoding one token at a time would have."""
+        kept = [0] * len(plan.items)
+        for n, (it, toks, lps) in enumerate(zip(plan.items, result.tokens, result.logprobs)):
             req = it.req
             st = self.streams[req.rid]
             try:
                 req.prompt_logprobs.extend(result.prompt_logprobs.get(req.rid, ()))
                 if not it.samples or req.finish_reason is not None:
                     continue
-                if tok is None:  # nothing sampled: max_new_tokens=0
+                if not toks:  # nothing sampled: max_new_tokens=0
                     req.finish(FinishReason.LENGTH)
                     continue
-                req.append_token(tok, self.eos_ids, self.context_len)
-                if lp is not None:
-                    req.output_logprobs.append(lp)
-                self._text(req, st, tok)
+                for tok, lp in zip(toks, lps):
+                    req.append_token(tok, self.eos_ids, self.context_len)
+                    kept[n] += 1
+                    if lp is not None:
+                        req.output_logprobs.append(lp)
+                    size = len(req.token_ids)
+                    self._text(req, st, tok)
+                    if req.finish_reason is not None or len(req.token_ids) != size:
+                        break
                 if req.finish_reason is None:
                     self._emit(st, finished=False)
             except stop_regex.StopRegexTimeout as e:  # the caller's pattern: only this request fails, saying why
@@ -83,6 +93,7 @@ class PostProcessor:
                 log.exception("post-processing failed for %s", req.rid)
                 req.error = f"internal error while detokenizing: {e!r}"
                 req.finish(FinishReason.ERROR)
+        return kept
 
     def _text(self, req: Req, st: _Stream, tok: int) -> None:
         st.detok.add(tok)

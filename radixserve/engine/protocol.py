@@ -45,6 +45,12 @@ class EngineStats:
     decode_tokens: int = 0
     retractions: int = 0
     finished: int = 0
+    spec_draft_tokens: int = 0  # speculative draft tokens fed to the model
+    spec_accepted_tokens: int = 0  # of those, the ones the sampler itself would have produced
+    spec_verifies: int = 0  # decodes that carried a draft
+    spec_emitted_tokens: int = 0  # tokens those decodes appended (accepted drafts, then the sampler's next token)
+    spec_cache_draft_tokens: int = 0  # draft tokens found in the namespace's cached branches (the rest: own tokens)
+    spec_cache_accepted_tokens: int = 0
     engine_rss_bytes: int = 0  # the engine process's resident memory (0 for an engine in the caller's process)
     kv_dtype: str = ""  # what the KV pool stores: the activations' dtype, bfloat16, int8 or float8_e4m3fn
     kv_bytes_per_token: int = 0  # K and V of one token in every layer, scales included

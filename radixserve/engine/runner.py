@@ -18,8 +18,9 @@ from radixserve.sched.scheduler import PlanItem, SchedulePlan
 
 @dataclass
 class StepResult:
-    tokens: list[int | None]  # one per plan item; None where the item does not sample
-    logprobs: list[TokenLogprob | None]
+    tokens: list[list[int]]  # per plan item, the tokens it produced (empty where it does not sample)
+    logprobs: list[list[TokenLogprob | None]]  # one per token
+    accepted: list[int]  # per item, how many of its draft tokens the model agreed with
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rid -> new entries
 
 
@@ -42,37 +43,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan, slots_of: Callable[[Req], list[int]]) -> StepResult:
+        """A sampling item samples its last fed row; one with a draft samples every row (row j:
+        the token after the pending one and draft[:j]) and keeps the rows up to the first draft
+        token the sampler did not produce, plus the token it produced there instead."""
         if self.fault_hook is not None:
             self.fault_hook(plan)
         batch = ForwardBatch.from_plan(plan, slots_of, self.backend, self.device)
-        samplers = [it.req for it in plan.items if it.samples and it.req.max_new_tokens > 0]
+        sampling = [i for i, it in enumerate(plan.items) if it.samples and it.req.max_new_tokens > 0]
+        row_reqs = [plan.items[i].req for i in sampling for _ in range(1 + len(plan.items[i].draft))]
+        row_drafts = [plan.items[i].draft[:j] for i in sampling for j in range(1 + len(plan.items[i].draft))]
         masks = None  # grammar rows are filled on a helper thread while the model runs
-        if any(r.grammar is not None for r in samplers):
-            masks = self._mask_pool.submit(self.sampler.grammar_masks, samplers)
+        if any(r.grammar is not None for r in row_reqs):
+            masks = self._mask_pool.submit(self.sampler.grammar_masks, row_reqs, row_drafts)
         hidden = self.model(batch)
         rows: list[int] = []
-        sample_at: list[tuple[int, int]] = []  # (item index, index into rows)
         prompt_at: list[tuple[Req, list[int], int]] = []  # (req, target positions, first index into rows)
-        for i, (it, seq) in enumerate(zip(plan.items, batch.seqs)):
+        for it, seq in zip(plan.items, batch.seqs):
             targets = _prompt_targets(it)
             if targets:
                 prompt_at.append((it.req, targets, len(rows)))
                 rows.extend(seq.q_start + t - 1 - it.start for t in targets if t > 0)
-            if it.samples and it.req.max_new_tokens > 0:
-                sample_at.append((i, len(rows)))
-                rows.append(seq.q_start + it.length - 1)
-        result = StepResult([None] * len(plan.items), [None] * len(plan.items))
+        sample_from = len(rows)
+        for i in sampling:
+            it, seq = plan.items[i], batch.seqs[i]
+            n = 1 + len(it.draft)
+            rows.extend(seq.q_start + it.length - n + j for j in range(n))
+        n_items = len(plan.items)
+        result = StepResult([[] for _ in range(n_items)], [[] for _ in range(n_items)], [0] * n_items)
         if not rows:  # nothing to score but maybe a one-token prompt's first token (it has no logprob)
             for req, targets, _ in prompt_at:
                 result.prompt_logprobs[req.rid] = self._prompt_logprobs(req, targets, None, 0)
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        if sample_at:
-            reqs = [plan.items[i].req for i, _ in sample_at]
-            toks, lps = self.sampler.sample(logits[torch.tensor([r for _, r in sample_at], device=self.device)], reqs,
-                                            masks.result() if masks is not None else None)
-            for (i, _), tok, lp in zip(sample_at, toks, lps):
-                result.tokens[i], result.logprobs[i] = tok, lp
+        if sampling:
+            toks, lps = self.sampler.sample(logits[sample_from:], row_reqs, masks.result() if masks is not None else None,
+                                            row_drafts)
+            at = 0
+            for i in sampling:
+                draft = plan.items[i].draft
+                n = 1 + len(draft)
+                t = toks[at : at + n]
+                a = 0
+                while a < len(draft) and t[a] == draft[a]:
+                    a += 1
+                result.tokens[i], result.logprobs[i], result.accepted[i] = t[: a + 1], lps[at : at + a + 1], a
+                at += n
         for req, targets, first in prompt_at:
             result.prompt_logprobs[req.rid] = self._prompt_logprobs(req, targets, logits, first)
         return result

@@ -50,14 +50,18 @@ class Sampler:
         return g
 
     def sample(
-        self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None = None
+        self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: (len(reqs), vocab) float32; rows beyond `vocab_size` (padding) are never chosen."""
+        """logits: (len(reqs), vocab) float32; rows beyond `vocab_size` (padding) are never chosen.
+        A request may own several consecutive rows (a speculative draft's): `drafts[i]` are the
+        draft tokens before row i, so its penalties and grammar mask are those after them."""
         logits = logits[:, : self.vocab_size]
         raw = logits
+        drafts = drafts if drafts is not None else [()] * len(reqs)
         want_lp = [i for i, r in enumerate(reqs) if r.params.return_logprob]
-        logits = self._apply_penalties(logits.clone(), reqs)
-        self._apply_grammars(logits, reqs, masks)
+        logits = self._apply_penalties(logits.clone(), reqs, drafts)
+        self._apply_grammars(logits, reqs, masks, drafts)
         tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
@@ -81,37 +85,61 @@ class Sampler:
                 lps[i] = e
         return out, lps
 
-    def grammar_masks(self, reqs: Sequence[Req]) -> tuple[list[int], torch.Tensor]:
+    def grammar_masks(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]] | None = None) -> tuple[list[int], torch.Tensor]:
         """The constrained rows among reqs and their bitmask, filled by the matchers on the CPU
-        (the runner calls this on a helper thread while the model runs)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar_active]
-        mask = torch.zeros(len(rows), self.mask_words, dtype=torch.int32)
-        for j, i in enumerate(rows):
-            reqs[i].grammar.fill_bitmask(mask, j)
-        return rows, mask
+        (the runner calls this on a helper thread while the model runs). A draft's rows are
+        filled with its matcher advanced through the draft tokens before them, and rolled back
+        after; a row whose state the matcher cannot reach (a draft token it rejects, or a
+        finished grammar) is left unconstrained: the rows before it refuse that token, so its
+        sample is never kept."""
+        drafts = drafts if drafts is not None else [()] * len(reqs)
+        rows: list[int] = []
+        mask = torch.zeros(len(reqs), self.mask_words, dtype=torch.int32)
+        i = 0
+        while i < len(reqs):
+            req = reqs[i]
+            j = i + 1
+            while j < len(reqs) and reqs[j] is req:
+                j += 1
+            if req.grammar is not None and req.grammar_active:
+                m, advanced = req.grammar, 0
+                for row in range(i, j):
+                    draft = drafts[row]
+                    while advanced < len(draft) and not m.is_terminated() and m.accept(draft[advanced]):
+                        advanced += 1
+                    if advanced < len(draft) or (draft and m.is_terminated()):
+                        break  # unreachable from here on
+                    m.fill_bitmask(mask, len(rows))
+                    rows.append(row)
+                if advanced:
+                    m.rollback(advanced)
+            i = j
+        return rows, mask[: len(rows)]
 
-    def _apply_grammars(self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None) -> None:
+    def _apply_grammars(self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None,
+                        drafts: Sequence[Sequence[int]]) -> None:
         """One copy of the mask to the device; the kernel masks only the constrained rows."""
-        rows, mask = masks if masks is not None else self.grammar_masks(reqs)
+        rows, mask = masks if masks is not None else self.grammar_masks(reqs, drafts)
         if not rows:
             return
         from kernels.bitmask import apply_bitmask
 
         apply_bitmask(logits, mask.to(logits.device), torch.tensor(rows, device=logits.device))
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
         for i, r in enumerate(reqs):
-            p = r.params
-            if r.output_len < p.min_new_tokens and not (r.grammar is not None and r.grammar_active):  # a grammar decides
+            p, extra = r.params, list(drafts[i])
+            out_len = r.output_len + len(extra)
+            if out_len < p.min_new_tokens and not (r.grammar is not None and r.grammar_active):  # a grammar decides
                 banned = ([] if p.ignore_eos else self.eos_ids) + list(p.stop_token_ids or [])
                 if banned:
                     logits[i, banned] = float("-inf")
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.token_ids)), device=logits.device)
+                seen = torch.tensor(sorted(set(r.token_ids).union(extra)), device=logits.device)
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.frequency_penalty or p.presence_penalty) and r.output_len:
-                counts = torch.bincount(torch.tensor(r.output_ids, device=logits.device), minlength=logits.shape[1])
+            if (p.frequency_penalty or p.presence_penalty) and out_len:
+                counts = torch.bincount(torch.tensor(r.output_ids + extra, device=logits.device), minlength=logits.shape[1])
                 counts = counts[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits

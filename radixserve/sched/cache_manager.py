@@ -72,6 +72,11 @@ class CacheManager:
         """Cached prefix length the request would get if admitted now (nothing is locked)."""
         return self.prefix.match(self.namespace(req), req.token_ids[: self.match_limit(req)], req.public_prefix_len).length
 
+    def branches(self, req: Req, context: int, limit: int) -> list[list[int]]:
+        """What other requests of its namespace wrote where they share a prefix with it
+        (`PrefixCache.branches`: speculative drafts; never another namespace's tokens)."""
+        return self.prefix.branches(self.namespace(req), req.token_ids, req.public_prefix_len, context, limit)
+
     # -- lifecycle --------------------------------------------------------------------------
     def admit(self, req: Req) -> None:
         """Match and lock the cached prefix; the request then feeds only the rest."""
@@ -80,14 +85,16 @@ class CacheManager:
         self._table[req.rid] = _Entry(list(m.slots), m.handle, m.length)
         req.cached_len = req.computed_len = m.length
 
-    def alloc(self, req: Req, n: int) -> bool:
+    def alloc(self, req: Req, n: int, evict: bool = True) -> bool:
         """Append n slots to the request's table (the rest of its last page first), evicting
-        unlocked cached leaves when free pages run short."""
+        unlocked cached leaves when free pages run short (unless `evict` is False)."""
         slots = self._table[req.rid].slots
         spare = min((-len(slots)) % self.page_size, n)
         fresh: list[int] = []
         if n > spare:
             got = self.allocator.alloc(n - spare)
+            if got is None and not evict:
+                return False
             if got is None:
                 need = -(-(n - spare) // self.page_size) * self.page_size - self.allocator.num_free
                 freed = self.prefix.evict(need)
@@ -101,6 +108,23 @@ class CacheManager:
             slots.extend(range(slots[-1] + 1, slots[-1] + 1 + spare))
         slots.extend(fresh)
         return True
+
+    def trim(self, req: Req) -> None:
+        """Give back the slots past computed_len (the rejected part of a draft): pages the
+        request no longer touches go back to the allocator; the rest of its last page stays
+        its spare room, as `alloc` expects."""
+        entry = self._table.get(req.rid)
+        if entry is None or len(entry.slots) <= req.computed_len:
+            return
+        keep = max(req.computed_len, entry.cached)
+        cut = entry.slots[keep:]
+        del entry.slots[keep:]
+        ps = self.page_size
+        if ps > 1 and entry.slots:  # the kept part's last page stays (free() frees whole pages)
+            last = entry.slots[-1] // ps
+            cut = [s for s in cut if s // ps != last]
+        if cut:
+            self.allocator.free(cut)
 
     def cache_prefix(self, req: Req) -> None:
         """After a prefill chunk: hand the computed whole pages to the prefix cache, so other

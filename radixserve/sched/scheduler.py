@@ -15,24 +15,37 @@ from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.policy import Policy, keep_key
 from radixserve.sched.prefill import PrefillAdder
 from radixserve.sched.siblings import SiblingGate
+from radixserve.sched.spec import Draft, NgramProposer
 
 
 @dataclass
 class PlanItem:
-    """Feed req.token_ids[start : start + length] (their KV slots are allocated)."""
+    """Feed req.token_ids[start : start + length] (their KV slots are allocated); with a
+    speculative draft, its tokens follow, and `length` counts them too."""
 
     req: Req
     start: int
     length: int
+    spec: Draft | None = None
+
+    @property
+    def draft(self) -> list[int]:
+        return self.spec.tokens if self.spec is not None else []
+
+    @property
+    def fed_ids(self) -> list[int]:
+        n = len(self.draft)
+        return self.req.token_ids[self.start : self.start + self.length - n] + self.draft
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so the next token is sampled."""
-        return self.start + self.length == len(self.req.token_ids)
+        """The chunk reaches the end of the request's tokens, so the next token is sampled
+        (after each draft token too)."""
+        return self.start + self.length - len(self.draft) == len(self.req.token_ids)
 
     @property
     def is_decode(self) -> bool:
-        return self.length == 1 and self.start >= self.req.prompt_len
+        return self.length - len(self.draft) == 1 and self.start >= self.req.prompt_len
 
 
 @dataclass
@@ -52,12 +65,19 @@ class SchedCounters:
     decode_tokens: int = 0
     retractions: int = 0
     finished: int = 0
+    spec_draft_tokens: int = 0  # speculative draft tokens fed to the model
+    spec_accepted_tokens: int = 0  # of those, what the sampler itself would have produced
+    spec_verifies: int = 0  # decodes that carried a draft
+    spec_emitted_tokens: int = 0  # tokens those decodes produced (accepted drafts and the next token)
+    spec_cache_draft_tokens: int = 0  # draft tokens found in the namespace's cached branches
+    spec_cache_accepted_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedConfig, cache: CacheManager) -> None:
+    def __init__(self, cfg: SchedConfig, cache: CacheManager, proposer: NgramProposer | None = None) -> None:
         self.cfg = cfg
         self.cache = cache
+        self.proposer = proposer  # speculative drafts (None: off)
         self.policy = Policy(cfg.schedule_policy, cfg.lpm_queue_cap)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -141,6 +161,19 @@ class Scheduler:
                 continue
             victim = order.pop()
             self._retract(victim)
+        if self.proposer is not None:
+            self._draft([it for it in plan.items if it.is_decode])
+
+    def _draft(self, decodes: list[PlanItem]) -> None:
+        """Speculative drafts for the decodes, where memory is free without evicting anything
+        (drafted slots are given back after the step unless accepted)."""
+        assert self.proposer is not None
+        self.proposer.end_step()
+        for it in decodes:
+            d = self.proposer.propose(it.req, len(decodes))
+            if d is not None and self.cache.alloc(it.req, len(d.tokens), evict=False):
+                it.spec = d
+                it.length += len(d.tokens)
 
     def _retract(self, req: Req) -> None:
         self.cache.release(req)
@@ -152,16 +185,35 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # -- results ----------------------------------------------------------------------------
-    def process(self, plan: SchedulePlan) -> None:
+    def process(self, plan: SchedulePlan, accepted: list[int] | None = None, kept: list[int] | None = None) -> None:
         """Advance each item past the tokens it fed, and cache what a prefill computed (the
-        sampled tokens are the post-processing stage's: engine.postprocess)."""
-        for item in plan.items:
+        sampled tokens were appended by the post-processing stage: engine.postprocess). An item
+        with a draft keeps the KV of its pending token and of the draft tokens that were kept
+        (`kept`: the tokens the step appended, each draft token's KV then matches its token);
+        the rest of its slots go back at once. `accepted`: draft tokens the model agreed with."""
+        c = self.counters
+        none = [0] * len(plan.items)
+        for item, acc, k in zip(plan.items, accepted or none, kept or none):
             req = item.req
+            if item.spec is not None:
+                req.computed_len = item.start + max(k, 1)
+                self.cache.trim(req)
+                c.spec_draft_tokens += len(item.draft)
+                c.spec_accepted_tokens += acc
+                c.spec_verifies += 1
+                c.spec_emitted_tokens += k
+                if item.spec.from_cache:
+                    c.spec_cache_draft_tokens += len(item.draft)
+                    c.spec_cache_accepted_tokens += acc
+                c.decode_tokens += k
+                assert self.proposer is not None
+                self.proposer.observe(req, item.spec, acc)
+                continue
             req.computed_len = item.start + item.length
             if item.is_decode:
-                self.counters.decode_tokens += 1
+                c.decode_tokens += 1
             else:
-                self.counters.prefill_tokens_computed += item.length
+                c.prefill_tokens_computed += item.length
                 if req.finish_reason is None:
                     self.cache.cache_prefix(req)  # reusable before the request finishes
 
@@ -173,4 +225,6 @@ class Scheduler:
             (self.running if req.status is ReqStatus.RUNNING else self.waiting).remove(req)
             req.status = ReqStatus.FINISHED
             self.counters.finished += 1
+            if self.proposer is not None:
+                self.proposer.release(req.rid)
         return done
