@@ -256,11 +256,41 @@ def test_seeded_sampling_has_the_same_token_distribution_with_speculation(tiny_l
     n = 400
     params = [SamplingParams(max_new_tokens=6, temperature=0.7, top_k=8, seed=s, ignore_eos=True) for s in range(n)]
     prompts = [PROMPTS[2]] * n
-    base, _ = _run(tiny_llama, prompts, params, rounds=1, kv_cache_tokens=16384, max_running_requests=64)
-    spec, st = _run(tiny_llama, prompts, params, rounds=1, kv_cache_tokens=16384, max_running_requests=64, **FORCE)
+    base, _ = _run(tiny_llama, prompts, params, rounds=1, kv_cache_tokens=16384, max_running_requests=16)
+    spec, st = _run(tiny_llama, prompts, params, rounds=1, kv_cache_tokens=16384, max_running_requests=16, **FORCE)
     assert st.spec_accepted_tokens > 200, st  # enough samples went through accepted drafts
     for pos in range(1, 6):
         z = _chi2_same(Counter(o.token_ids[pos] for o in base), Counter(o.token_ids[pos] for o in spec))
         assert z < 4.0, (pos, z)
     pairs = _chi2_same(Counter(tuple(o.token_ids[1:3]) for o in base), Counter(tuple(o.token_ids[1:3]) for o in spec))
     assert pairs < 4.0
+
+
+# -- served: flags, /server_info, /metrics, the openai client -------------------------------
+def test_a_speculating_server_reports_drafts_and_answers_the_openai_client_as_without(tiny_llama, tmp_path):
+    import urllib.request
+
+    from openai import OpenAI
+    from server_helpers import ServerProcess
+
+    log = tmp_path / "server.log"
+    on = ServerProcess(tiny_llama, "--speculative", "ngram", "--spec-fixed-cost-rows", "1e9", "--spec-max-draft", "6", log=log)
+    try:
+        client = OpenAI(base_url=on.url + "/v1", api_key="none")
+        msgs = [{"role": "user", "content": "Paris is the capital of France, and Berlin is"}]
+        model = client.models.list().data[0].id
+        first, again = (client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0) for _ in range(2))
+        assert first.choices[0].message.content == again.choices[0].message.content
+        _, info = on.get("/server_info")
+        assert info["speculative"]["method"] == "ngram" and info["speculative"]["max_draft"] == 6
+        stats = info["speculative_stats"]
+        assert stats["accepted_tokens"] > 0 and 0 < stats["acceptance_rate"] <= 1 and stats["tokens_per_verify"] > 1
+        with urllib.request.urlopen(on.url + "/metrics") as r:
+            metrics = r.read().decode()
+        drafted = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("radixserve_spec_draft_tokens_total"))
+        assert drafted == stats["draft_tokens"] > 0
+        assert "radixserve_spec_acceptance_rate" in metrics
+        kv = on.wait_idle()
+        assert kv["kv_in_use_slots"] == 0
+    finally:
+        assert on.stop() == 0, log.read_text()

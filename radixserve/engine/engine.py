@@ -30,7 +30,7 @@ from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.protocol import EngineStats
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
-from radixserve.models.linear import pack_linears
+from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
 from radixserve.models.quant import weight_bytes
 from radixserve.request import Req, SamplingParams
@@ -114,8 +114,9 @@ class Engine(RequestFront):
         if s.speculative == "none":
             return None
         fixed = s.spec_fixed_cost_rows or (64.0 if self.device.type == "cuda" else 3.0)
+        rows = PACKED_MAX_ROWS if self.device.type == "cpu" else 1 << 30
         return NgramProposer(s, self.cache, self.eos_ids, self.context_len, fixed, self.tokenizer.decode,
-                             not self.config.disable_jump_forward)
+                             not self.config.disable_jump_forward, rows)
 
     def _prefix_cache(self) -> PrefixCache:
         c = self.config.cache

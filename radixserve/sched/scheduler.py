@@ -169,9 +169,15 @@ class Scheduler:
         (drafted slots are given back after the step unless accepted)."""
         assert self.proposer is not None
         self.proposer.end_step()
+        room = self.proposer.max_rows - len(decodes)
         for it in decodes:
+            if room <= 0:
+                break
             d = self.proposer.propose(it.req, len(decodes))
+            if d is not None:
+                del d.tokens[room:]
             if d is not None and self.cache.alloc(it.req, len(d.tokens), evict=False):
+                room -= len(d.tokens)
                 it.spec = d
                 it.length += len(d.tokens)
 

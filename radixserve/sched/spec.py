@@ -60,8 +60,12 @@ class Draft:
 
 class NgramProposer:
     def __init__(self, cfg: SpecConfig, cache: CacheManager, eos_ids: set[int], context_len: int, fixed_cost_rows: float,
-                 decode: Callable[[list[int]], str] | None = None, jump_forward: bool = True) -> None:
+                 decode: Callable[[list[int]], str] | None = None, jump_forward: bool = True, max_rows: int = 1 << 30) -> None:
+        """max_rows: most rows a step's decodes and drafts may take together (on a CPU, the
+        native kernels' bound: past it a step computes every row another way, and its numbers
+        would depend on the drafts)."""
         self.cfg = cfg
+        self.max_rows = max_rows
         self.cache = cache
         self.eos_ids = frozenset(eos_ids)
         self.context_len = context_len

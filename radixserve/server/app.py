@@ -104,6 +104,7 @@ async def server_info(request: web.Request) -> web.Response:
     if tenant.admin:  # the global counters say what every tenant sent: admins only
         adm = state.admission
         extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(e.snapshot()), engine_pid=e.pid,
+                     speculative_stats=spec_stats(e.snapshot()),
                      tenants={t: vars(u) for t, u in state.usage.items()},
                      open_connections=state.connections.open if state.connections else None)
     else:
@@ -131,6 +132,7 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": e.config.sched.max_running_requests,
         "page_size": e.config.cache.page_size,
         "radix_cache": not e.config.cache.disable_radix_cache,
+        "speculative": _spec_config(e.config.spec),
         **_kv_pool(e.snapshot()),
         **extra,
     })
@@ -139,6 +141,23 @@ async def server_info(request: web.Request) -> web.Response:
 def _kv_pool(s: EngineStats) -> dict[str, Any]:
     """What the KV pool stores and holds: its dtype, a token's bytes (scales included), its tokens."""
     return {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots}
+
+
+def _spec_config(c: Any) -> dict[str, Any] | None:
+    if c.speculative == "none":
+        return None
+    return {"method": c.speculative, "max_draft": c.spec_max_draft, "ngram_min": c.spec_ngram_min, "ngram_max": c.spec_ngram_max,
+            "max_batch": c.spec_max_batch, "fixed_cost_rows": c.spec_fixed_cost_rows}
+
+
+def spec_stats(s: EngineStats) -> dict[str, Any]:
+    """Drafted and accepted tokens, the acceptance rate, and the tokens a decode with a draft
+    produced on average (accepted draft tokens plus the one it always samples)."""
+    return {"draft_tokens": s.spec_draft_tokens, "accepted_tokens": s.spec_accepted_tokens,
+            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0,
+            "verifies": s.spec_verifies,
+            "tokens_per_verify": s.spec_emitted_tokens / s.spec_verifies if s.spec_verifies else 0.0,
+            "cache_draft_tokens": s.spec_cache_draft_tokens, "cache_accepted_tokens": s.spec_cache_accepted_tokens}
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -37,6 +37,10 @@ class _EngineCollector(Collector):
             "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.cache_hit_rate),
             "radixserve_kv_namespaces": ("prefix-cache namespaces (tenant, cache_salt) holding tokens", s.kv_namespaces),
             "radixserve_engine_resident_memory_bytes": ("the engine process's resident memory (0: in-process)", s.engine_rss_bytes),
+            "radixserve_spec_acceptance_rate": ("speculative draft tokens accepted / drafted",
+                                                s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0),
+            "radixserve_spec_tokens_per_verify": ("tokens a decode with a draft produced, on average (accepted + 1)",
+                                                  s.spec_emitted_tokens / s.spec_verifies if s.spec_verifies else 0.0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -50,6 +54,10 @@ class _EngineCollector(Collector):
             "radixserve_generation_tokens": ("tokens decoded", "decode_tokens"),
             "radixserve_retractions": ("requests retracted under memory pressure", "retractions"),
             "radixserve_evicted_tokens": ("prefix-cache tokens evicted", "evicted_tokens"),
+            "radixserve_spec_draft_tokens": ("speculative draft tokens fed to the model", "spec_draft_tokens"),
+            "radixserve_spec_accepted_tokens": ("speculative draft tokens the sampler agreed with", "spec_accepted_tokens"),
+            "radixserve_spec_verifies": ("decodes that carried a speculative draft", "spec_verifies"),
+            "radixserve_spec_cache_draft_tokens": ("draft tokens found in the namespace's cached branches", "spec_cache_draft_tokens"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=getattr(s, key))

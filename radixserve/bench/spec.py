@@ -1,0 +1,140 @@
+"""`radixserve bench spec`: speculative decoding from context copies, on vs off, in one run.
+
+Two engines on the same weights, each in its own engine process (as `radixserve serve` runs
+it): one with `--speculative none`, one with `--speculative ngram` (and the spec flags given).
+Every workload runs on the first, then on the second, back to back; both prefix caches are
+flushed before each run. Greedy throughout, so both must produce the same tokens (checked).
+
+    rewrite  "rewrite this ~800-token document fixing the typos", one request at a time
+    json     support tickets -> a JSON object of six fields copied from the ticket (json_schema),
+             one at a time
+    chat1    plain chat questions, one at a time, up to 128 tokens each
+    chat32   32 plain chat questions at once, up to 128 tokens each
+
+Reports output tok/s of each, the ratio (on / off), and the speculating engine's acceptance
+rate and tokens per verified decode over the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+from radixserve.bench.spec_texts import CHAT_QUESTIONS, DOCUMENT, TICKET_SCHEMA, TICKETS, ticket_text, with_typos
+from radixserve.cli_args import add_engine_args, engine_kwargs
+
+WORKLOADS = ("rewrite", "json", "chat1", "chat32")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    p.add_argument("--repeats", type=int, default=2, help="documents rewritten (each with its own typos)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")
+
+
+def _requests(engine: Any, workload: str, rng: random.Random, repeats: int) -> list[list[tuple[list[int], Any]]]:
+    """The workload as groups of (prompt ids, params); a group's requests are sent at once."""
+    from radixserve import SamplingParams
+
+    def chat(text: str) -> list[int]:
+        return engine.chat_ids([{"role": "user", "content": text}])
+
+    if workload == "rewrite":
+        p = SamplingParams(max_new_tokens=1000, temperature=0)
+        docs = [with_typos(DOCUMENT, rng) for _ in range(repeats)]
+        ask = "Rewrite the following document, fixing the typos. Output only the corrected document.\n\n"
+        return [[(chat(ask + d), p)] for d in docs]
+    if workload == "json":
+        p = SamplingParams(max_new_tokens=200, temperature=0, json_schema=json.dumps(TICKET_SCHEMA))
+        ask = "Extract the customer's details from this support ticket as JSON, copying the text exactly.\n\n"
+        return [[(chat(ask + ticket_text(t)), p)] for t in TICKETS]
+    p = SamplingParams(max_new_tokens=128, temperature=0)
+    if workload == "chat1":
+        return [[(chat(q), p)] for q in CHAT_QUESTIONS[:4]]
+    return [[(chat(q + ("" if i < 16 else " Answer briefly.")), p) for i, q in enumerate(CHAT_QUESTIONS * 2)]]
+
+
+async def _one(engine: Any, ids: list[int], params: Any) -> Any:
+    out = None
+    async for d in engine.submit(engine.make_req(ids, params)):
+        if d.finished:
+            out = d.output
+    if out is None or out.finish_reason == "error":
+        raise RuntimeError(f"a request failed: {getattr(out, 'error', None)}")
+    return out
+
+
+async def _run(engine: Any, groups: list[list[tuple[list[int], Any]]]) -> tuple[float, list[list[int]]]:
+    """Output tok/s over the workload (groups one after another), and every output's tokens."""
+    engine.flush_cache()
+    tokens, outs = 0, []
+    t = time.perf_counter()
+    for g in groups:
+        done = await asyncio.gather(*(_one(engine, ids, p) for ids, p in g))
+        tokens += sum(o.completion_tokens for o in done)
+        outs += [o.token_ids for o in done]
+    return tokens / (time.perf_counter() - t), outs
+
+
+def bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    from radixserve.engine.process import EngineProcess
+
+    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in chosen:
+        if w not in WORKLOADS:
+            raise SystemExit(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    kw = engine_kwargs(args)
+    on_kw = {**kw, "speculative": "ngram" if kw["speculative"] == "none" else kw["speculative"]}
+    results: dict[str, dict[str, float]] = {}
+    with EngineProcess(args.model, **{**kw, "speculative": "none"}) as off, EngineProcess(args.model, **on_kw) as on:
+        warm = [[(off.chat_ids([{"role": "user", "content": "Hello"}]), _params(4))]]
+        asyncio.run(_run(off, warm))
+        asyncio.run(_run(on, warm))
+        for w in chosen:
+            groups = _requests(off, w, random.Random(f"{args.seed}-{w}"), args.repeats)
+            off_rate, off_out = asyncio.run(_run(off, groups))
+            before = on.stats()
+            on_rate, on_out = asyncio.run(_run(on, groups))
+            after = on.stats()
+            drafted = after.spec_draft_tokens - before.spec_draft_tokens
+            accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+            verifies = after.spec_verifies - before.spec_verifies
+            emitted = after.spec_emitted_tokens - before.spec_emitted_tokens
+            same = sum(a == b for a, b in zip(on_out, off_out))
+            results[w] = {"off_tok_s": off_rate, "on_tok_s": on_rate, "ratio": on_rate / off_rate,
+                          "acceptance": accepted / drafted if drafted else 0.0, "draft_tokens": drafted,
+                          "tokens_per_verify": emitted / verifies if verifies else 0.0, "identical": same, "outputs": len(on_out)}
+            r = results[w]
+            print(f"  {w:8s} off {off_rate:7.1f} tok/s  on {on_rate:7.1f} tok/s  {r['ratio']:.2f}x  acceptance "
+                  f"{r['acceptance']:.0%} of {drafted} drafted, {r['tokens_per_verify']:.2f} tokens per verify, "
+                  f"identical outputs {same}/{len(on_out)}", flush=True)
+    return results
+
+
+def _params(n: int) -> Any:
+    from radixserve import SamplingParams
+
+    return SamplingParams(max_new_tokens=n, temperature=0)
+
+
+def print_table(results: dict[str, dict[str, float]]) -> None:
+    print("\n| workload | off tok/s | on tok/s | on / off | acceptance | tokens per verify | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for w, r in results.items():
+        print(f"| {w} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['ratio']:.2f}x | {r['acceptance']:.0%} | "
+              f"{r['tokens_per_verify']:.2f} | {r['identical']}/{r['outputs']} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    results = bench(args)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
