@@ -19,13 +19,16 @@ if TYPE_CHECKING:
     from radixserve.attention.base import AttnBackend
 
 
+MAX_ROW_EXTEND = 32  # an output extend this short (jump-forward text) attends row by row, like the decodes it replaces
+
+
 @dataclass
 class SeqView:
     q_start: int  # first row in the flat batch
     q_len: int  # tokens fed now
     prefix_len: int  # KV tokens before them
     slots: list[int]  # KV slots, len == prefix_len + q_len
-    draft: bool = False  # a decode with a speculative draft: its rows are verified like decode rows
+    as_rows: bool = False  # each fed token attends as a decode row would (a draft; text jump-forward forced)
 
     @property
     def kv_len(self) -> int:
@@ -78,7 +81,8 @@ class ForwardBatch:
         for it in plan.items:
             end = it.start + it.length
             slots = slots_of(it.req)[:end]
-            seqs.append(SeqView(len(ids), it.length, it.start, slots, it.spec is not None))
+            as_rows = it.spec is not None or (it.start >= it.req.prompt_len and it.length <= MAX_ROW_EXTEND)
+            seqs.append(SeqView(len(ids), it.length, it.start, slots, as_rows))
             ids.extend(it.fed_ids)
             pos.extend(range(it.start, end))
             out.extend(slots[it.start : end])

@@ -76,9 +76,9 @@ class SpecConfig:
     exactly in the same forward as the batch's decodes."""
 
     speculative: str = field(default="none", metadata={"choices": SPECULATIVE})  # ngram: draft from the context
-    spec_max_draft: int = 8  # most draft tokens per request per step (adaptive below it)
+    spec_max_draft: int = 16  # most draft tokens per request per step (adaptive below it)
     spec_ngram_min: int = 1  # shortest suffix n-gram looked up
-    spec_ngram_max: int = 4  # longest (the longest that occurs wins)
+    spec_ngram_max: int = 8  # longest (the longest that occurs wins)
     spec_max_batch: int = 16  # no drafts when more requests than this decode at once (compute-bound)
     # What one decode step costs beyond its rows, in rows (reading the weights, overheads): a draft
     # token is proposed only where its chance of acceptance beats the row it adds. None: 3 on a CPU

@@ -198,9 +198,9 @@ def test_greedy_identity_holds_with_grammars_and_jump_forward(tiny_llama):
               SamplingParams(max_new_tokens=40, temperature=0, regex=r"(ab|ba|a b ){2,12}"),
               SamplingParams(max_new_tokens=40, temperature=0, regex=r"(ab|ba|a b ){2,12}", stop=["ba"])]
     prompts = PROMPTS[2:3] * 3
-    for extra in ({}, {"disable_jump_forward": True}):
-        base, _ = _run(tiny_llama, prompts, params, **extra)
-        spec, st = _run(tiny_llama, prompts, params, **extra, **FORCE)
+    for extra, draft in (({}, {}), ({}, {"spec_max_draft": 2}), ({"disable_jump_forward": True}, {})):
+        base, _ = _run(tiny_llama, prompts, params, **extra)  # max_draft 2: forced text cut short in the draft
+        spec, st = _run(tiny_llama, prompts, params, **extra, **FORCE, **draft)
         assert [o.token_ids for o in spec] == [o.token_ids for o in base], extra
         assert st.spec_verifies > 0, st
         json.loads(spec[0].text)

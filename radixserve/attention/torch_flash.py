@@ -44,8 +44,8 @@ class TorchFlashBackend(AttnBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         dev = batch.input_ids.device
         meta = batch.attn_meta
-        meta["extend"] = [(s, _slots(s.slots[: s.prefix_len], dev)) for s in batch.seqs if s.q_len > 1 and not s.draft]
-        owned = [(n, r) for n, s in enumerate(batch.seqs) if s.q_len == 1 or s.draft for r in (s.rows() if s.draft else [s])]
+        meta["extend"] = [(s, _slots(s.slots[: s.prefix_len], dev)) for s in batch.seqs if s.q_len > 1 and not s.as_rows]
+        owned = [(n, r) for n, s in enumerate(batch.seqs) if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]
         if not owned:
             return
         dec = [r for _, r in owned]

@@ -40,8 +40,8 @@ class TritonBackend(AttnBackend):
         if self.pool.kv_dtype != self.pool.dtype:
             touched, seqs = _compact(seqs)
             batch.attn_meta["touched"] = touched.to(dev)
-        dec = [r for s in seqs if s.q_len == 1 or s.draft for r in (s.rows() if s.draft else [s])]  # drafts: as decodes
-        ext = [s for s in seqs if s.q_len > 1 and not s.draft]
+        dec = [r for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]  # drafts: as decodes
+        ext = [s for s in seqs if s.q_len > 1 and not s.as_rows]
         if dec:
             batch.attn_meta["decode"] = (_ints([s.q_start for s in dec], dev), _table(dec, dev), _ints([s.kv_len for s in dec], dev))
         if ext:

@@ -2,12 +2,14 @@
 
 Two engines on the same weights, each in its own engine process (as `radixserve serve` runs
 it): one with `--speculative none`, one with `--speculative ngram` (and the spec flags given).
-Every workload runs on the first, then on the second, back to back; both prefix caches are
-flushed before each run. Greedy throughout, so both must produce the same tokens (checked).
+Each request (or group sent at once) runs on the first, the second, the second and the first
+again, back to back, on flushed prefix caches (whichever engine runs right after the other is
+~20% faster on this VM: ABBA cancels it); the rates add up each engine's time. Greedy throughout, so both must
+produce the same tokens (checked).
 
     rewrite  "rewrite this ~800-token document fixing the typos", one request at a time
-    json     support tickets -> a JSON object of six fields copied from the ticket (json_schema),
-             one at a time
+    json     product lists (six lines of SKU | name | colour | price) -> a JSON array of
+             objects copying the fields (json_schema), one at a time
     chat1    plain chat questions, one at a time, up to 128 tokens each
     chat32   32 plain chat questions at once, up to 128 tokens each
 
@@ -24,7 +26,7 @@ import random
 import time
 from typing import Any
 
-from radixserve.bench.spec_texts import CHAT_QUESTIONS, DOCUMENT, TICKET_SCHEMA, TICKETS, ticket_text, with_typos
+from radixserve.bench.spec_texts import CHAT_QUESTIONS, DOCUMENT, LIST_ASK, LIST_SCHEMA, product_list, with_typos
 from radixserve.cli_args import add_engine_args, engine_kwargs
 
 WORKLOADS = ("rewrite", "json", "chat1", "chat32")
@@ -51,9 +53,8 @@ def _requests(engine: Any, workload: str, rng: random.Random, repeats: int) -> l
         ask = "Rewrite the following document, fixing the typos. Output only the corrected document.\n\n"
         return [[(chat(ask + d), p)] for d in docs]
     if workload == "json":
-        p = SamplingParams(max_new_tokens=200, temperature=0, json_schema=json.dumps(TICKET_SCHEMA))
-        ask = "Extract the customer's details from this support ticket as JSON, copying the text exactly.\n\n"
-        return [[(chat(ask + ticket_text(t)), p)] for t in TICKETS]
+        p = SamplingParams(max_new_tokens=400, temperature=0, json_schema=json.dumps(LIST_SCHEMA))
+        return [[(chat(LIST_ASK + product_list(rng)), p)] for _ in range(3)]
     p = SamplingParams(max_new_tokens=128, temperature=0)
     if workload == "chat1":
         return [[(chat(q), p)] for q in CHAT_QUESTIONS[:4]]
@@ -70,16 +71,36 @@ async def _one(engine: Any, ids: list[int], params: Any) -> Any:
     return out
 
 
-async def _run(engine: Any, groups: list[list[tuple[list[int], Any]]]) -> tuple[float, list[list[int]]]:
-    """Output tok/s over the workload (groups one after another), and every output's tokens."""
+async def _group(engine: Any, group: list[tuple[list[int], Any]]) -> tuple[float, int, list[list[int]]]:
+    """One group (sent at once) on a flushed cache: seconds, output tokens, every output's tokens."""
     engine.flush_cache()
-    tokens, outs = 0, []
     t = time.perf_counter()
-    for g in groups:
-        done = await asyncio.gather(*(_one(engine, ids, p) for ids, p in g))
-        tokens += sum(o.completion_tokens for o in done)
-        outs += [o.token_ids for o in done]
-    return tokens / (time.perf_counter() - t), outs
+    done = await asyncio.gather(*(_one(engine, ids, p) for ids, p in group))
+    return time.perf_counter() - t, sum(o.completion_tokens for o in done), [o.token_ids for o in done]
+
+
+def _interleaved(off: Any, on: Any, groups: list[list[tuple[list[int], Any]]]) -> dict[str, Any]:
+    """Each group on `off`, then on `on`, then on `on` and `off` again (the machine's drift hits
+    both alike); the speculating engine's counters over its runs."""
+    secs, toks, outs = {"off": 0.0, "on": 0.0}, {"off": 0, "on": 0}, {"off": [], "on": []}
+    before = on.stats()
+    for g in groups:  # each group twice, ABBA: whichever engine runs right after the other runs ~20% faster here
+        for name, engine in (("off", off), ("on", on), ("on", on), ("off", off)):
+            dt, n, o = asyncio.run(_group(engine, g))
+            secs[name] += dt
+            toks[name] += n
+            outs[name] += o
+    after = on.stats()
+
+    def delta(field: str) -> int:
+        return getattr(after, field) - getattr(before, field)
+
+    drafted, verifies = delta("spec_draft_tokens"), delta("spec_verifies")
+    off_rate, on_rate = toks["off"] / secs["off"], toks["on"] / secs["on"]
+    return {"off_tok_s": off_rate, "on_tok_s": on_rate, "ratio": on_rate / off_rate,
+            "acceptance": delta("spec_accepted_tokens") / drafted if drafted else 0.0, "draft_tokens": drafted,
+            "tokens_per_verify": delta("spec_emitted_tokens") / verifies if verifies else 0.0,
+            "identical": sum(a == b for a, b in zip(outs["on"], outs["off"])), "outputs": len(outs["on"])}
 
 
 def bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -93,27 +114,13 @@ def bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     on_kw = {**kw, "speculative": "ngram" if kw["speculative"] == "none" else kw["speculative"]}
     results: dict[str, dict[str, float]] = {}
     with EngineProcess(args.model, **{**kw, "speculative": "none"}) as off, EngineProcess(args.model, **on_kw) as on:
-        warm = [[(off.chat_ids([{"role": "user", "content": "Hello"}]), _params(4))]]
-        asyncio.run(_run(off, warm))
-        asyncio.run(_run(on, warm))
+        _interleaved(off, on, [[(off.chat_ids([{"role": "user", "content": "Hello"}]), _params(4))]])  # warm-up
         for w in chosen:
             groups = _requests(off, w, random.Random(f"{args.seed}-{w}"), args.repeats)
-            off_rate, off_out = asyncio.run(_run(off, groups))
-            before = on.stats()
-            on_rate, on_out = asyncio.run(_run(on, groups))
-            after = on.stats()
-            drafted = after.spec_draft_tokens - before.spec_draft_tokens
-            accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-            verifies = after.spec_verifies - before.spec_verifies
-            emitted = after.spec_emitted_tokens - before.spec_emitted_tokens
-            same = sum(a == b for a, b in zip(on_out, off_out))
-            results[w] = {"off_tok_s": off_rate, "on_tok_s": on_rate, "ratio": on_rate / off_rate,
-                          "acceptance": accepted / drafted if drafted else 0.0, "draft_tokens": drafted,
-                          "tokens_per_verify": emitted / verifies if verifies else 0.0, "identical": same, "outputs": len(on_out)}
-            r = results[w]
-            print(f"  {w:8s} off {off_rate:7.1f} tok/s  on {on_rate:7.1f} tok/s  {r['ratio']:.2f}x  acceptance "
-                  f"{r['acceptance']:.0%} of {drafted} drafted, {r['tokens_per_verify']:.2f} tokens per verify, "
-                  f"identical outputs {same}/{len(on_out)}", flush=True)
+            results[w] = r = _interleaved(off, on, groups)
+            print(f"  {w:8s} off {r['off_tok_s']:7.1f} tok/s  on {r['on_tok_s']:7.1f} tok/s  {r['ratio']:.2f}x  acceptance "
+                  f"{r['acceptance']:.0%} of {r['draft_tokens']} drafted, {r['tokens_per_verify']:.2f} tokens per verify, "
+                  f"identical outputs {r['identical']}/{r['outputs']}", flush=True)
     return results
 
 

@@ -1,5 +1,5 @@
-"""Texts for `radixserve bench spec`: a document to rewrite (typos are added to it), support
-tickets to extract fields from, and plain chat questions."""
+"""Texts for `radixserve bench spec`: a document to rewrite (typos are added to it), product
+lists to convert to JSON, and plain chat questions."""
 
 from __future__ import annotations
 
@@ -44,30 +44,39 @@ from the shelves near the windows. Maria Lopez said that the library would now l
 section as welcoming as the new reading room, and that she would again ask the students and their parents for ideas.
 """
 
-TICKETS = [
-    ("Daniel Okafor", "daniel.okafor@brightmail.example", "ORD-58213-KX", "Aurora 14 inch laptop sleeve, charcoal grey",
-     "14 Willow Crescent, Bristol", "The zipper on the laptop sleeve broke after two days and the sleeve no longer closes."),
-    ("Sofia Lindqvist", "s.lindqvist@nordpost.example", "ORD-77140-BQ", "Trail Runner waterproof jacket, size medium",
-     "Kungsgatan 22, Uppsala", "The jacket arrived in size large although the order confirmation says size medium."),
-    ("Hiroshi Tanaka", "hiroshi.tanaka@kitemail.example", "ORD-30988-LM", "Barista Pro stainless steel milk jug",
-     "3-8-1 Nishi Shinjuku, Tokyo", "The milk jug was dented on one side when the parcel was opened."),
-    ("Amara Nwosu", "amara.nwosu@quickpost.example", "ORD-61427-ZT", "Evergreen bamboo cutting board set of three",
-     "Plot 7 Admiralty Way, Lagos", "Only two of the three cutting boards were in the box and the third one is missing."),
+PRODUCTS = [
+    ("SKU-1042", "Aurora laptop sleeve, 14 inch", "charcoal grey", "24.90"),
+    ("SKU-2210", "Trail Runner waterproof jacket", "forest green", "89.00"),
+    ("SKU-3307", "Barista Pro stainless steel milk jug", "silver", "19.50"),
+    ("SKU-4419", "Evergreen bamboo cutting board set", "natural", "32.00"),
+    ("SKU-5583", "Nimbus noise cancelling headphones", "midnight blue", "149.99"),
+    ("SKU-6671", "Summit insulated water bottle, 750 ml", "coral red", "27.45"),
+    ("SKU-7125", "Harbor canvas tote bag", "sand beige", "18.00"),
+    ("SKU-8093", "Polaris LED desk lamp with dimmer", "matte black", "54.20"),
+    ("SKU-9360", "Meadow cotton picnic blanket", "sage green", "39.95"),
+    ("SKU-1178", "Orbit wireless charging pad", "white", "29.99"),
+    ("SKU-2846", "Cascade glass teapot, 1 litre", "clear", "34.50"),
+    ("SKU-3951", "Ridge merino wool hiking socks", "charcoal grey", "16.75"),
 ]
 
-TICKET_SCHEMA = {
+LIST_SCHEMA = {
     "type": "object",
-    "properties": {
-        "customer_name": {"type": "string", "maxLength": 40},
-        "email": {"type": "string", "maxLength": 60},
-        "order_id": {"type": "string", "maxLength": 16},
-        "product": {"type": "string", "maxLength": 80},
-        "shipping_address": {"type": "string", "maxLength": 80},
-        "problem": {"type": "string", "maxLength": 160},
-    },
-    "required": ["customer_name", "email", "order_id", "product", "shipping_address", "problem"],
+    "properties": {"items": {"type": "array", "maxItems": 8, "items": {
+        "type": "object",
+        "properties": {"sku": {"type": "string", "maxLength": 12}, "name": {"type": "string", "maxLength": 60},
+                       "colour": {"type": "string", "maxLength": 20}, "price": {"type": "number"}},
+        "required": ["sku", "name", "colour", "price"], "additionalProperties": False}}},
+    "required": ["items"],
     "additionalProperties": False,
 }
+
+LIST_ASK = "Convert this product list to JSON, one object per line, copying every field exactly.\n\n"
+
+
+def product_list(rng: random.Random, n: int = 6) -> str:
+    """n products, one per line: `SKU | name | colour | price`."""
+    return "\n".join(" | ".join(p) for p in rng.sample(PRODUCTS, n))
+
 
 CHAT_QUESTIONS = [
     "Why is the sky blue? Explain it to a ten year old.",
@@ -97,9 +106,3 @@ def with_typos(text: str, rng: random.Random, every: int = 9) -> str:
             j = rng.randrange(1, len(w) - 2)
             words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2 :]
     return " ".join(words)
-
-
-def ticket_text(t: tuple[str, ...]) -> str:
-    name, email, order, product, address, problem = t
-    return (f"From: {name} <{email}>\nOrder: {order}\nProduct: {product}\nShip to: {address}\n\n"
-            f"Hello, {problem} Please send a replacement. Thank you, {name.split()[0]}")

@@ -24,6 +24,7 @@ from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.front import DeltaStream, Prompt, RequestFront
+from radixserve.engine.jump_forward import forced_after
 from radixserve.engine.loop import EngineLoop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
@@ -115,8 +116,8 @@ class Engine(RequestFront):
             return None
         fixed = s.spec_fixed_cost_rows or (64.0 if self.device.type == "cuda" else 3.0)
         rows = PACKED_MAX_ROWS if self.device.type == "cpu" else 1 << 30
-        return NgramProposer(s, self.cache, self.eos_ids, self.context_len, fixed, self.tokenizer.decode,
-                             not self.config.disable_jump_forward, rows)
+        forced = None if self.config.disable_jump_forward else functools.partial(forced_after, tokenizer=self.tokenizer)
+        return NgramProposer(s, self.cache, self.eos_ids, self.context_len, fixed, self.tokenizer.decode, forced, rows)
 
     def _prefix_cache(self) -> PrefixCache:
         c = self.config.cache

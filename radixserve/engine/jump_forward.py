@@ -21,11 +21,15 @@ def forced_tokens(req: Req, tokenizer: Any) -> list[int]:
     m = req.grammar
     if m is None or not req.grammar_active or m.is_terminated() or req.params.return_logprob:  # no logprobs for forced
         return []
+    return forced_after(m, req.token_ids[-1], req.remaining_new_tokens, tokenizer)
+
+
+def forced_after(m: Any, last: int, budget: int, tokenizer: Any) -> list[int]:
+    """The same for a matcher whose last accepted token is `last`, with `budget` new tokens left
+    (a speculative draft asks this after its own tokens: sched/spec.py)."""
     text = m.jump_forward()
-    budget = req.remaining_new_tokens
     if not text or budget <= 0:
         return []
-    last = req.token_ids[-1]
     joined = tokenizer.encode(tokenizer.decode([last]) + text, add_special_tokens=False)
     ids = joined[1:] if joined and joined[0] == last else tokenizer.encode(text, add_special_tokens=False)
     # The last forced token is left to the model: the text after it may merge with it into

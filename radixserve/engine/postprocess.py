@@ -60,10 +60,12 @@ class PostProcessor:
         return True
 
     def process(self, plan: SchedulePlan, result: StepResult) -> list[int]:
-        """Append each item's tokens; returns how many each appended. A speculative item's
-        tokens are appended in order until one finishes the request or the grammar forces text
-        after one (jump-forward appends it): the tokens after that were verified in a context
-        without it, so they are dropped, exactly as decoding one token at a time would have."""
+        """Append each item's tokens; returns how many of them each consumed. A speculative
+        item's tokens are appended in order until one finishes the request or the grammar forces
+        text after one (jump-forward appends it) that the draft did not carry: the tokens after
+        that were verified in another context, so they are dropped, exactly as decoding one
+        token at a time would have. Forced tokens the draft carried are the same tokens (the
+        same function computed them), so the rows after them hold and appending goes on."""
         kept = [0] * len(plan.items)
         for n, (it, toks, lps) in enumerate(zip(plan.items, result.tokens, result.logprobs)):
             req = it.req
@@ -75,15 +77,22 @@ class PostProcessor:
                 if not toks:  # nothing sampled: max_new_tokens=0
                     req.finish(FinishReason.LENGTH)
                     continue
-                for tok, lp in zip(toks, lps):
-                    req.append_token(tok, self.eos_ids, self.context_len)
-                    kept[n] += 1
-                    if lp is not None:
-                        req.output_logprobs.append(lp)
+                j = 0
+                while j < len(toks):
+                    req.append_token(toks[j], self.eos_ids, self.context_len)
+                    if lps[j] is not None:
+                        req.output_logprobs.append(lps[j])
                     size = len(req.token_ids)
-                    self._text(req, st, tok)
-                    if req.finish_reason is not None or len(req.token_ids) != size:
+                    self._text(req, st, toks[j])
+                    j += 1
+                    jumped = req.token_ids[size:]
+                    if jumped and jumped == toks[j : j + len(jumped)]:
+                        j += len(jumped)  # the draft carried the forced tokens: their rows were verified after them
+                    elif jumped:
                         break
+                    if req.finish_reason is not None:
+                        break
+                kept[n] = j
                 if req.finish_reason is None:
                     self._emit(st, finished=False)
             except stop_regex.StopRegexTimeout as e:  # the caller's pattern: only this request fails, saying why

@@ -45,7 +45,8 @@ class ModelRunner:
     def run(self, plan: SchedulePlan, slots_of: Callable[[Req], list[int]]) -> StepResult:
         """A sampling item samples its last fed row; one with a draft samples every row (row j:
         the token after the pending one and draft[:j]) and keeps the rows up to the first draft
-        token the sampler did not produce, plus the token it produced there instead."""
+        token the sampler did not produce, plus the token it produced there instead. Draft
+        tokens jump-forward would append (`Draft.forced_from`) are kept without a check."""
         if self.fault_hook is not None:
             self.fault_hook(plan)
         batch = ForwardBatch.from_plan(plan, slots_of, self.backend, self.device)
@@ -80,13 +81,15 @@ class ModelRunner:
                                             row_drafts)
             at = 0
             for i in sampling:
+                spec = plan.items[i].spec
                 draft = plan.items[i].draft
                 n = 1 + len(draft)
                 t = toks[at : at + n]
-                a = 0
-                while a < len(draft) and t[a] == draft[a]:
+                forced = spec.forced_from if spec is not None and spec.forced_from is not None else n
+                a = 0  # forced tokens (what jump-forward appends there) are kept once the tokens before them are
+                while a < len(draft) and (a >= forced or t[a] == draft[a]):
                     a += 1
-                result.tokens[i], result.logprobs[i], result.accepted[i] = t[: a + 1], lps[at : at + a + 1], a
+                result.tokens[i], result.logprobs[i], result.accepted[i] = draft[:a] + t[a : a + 1], lps[at : at + a + 1], a
                 at += n
         for req, targets, first in prompt_at:
             result.prompt_logprobs[req.rid] = self._prompt_logprobs(req, targets, logits, first)

@@ -67,8 +67,8 @@ class SchedCounters:
     finished: int = 0
     spec_draft_tokens: int = 0  # speculative draft tokens fed to the model
     spec_accepted_tokens: int = 0  # of those, what the sampler itself would have produced
-    spec_verifies: int = 0  # decodes that carried a draft
-    spec_emitted_tokens: int = 0  # tokens those decodes produced (accepted drafts and the next token)
+    spec_verifies: int = 0  # decodes (or jump-forward extends) that carried a draft
+    spec_emitted_tokens: int = 0  # tokens they produced (accepted drafts and the next token)
     spec_cache_draft_tokens: int = 0  # draft tokens found in the namespace's cached branches
     spec_cache_accepted_tokens: int = 0
 
@@ -116,6 +116,8 @@ class Scheduler:
             # free the least important one so the others can move.
             self._retract(max(self.running, key=keep_key))
             return self.schedule()
+        if self.proposer is not None:
+            self._draft(plan)
         return plan
 
     def _admit(self, plan: SchedulePlan, adder: PrefillAdder) -> None:
@@ -161,15 +163,16 @@ class Scheduler:
                 continue
             victim = order.pop()
             self._retract(victim)
-        if self.proposer is not None:
-            self._draft([it for it in plan.items if it.is_decode])
 
-    def _draft(self, decodes: list[PlanItem]) -> None:
-        """Speculative drafts for the decodes, where memory is free without evicting anything
-        (drafted slots are given back after the step unless accepted)."""
+    def _draft(self, plan: SchedulePlan) -> None:
+        """Speculative drafts for the items that sample an output token (decodes, and the
+        extends that feed a pending token with the text jump-forward appended), within the
+        step's row bound and where memory is free without evicting anything (drafted slots
+        are given back after the step unless accepted)."""
         assert self.proposer is not None
         self.proposer.end_step()
-        room = self.proposer.max_rows - len(decodes)
+        decodes = [it for it in plan.items if it.samples and it.start >= it.req.prompt_len]
+        room = self.proposer.max_rows - plan.num_tokens
         for it in decodes:
             if room <= 0:
                 break
@@ -201,8 +204,11 @@ class Scheduler:
         none = [0] * len(plan.items)
         for item, acc, k in zip(plan.items, accepted or none, kept or none):
             req = item.req
-            if item.spec is not None:
-                req.computed_len = item.start + max(k, 1)
+            if item.spec is not None:  # the pending token (after any forced ones) and the kept draft tokens
+                base = item.length - len(item.draft)
+                req.computed_len = item.start + base - 1 + max(k, 1)
+                if base > 1:
+                    c.prefill_tokens_computed += base
                 self.cache.trim(req)
                 c.spec_draft_tokens += len(item.draft)
                 c.spec_accepted_tokens += acc

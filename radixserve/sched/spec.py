@@ -28,6 +28,7 @@ import math
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.config import SpecConfig
 from radixserve.request import Req
@@ -51,16 +52,20 @@ class _State:
     branches_step: int = -(10**9)
 
 
+Forced = Callable[[Any, int, int], list[int]]  # (matcher, last token, new tokens left) -> forced tokens, accepted
+
+
 @dataclass
 class Draft:
     tokens: list[int]
     ngram: int  # the length of the matched n-gram (the acceptance statistics are kept per length)
     from_cache: bool = False  # found in the namespace's cached branches, not in the request's own tokens
+    forced_from: int | None = None  # tokens[forced_from:] are what jump-forward appends there: kept without a check
 
 
 class NgramProposer:
     def __init__(self, cfg: SpecConfig, cache: CacheManager, eos_ids: set[int], context_len: int, fixed_cost_rows: float,
-                 decode: Callable[[list[int]], str] | None = None, jump_forward: bool = True, max_rows: int = 1 << 30) -> None:
+                 decode: Callable[[list[int]], str] | None = None, forced: Forced | None = None, max_rows: int = 1 << 30) -> None:
         """max_rows: most rows a step's decodes and drafts may take together (on a CPU, the
         native kernels' bound: past it a step computes every row another way, and its numbers
         would depend on the drafts)."""
@@ -71,7 +76,7 @@ class NgramProposer:
         self.context_len = context_len
         self.fixed_cost_rows = fixed_cost_rows
         self.decode = decode  # the tokenizer's, to cut a draft at a stop string
-        self.jump_forward = jump_forward
+        self.forced = forced  # the tokens jump-forward appends after a token (None: jump-forward is off)
         self.rate = [0.5] * (cfg.spec_ngram_max + 1)  # engine-wide acceptance per matched n-gram length
         self._states: dict[str, _State] = {}
         self._step = 0
@@ -93,8 +98,9 @@ class NgramProposer:
             return None
         tokens, n, from_cache = found
         k = min(room, len(tokens), self._worth(st, n, batch))
-        tokens = self._cut(req, tokens[:k])
-        return Draft(tokens, n, from_cache) if tokens else None
+        draft = Draft(tokens[:k], n, from_cache)
+        self._cut(req, draft, room)
+        return draft if draft.tokens else None
 
     def _worth(self, st: _State, n: int, batch: int) -> int:
         """Draft tokens worth a row each: the largest j with alpha^j > B / (B + F)."""
@@ -144,24 +150,31 @@ class NgramProposer:
             st.branches_version, st.branches_step = version, self._step
         return st.branches
 
-    def _cut(self, req: Req, draft: list[int]) -> list[int]:
-        """The part of the draft the request could use (see the module docstring)."""
-        p = req.params
+    def _cut(self, req: Req, d: Draft, room: int) -> None:
+        """Cut the draft to what the request could use (see the module docstring)."""
+        p, draft = req.params, d.tokens
         for i, t in enumerate(draft):
             if (t in self.eos_ids and not p.ignore_eos) or t in req.stop_ids:
-                draft = draft[: i + 1]
+                del draft[i + 1 :]
                 break
         m = req.grammar
         if m is not None:
-            ok = 0
+            ok, forced = 0, []
             for t in draft:
                 if m.is_terminated() or not m.accept(t):
                     break
                 ok += 1
-                if m.is_terminated() or (self.jump_forward and not p.return_logprob and m.jump_forward()):
+                if m.is_terminated():
                     break
-            m.rollback(ok)
-            draft = draft[:ok]
+                if self.forced is not None and not p.return_logprob and m.jump_forward():
+                    # jump-forward appends text here: draft its tokens too (kept unchecked, as it keeps them)
+                    forced = self.forced(m, t, req.remaining_new_tokens - ok)
+                    break
+            m.rollback(ok + len(forced))  # every token it accepted, the forced ones too
+            del draft[ok:]
+            if forced[: room - ok]:
+                d.forced_from = len(draft)
+                draft += forced[: room - ok]
         stops = p.stop_strs
         if stops and draft and self.decode is not None:
             tail = req.token_ids[-8:]
@@ -176,8 +189,9 @@ class NgramProposer:
                 j = 1
                 while not stops_in(j):
                     j += 1
-                draft = draft[:j]
-        return draft
+                del draft[j:]
+                if d.forced_from is not None and d.forced_from >= j:
+                    d.forced_from = None
 
     # -- after the step ---------------------------------------------------------------------
     def observe(self, req: Req, draft: Draft, accepted: int) -> None:
