@@ -85,6 +85,12 @@ class SpecConfig:
     # (measured on the 2-core reference machine: 8.5 ms for 1 row, +~2 ms per row), 64 on a GPU.
     spec_fixed_cost_rows: float | None = None
 
+    def fixed_cost(self, device_type: str) -> float:
+        """spec_fixed_cost_rows, or its default on this kind of device."""
+        if self.spec_fixed_cost_rows is not None:
+            return self.spec_fixed_cost_rows
+        return 64.0 if device_type == "cuda" else 3.0
+
     def check(self) -> None:
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative: {self.speculative!r} is not supported; choose from: {', '.join(SPECULATIVE)}")

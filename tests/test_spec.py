@@ -283,6 +283,7 @@ def test_a_speculating_server_reports_drafts_and_answers_the_openai_client_as_wi
         assert first.choices[0].message.content == again.choices[0].message.content
         _, info = on.get("/server_info")
         assert info["speculative"]["method"] == "ngram" and info["speculative"]["max_draft"] == 6
+        assert info["speculative"]["fixed_cost_rows"] == 1e9
         stats = info["speculative_stats"]
         assert stats["accepted_tokens"] > 0 and 0 < stats["acceptance_rate"] <= 1 and stats["tokens_per_verify"] > 1
         with urllib.request.urlopen(on.url + "/metrics") as r:

@@ -114,7 +114,7 @@ class Engine(RequestFront):
         s = self.config.spec
         if s.speculative == "none":
             return None
-        fixed = s.spec_fixed_cost_rows or (64.0 if self.device.type == "cuda" else 3.0)
+        fixed = s.fixed_cost(self.device.type)
         rows = PACKED_MAX_ROWS if self.device.type == "cpu" else 1 << 30
         forced = None if self.config.disable_jump_forward else functools.partial(forced_after, tokenizer=self.tokenizer)
         return NgramProposer(s, self.cache, self.eos_ids, self.context_len, fixed, self.tokenizer.decode, forced, rows)

@@ -132,7 +132,7 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": e.config.sched.max_running_requests,
         "page_size": e.config.cache.page_size,
         "radix_cache": not e.config.cache.disable_radix_cache,
-        "speculative": _spec_config(e.config.spec),
+        "speculative": _spec_config(e.config.spec, str(e.device)),
         **_kv_pool(e.snapshot()),
         **extra,
     })
@@ -143,11 +143,11 @@ def _kv_pool(s: EngineStats) -> dict[str, Any]:
     return {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots}
 
 
-def _spec_config(c: Any) -> dict[str, Any] | None:
+def _spec_config(c: Any, device: str) -> dict[str, Any] | None:
     if c.speculative == "none":
         return None
     return {"method": c.speculative, "max_draft": c.spec_max_draft, "ngram_min": c.spec_ngram_min, "ngram_max": c.spec_ngram_max,
-            "max_batch": c.spec_max_batch, "fixed_cost_rows": c.spec_fixed_cost_rows}
+            "max_batch": c.spec_max_batch, "fixed_cost_rows": c.fixed_cost(device.split(":")[0])}
 
 
 def spec_stats(s: EngineStats) -> dict[str, Any]:
