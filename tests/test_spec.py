@@ -104,7 +104,7 @@ def test_the_cost_model_drafts_less_as_the_batch_grows_and_after_rejections():
     p = NgramProposer(SpecConfig(speculative="ngram", spec_max_draft=16), CacheManager(SlotAllocator(64), NullPrefixCache()),
                       set(), 4096, 3.0)
     req = _req(list(range(20)) * 2 + [0, 1])
-    lengths = [len(p.propose(req, b).tokens) if p.propose(req, b) else 0 for b in (1, 4, 16)]
+    lengths = [len(d.tokens) if (d := p.propose(req, b)) else 0 for b in (1, 4, 16)]
     assert lengths[0] > lengths[1] >= lengths[2] and lengths[0] >= 1
     draft = p.propose(req, 1)
     for _ in range(6):  # the model keeps refusing the first draft token

@@ -28,6 +28,7 @@ from typing import Any
 
 from radixserve.bench.spec_texts import CHAT_QUESTIONS, DOCUMENT, LIST_ASK, LIST_SCHEMA, product_list, with_typos
 from radixserve.cli_args import add_engine_args, engine_kwargs
+from radixserve.engine.protocol import EngineStats
 
 WORKLOADS = ("rewrite", "json", "chat1", "chat32")
 
@@ -95,11 +96,11 @@ def _interleaved(off: Any, on: Any, groups: list[list[tuple[list[int], Any]]]) -
     def delta(field: str) -> int:
         return getattr(after, field) - getattr(before, field)
 
-    drafted, verifies = delta("spec_draft_tokens"), delta("spec_verifies")
+    d = EngineStats(**{f: delta(f) for f in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifies", "spec_emitted_tokens")})
     off_rate, on_rate = toks["off"] / secs["off"], toks["on"] / secs["on"]
     return {"off_tok_s": off_rate, "on_tok_s": on_rate, "ratio": on_rate / off_rate,
-            "acceptance": delta("spec_accepted_tokens") / drafted if drafted else 0.0, "draft_tokens": drafted,
-            "tokens_per_verify": delta("spec_emitted_tokens") / verifies if verifies else 0.0,
+            "acceptance": d.spec_acceptance_rate, "draft_tokens": d.spec_draft_tokens,
+            "tokens_per_verify": d.spec_tokens_per_verify,
             "identical": sum(a == b for a, b in zip(outs["on"], outs["off"])), "outputs": len(outs["on"])}
 
 

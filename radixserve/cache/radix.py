@@ -98,12 +98,8 @@ class RadixCache(PrefixCache):
         self._tick += 1
         node, i, chunks = self.root, 0, []
         while i < total:
-            cur, end = (PUBLIC, plen) if i < plen else (ns, total)
-            child = node.children.get((cur, self._child_key(tokens, i)))
-            if child is None:
-                break
-            n = self.aligned(common_prefix_len(child.key, tokens[i : min(i + len(child.key), end)]))
-            if n == 0:
+            child, n = self._step(node, ns, tokens, i, plen, total)
+            if child is None or n == 0:
                 break
             if n < len(child.key):
                 child = self._split(child, n)
@@ -113,6 +109,15 @@ class RadixCache(PrefixCache):
             chunks.append(child.slots)
             node, i = child, i + n
         return node, i, chunks
+
+    def _step(self, node: Node, ns: Namespace, tokens: list[int], i: int, plen: int, total: int) -> tuple[Node | None, int]:
+        """The child of `node` that tokens[i:] continues into (PUBLIC below plen, `ns` after),
+        and how many whole pages of its edge they match."""
+        cur, end = (PUBLIC, plen) if i < plen else (ns, total)
+        child = node.children.get((cur, self._child_key(tokens, i)))
+        if child is None:
+            return None, 0
+        return child, self.aligned(common_prefix_len(child.key, tokens[i : min(i + len(child.key), end)]))
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; the new upper node takes the first n."""
@@ -139,11 +144,9 @@ class RadixCache(PrefixCache):
         node, i = self.root, 0
         inside: tuple[Node, int] | None = None  # the child the match ends within, and how far into it
         while i < total:
-            cur, end = (PUBLIC, plen) if i < plen else (ns, total)
-            child = node.children.get((cur, self._child_key(tokens, i)))
+            child, n = self._step(node, ns, tokens, i, plen, total)
             if child is None:
                 break
-            n = self.aligned(common_prefix_len(child.key, tokens[i : min(i + len(child.key), end)]))
             if n < len(child.key):
                 inside = (child, n) if n else None
                 break

@@ -55,6 +55,16 @@ class EngineStats:
     kv_dtype: str = ""  # what the KV pool stores: the activations' dtype, bfloat16, int8 or float8_e4m3fn
     kv_bytes_per_token: int = 0  # K and V of one token in every layer, scales included
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Draft tokens accepted / drafted."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_verify(self) -> float:
+        """Tokens a decode with a draft produced, on average (accepted draft tokens + 1)."""
+        return self.spec_emitted_tokens / self.spec_verifies if self.spec_verifies else 0.0
+
 
 # -- front -> engine ----------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add", frozen=True):

@@ -154,9 +154,8 @@ def spec_stats(s: EngineStats) -> dict[str, Any]:
     """Drafted and accepted tokens, the acceptance rate, and the tokens a decode with a draft
     produced on average (accepted draft tokens plus the one it always samples)."""
     return {"draft_tokens": s.spec_draft_tokens, "accepted_tokens": s.spec_accepted_tokens,
-            "acceptance_rate": s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0,
-            "verifies": s.spec_verifies,
-            "tokens_per_verify": s.spec_emitted_tokens / s.spec_verifies if s.spec_verifies else 0.0,
+            "acceptance_rate": s.spec_acceptance_rate, "verifies": s.spec_verifies,
+            "tokens_per_verify": s.spec_tokens_per_verify,
             "cache_draft_tokens": s.spec_cache_draft_tokens, "cache_accepted_tokens": s.spec_cache_accepted_tokens}
 
 

@@ -37,10 +37,9 @@ class _EngineCollector(Collector):
             "radixserve_cache_hit_rate": ("cached prompt tokens / prompt tokens", s.cache_hit_rate),
             "radixserve_kv_namespaces": ("prefix-cache namespaces (tenant, cache_salt) holding tokens", s.kv_namespaces),
             "radixserve_engine_resident_memory_bytes": ("the engine process's resident memory (0: in-process)", s.engine_rss_bytes),
-            "radixserve_spec_acceptance_rate": ("speculative draft tokens accepted / drafted",
-                                                s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0),
+            "radixserve_spec_acceptance_rate": ("speculative draft tokens accepted / drafted", s.spec_acceptance_rate),
             "radixserve_spec_tokens_per_verify": ("tokens a decode with a draft produced, on average (accepted + 1)",
-                                                  s.spec_emitted_tokens / s.spec_verifies if s.spec_verifies else 0.0),
+                                                  s.spec_tokens_per_verify),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
