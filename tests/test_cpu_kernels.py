@@ -68,6 +68,36 @@ def test_decode_attention_reads_scattered_slots_as_the_reference_does(ops, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "group"), [(64, 3), (128, 8), (80, 3)])
+def test_a_drafts_rows_read_together_give_each_rows_own_numbers_bit_for_bit(ops, dtype, dim, group):
+    """Rows that are one request's consecutive positions (a draft's) are attended as one run
+    (K/V read once); each row's output must be exactly what it gets alone in its own call."""
+    g = torch.Generator().manual_seed(7 * dim + group)
+    kv_heads, slots = 3, 600
+    k_pool = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_pool = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    perm = torch.randperm(slots, generator=g)
+    for n0, count in [(1, 2), (14, 5), (15, 2), (16, 9), (31, 3), (100, 4), (250, 7), (17, 1)]:
+        other = 40  # a second request's row between two runs: it joins neither
+        lens = [n0 + r for r in range(count)] + [other] + [n0 + r for r in range(2)]
+        table = torch.zeros(len(lens), max(lens) + 1, dtype=torch.int64)
+        for i, n in enumerate(lens):
+            table[i, :n] = perm[300 : 300 + n] if i == count else perm[:n]
+        q = torch.randn(len(lens), kv_heads * group, dim, generator=g).to(dtype)
+        q_rows, seq_lens = torch.arange(len(lens)), torch.tensor(lens)
+        together, lse = torch.full_like(q, float("nan")), torch.full((len(lens), q.shape[1]), float("nan"))
+        decode_attention_cpu(q, k_pool, v_pool, together, q_rows, table, seq_lens, lse=lse)
+        for i in range(len(lens)):
+            alone, lse_alone = torch.full_like(q, float("nan")), torch.full((1, q.shape[1]), float("nan"))
+            decode_attention_cpu(q, k_pool, v_pool, alone, q_rows[i : i + 1], table[i : i + 1], seq_lens[i : i + 1], lse=lse_alone)
+            assert torch.equal(together[i], alone[i]), (n0, count, i)
+            assert torch.equal(lse[i], lse_alone[0]), (n0, count, i)
+        ref = torch.full_like(q, float("nan"))
+        decode_attention_ref(q, k_pool, v_pool, ref, q_rows, table, seq_lens)
+        assert rel_err(together, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_with_and_without_the_residual(ops, dtype):
     g = torch.Generator().manual_seed(1)
     norm = RMSNorm(200, 1e-6).to(dtype)

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -220,37 +222,156 @@ void attend_avx512(const float* qf, const T* kd, const T* vd, int64_t sk0, int64
   }
   for (int64_t i = 0; i < group * dv; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
+
+// attend_avx512 for `count` rows of one request at once: row r's queries qf + r*group*dim
+// attend to slots[0, n0 + r), its scores at scores + group*(r*n0 + r(r-1)/2) (stride n0 + r),
+// its acc at acc + r*group*dim, its max and sum at mx/sum + r*group. Every row goes through
+// exactly attend_avx512's operations in its order (a block of 16 slots by the tree while the
+// row has all 16, then one slot at a time), so its numbers are the same bit for bit; the K
+// rows are read once for all rows and the V rows once per two.
+template <typename T>
+void attend_rows_avx512(const float* qf, int64_t count, const T* kd, const T* vd, int64_t sk0, int64_t sv0, const int64_t* slots,
+                        int64_t n0, int64_t group, int64_t dim, float* scores, float* acc, float* mx, float* sum) {
+  const int64_t dv = dim / 16, gd = group * dim, nmax = n0 + count - 1;
+  auto row_scores = [&](int64_t r) { return scores + group * (r * n0 + r * (r - 1) / 2); };
+  __m512 kv[MAX_DV], part[16];
+  for (int64_t jj = 0; jj < std::min<int64_t>(nmax, 16); ++jj) prefetch_row(kd + slots[jj] * sk0, dim * sizeof(T));
+  for (int64_t j = 0; j < nmax; j += 16) {
+    for (int64_t jj = j + 16; jj < std::min(nmax, j + 32); ++jj) prefetch_row(kd + slots[jj] * sk0, dim * sizeof(T));
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t n = n0 + r;
+      const float* q = qf + r * gd;
+      float* sr = row_scores(r);
+      if (j + 16 <= n) {  // attend_avx512's block
+        for (int64_t g = 0; g < group; ++g) {
+          for (int jj = 0; jj < 16; ++jj) {
+            const T* kr = kd + slots[j + jj] * sk0;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim), load16(kr));
+            for (int64_t c = 1; c < dv; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + 16 * c), load16(kr + 16 * c), s);
+            part[jj] = s;
+          }
+          _mm512_storeu_ps(sr + g * n + j, sum16(part));
+        }
+        continue;
+      }
+      for (int64_t jt = j; jt < n; ++jt) {  // its tail
+        const T* kr = kd + slots[jt] * sk0;
+        for (int64_t c = 0; c < dv; ++c) kv[c] = load16(kr + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim), kv[0]);
+          for (int64_t c = 1; c < dv; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + 16 * c), kv[c], s);
+          sr[g * n + jt] = _mm512_reduce_add_ps(s);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) softmax_avx512(row_scores(r), n0 + r, group, mx + r * group, sum + r * group);
+  __m512 a0[MAX_GROUP * MAX_DV], a1[MAX_GROUP * MAX_DV];
+  for (int64_t r = 0; r < count; r += 2) {  // two rows per pass over the V rows
+    const bool pair = r + 1 < count;
+    const int64_t na = n0 + r, nb = na + 1, last = pair ? nb : na;
+    const float* sa = row_scores(r);
+    const float* sb = pair ? row_scores(r + 1) : nullptr;
+    for (int64_t i = 0; i < group * dv; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < std::min<int64_t>(last, 8); ++j) prefetch_row(vd + slots[j] * sv0, dim * sizeof(T));
+    for (int64_t j = 0; j < last; ++j) {
+      if (j + 8 < last) prefetch_row(vd + slots[j + 8] * sv0, dim * sizeof(T));
+      const T* vr = vd + slots[j] * sv0;
+      for (int64_t c = 0; c < dv; ++c) kv[c] = load16(vr + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        if (j < na) {
+          const __m512 p = _mm512_set1_ps(sa[g * na + j]);
+          for (int64_t c = 0; c < dv; ++c) a0[g * dv + c] = _mm512_fmadd_ps(p, kv[c], a0[g * dv + c]);
+        }
+        if (pair) {
+          const __m512 p = _mm512_set1_ps(sb[g * nb + j]);
+          for (int64_t c = 0; c < dv; ++c) a1[g * dv + c] = _mm512_fmadd_ps(p, kv[c], a1[g * dv + c]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < group * dv; ++i) _mm512_storeu_ps(acc + r * gd + 16 * i, a0[i]);
+    if (pair)
+      for (int64_t i = 0; i < group * dv; ++i) _mm512_storeu_ps(acc + (r + 1) * gd + 16 * i, a1[i]);
+  }
+}
 #endif
+
+// Runs of rows that are one request's consecutive positions (a draft's rows: row b + 1 reads
+// row b's slots and one more), cut into near-equal pieces of at most RUN_ROWS rows (pieces, not
+// whole runs, keep both threads busy at batch 1). A piece is one work item per KV head, so its
+// rows read the K/V once (attend_rows) instead of once each. join false: every row alone.
+constexpr int64_t RUN_ROWS = 4;
+
+std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* table, int64_t stride, const int64_t* lens, int64_t batch,
+                                                  bool join) {
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  for (int64_t b = 0; b < batch;) {
+    int64_t e = b + 1;
+    while (join && e < batch && lens[e] == lens[e - 1] + 1 &&
+           std::memcmp(table + e * stride, table + (e - 1) * stride, lens[e - 1] * sizeof(int64_t)) == 0)
+      ++e;
+    const int64_t r = e - b, pieces = (r + RUN_ROWS - 1) / RUN_ROWS;
+    for (int64_t c = 0, first = b; c < pieces; ++c) {
+      const int64_t len = r / pieces + (c < r % pieces ? 1 : 0);
+      runs.emplace_back(first, len);
+      first += len;
+    }
+    b = e;
+  }
+  return runs;
+}
 
 // For request b: query row q[q_rows[b]] (heads, D) attends to the KV slots table[b, :lens[b]]
 // of the pools (slots, kv_heads, D). All query heads of one KV head are scored together, so
 // each K/V row is read once per group. Writes out[q_rows[b]] and, if given, lse[b, head].
 // attend(qf, kv_head, slots, n, scores, acc, mx, sum) reads one KV head's rows of the pool:
 // the float pool's (decode_attention_impl) or a quantized one's (decode_attention_quant_impl).
-template <typename T, typename Attend>
+// attend_rows(qf, rows, kv_head, slots, n0, ...) does the same for a run's rows at once (slots:
+// the last row's, which begin with every other row's), each row's numbers exactly attend's
+// (nullptr: there is none, every row goes alone). Work goes KV head by KV head, the items
+// inside, so consecutive items read the same head's rows.
+template <typename T, typename Attend, typename AttendRows>
 void decode_rows(const torch::Tensor& q, int64_t kv_heads, torch::Tensor& out, float* lse, const int64_t* rows,
                  const int64_t* table, int64_t table_stride, const int64_t* lens, int64_t batch, float scale,
-                 const Attend& attend) {
+                 const Attend& attend, const AttendRows& attend_rows) {
+  constexpr bool can_join = !std::is_same_v<AttendRows, std::nullptr_t>;
   const int64_t heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
   const T* qd = ptr<T>(q);
   T* od = ptr<T>(out);
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores, mx(group), sum(group);
+  const auto runs = row_runs(table, table_stride, lens, batch, can_join);
+  const int64_t items = int64_t(runs.size());
+  at::parallel_for(0, items * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores, mx, sum;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / kv_heads, h = w % kv_heads, n = lens[b], row = rows[b];
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qr = qd + row * sq0 + (h * group + g) * sq1;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(qr, d) * scale;
+      const int64_t h = w / items, b0 = runs[w % items].first, count = runs[w % items].second, n0 = lens[b0];
+      qf.resize(count * group * dim);
+      acc.resize(count * group * dim);
+      mx.resize(count * group);
+      sum.resize(count * group);
+      scores.resize(group * (count * n0 + count * (count - 1) / 2));
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const T* qr = qd + rows[b0 + r] * sq0 + (h * group + g) * sq1;
+          for (int64_t d = 0; d < dim; ++d) qf[(r * group + g) * dim + d] = ld(qr, d) * scale;
+        }
+      const int64_t* slots = table + b0 * table_stride;
+      if constexpr (can_join) {
+        const int64_t* longest = table + (b0 + count - 1) * table_stride;  // every row's slots are its first ones
+        if (count > 1) attend_rows(qf.data(), count, h, longest, n0, scores.data(), acc.data(), mx.data(), sum.data());
+        else attend(qf.data(), h, slots, n0, scores.data(), acc.data(), mx.data(), sum.data());
+      } else {
+        attend(qf.data(), h, slots, n0, scores.data(), acc.data(), mx.data(), sum.data());
       }
-      scores.resize(group * n);
-      attend(qf.data(), h, table + b * table_stride, n, scores.data(), acc.data(), mx.data(), sum.data());
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        T* orow = od + row * so0 + head * so1;
-        const float inv = n > 0 ? 1.f / sum[g] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) st(orow, d, acc[g * dim + d] * inv);
-        if (lse) lse[b * heads + head] = n > 0 ? mx[g] + std::log(sum[g]) : -std::numeric_limits<float>::infinity();
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t b = b0 + r, n = lens[b];
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = h * group + g, at = r * group + g;
+          T* orow = od + rows[b] * so0 + head * so1;
+          const float inv = n > 0 ? 1.f / sum[at] : 0.f;
+          for (int64_t d = 0; d < dim; ++d) st(orow, d, acc[at * dim + d] * inv);
+          if (lse) lse[b * heads + head] = n > 0 ? mx[at] + std::log(sum[at]) : -std::numeric_limits<float>::infinity();
+        }
       }
     }
   });
@@ -268,10 +389,21 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& kp, cons
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim / 16 <= MAX_DV && group <= MAX_GROUP) attend = attend_avx512<T>;
 #endif
-  decode_rows<T>(q, kv_heads, out, lse, rows, table, table_stride, lens, batch, scale,
-                 [&](const float* qf, int64_t h, const int64_t* slots, int64_t n, float* scores, float* acc, float* mx, float* sum) {
-                   attend(qf, kd + h * sk1, vd + h * sv1, sk0, sv0, slots, n, group, dim, scores, acc, mx, sum);
-                 });
+  auto one = [&](const float* qf, int64_t h, const int64_t* slots, int64_t n, float* scores, float* acc, float* mx, float* sum) {
+    attend(qf, kd + h * sk1, vd + h * sv1, sk0, sv0, slots, n, group, dim, scores, acc, mx, sum);
+  };
+#if defined(__AVX512F__)
+  if (attend == attend_avx512<T>) {
+    decode_rows<T>(q, kv_heads, out, lse, rows, table, table_stride, lens, batch, scale, one,
+                   [&](const float* qf, int64_t count, int64_t h, const int64_t* slots, int64_t n0, float* scores, float* acc,
+                       float* mx, float* sum) {
+                     attend_rows_avx512<T>(qf, count, kd + h * sk1, vd + h * sv1, sk0, sv0, slots, n0, group, dim, scores, acc,
+                                           mx, sum);
+                   });
+    return;
+  }
+#endif
+  decode_rows<T>(q, kv_heads, out, lse, rows, table, table_stride, lens, batch, scale, one, nullptr);
 }
 
 // The index checks of decode_attention, apart: a bad slot would read outside the pool, so
@@ -457,7 +589,8 @@ void decode_attention_quant_impl(const torch::Tensor& q, const torch::Tensor& kp
                  [&](const float* qf, int64_t h, const int64_t* slots, int64_t n, float* scores, float* acc, float* mx, float* sum) {
                    attend(qf, kd + h * sk1, vd + h * sv1, ks + h, vs + h, sk0, sv0, sks0, svs0, slots, n, group, dim, scores,
                           acc, mx, sum);
-                 });
+                 },
+                 nullptr);
 }
 
 // The scales of a quantized pool: fp32 (slots, kv_heads), one per row of the pool.
@@ -1187,7 +1320,7 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk = panel + b * bytes;
-    if (MR <= 2) prefetch_row(blk + 12 * bytes, bytes);  // ~4 KB ahead: DRAM's latency at one row
+    prefetch_row(blk + 12 * bytes, bytes);  // ~4 KB ahead: DRAM's latency (at 3-4 rows too: without it a 4-row tile waited on memory, 1.7x slower)
     __m512i w[8];
     __m512 d, mv = _mm512_setzero_ps();
     if constexpr (BITS == 4) {
