@@ -27,13 +27,13 @@ from typing import Any
 from radixserve.bench import percentile
 from radixserve.cli_args import add_engine_args, engine_kwargs
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench"
+DATA = Path(__file__).parent / "data" / "jsonschemabench"  # the default subsets, bundled (see its README.md)
 SUBSETS = "Glaiveai2K,Github_easy,Github_medium,Kubernetes,Snowplow"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--data", default=str(DATA), help="folder of JSONSchemaBench *.jsonl.gz files")
+    p.add_argument("--data", default=str(DATA), help="folder of JSONSchemaBench *.jsonl.gz files (default: the bundled subsets)")
     p.add_argument("--subsets", default=SUBSETS)
     p.add_argument("--schemas", type=int, default=60, help="schemas sampled per subset for coverage")
     p.add_argument("--compliance-schemas", type=int, default=8, help="schemas per subset generated with the model")
