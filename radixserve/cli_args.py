@@ -1,5 +1,5 @@
 """Engine flags shared by every command: one `--field-name` per scalar EngineConfig field,
-with its default read from the config dataclasses (one source of truth)."""
+with its default, description and choices read from the config dataclasses (one source of truth)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,33 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _NOT_FLAGS = {"path"}  # --model
 
 
-Flag = tuple[Any, type, tuple[str, ...] | None]  # default, value type, choices (a field's metadata["choices"])
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One config field as a CLI flag: its default, value type, description and choices (the
+    field's metadata["help"] and metadata["choices"])."""
+
+    default: Any
+    type: type
+    help: str = ""
+    choices: tuple[str, ...] | None = None
+
+    def help_text(self) -> str:
+        """The description, then the default; a bool flag says what it turns on (off by default)."""
+        text = self.help.replace("%", "%%")  # argparse %-formats help
+        if self.type is bool:
+            return text
+        return f"{text} (default: {self.default})".lstrip()
 
 
 def scalar_fields(*classes: type) -> dict[str, Flag]:
-    """Config field -> (its default, the CLI value type, its choices), for every field of a scalar type."""
+    """Config field -> its Flag, for every field of a scalar type."""
     out: dict[str, Flag] = {}
     for cls in classes:
         for f in dataclasses.fields(cls):
             typ = _TYPES.get(str(f.type).split(" | ")[0])
             if typ is None or f.name in _NOT_FLAGS:
                 continue  # config groups and mappings (tenant quotas come from --tenants)
-            out[f.name] = (f.default, typ, f.metadata.get("choices"))
+            out[f.name] = Flag(f.default, typ, f.metadata.get("help", ""), f.metadata.get("choices"))
     return out
 
 
@@ -37,12 +52,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_flags(p: argparse.ArgumentParser, flags: dict[str, Flag]) -> None:
-    for name, (default, typ, choices) in flags.items():
+    for name, f in flags.items():
         flag = "--" + name.replace("_", "-")
-        if typ is bool:
-            p.add_argument(flag, dest=name, action="store_true", default=default)
+        if f.type is bool:  # off by default: the flag turns it on (a field on by default gets --no-...)
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            p.add_argument(flag, dest=name, action=action, default=f.default, help=f.help_text())
         else:
-            p.add_argument(flag, dest=name, type=typ, default=default, choices=choices, help=f"(default: {default})")
+            p.add_argument(flag, dest=name, type=f.type, default=f.default, choices=f.choices, help=f.help_text())
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 `EngineConfig.build(model, **overrides)` is the one place where flat override names
 (`kv_cache_tokens=...`, `chunked_prefill_size=...`) are routed to their group, so the CLI,
-the Engine constructor and tests share one source of defaults.
+the Engine constructor and tests share one source of defaults. Each field's one-line
+description (and its choices) are data, `metadata["help"]` (and `metadata["choices"]`): the
+CLI prints them (radixserve.cli_args).
 """
 
 from __future__ import annotations
@@ -12,37 +14,54 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from grammars import BACKENDS as GRAMMAR_BACKENDS
+
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # ModelConfig.quantization
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")  # radixserve.cache.pool maps them to torch dtypes
 SPECULATIVE = ("none", "ngram")  # SpecConfig.speculative
+# Names other layers resolve (a test checks each against its registry): the engine's dtypes,
+# radixserve.attention's backends, the radix cache's eviction policies, the scheduler's policies.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "torch_ref", "triton")
+EVICTION_POLICIES = ("lru", "priority")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its CLI description (and its choices) as metadata."""
+    return field(default=default, metadata={"help": help} if choices is None else {"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # None: the default SmolLM2-135M-Instruct
+    path: str | None = option(None, "local Hugging Face folder or .gguf file; unset: the default SmolLM2-135M-Instruct")
     # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32, and float32 for quantized
-    # weights on a CPU | float32 | bfloat16 | float16 (the activations' and, with kv_cache_dtype auto, the KV's)
-    dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    context_length: int | None = None  # cap below the model's own window
+    # weights on a CPU. The activations' dtype and, with kv_cache_dtype auto, the KV's.
+    dtype: str = option("auto", "activation dtype; auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, "
+                                "else float32 (float32 for quantized weights on a CPU)", DTYPES)
+    device: str = option("auto", "device to run on: auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    context_length: int | None = option(None, "cap on the context window, below the model's own; unset: the model's")
     # auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights as they are (the default model: Q4_1), a folder as it is |
     # none: every weight in --dtype | int8 | int4: float weights quantized at load (models/loader.py)
-    quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
-    disable_packed_linears: bool = False  # CPU: True keeps plain torch linears (no oneDNN-packed copy of the weights)
-    disable_cpu_kernels: bool = False  # CPU: True uses torch ops instead of radixserve's native kernels (kernels/cpu.py)
+    quantization: str = option("auto", "weight quantization; auto: as stored (GGUF Q4_0/Q4_1/Q8_0 kept), none: every "
+                                       "weight in --dtype, int8/int4: float weights quantized at load", QUANTIZATIONS)
+    disable_packed_linears: bool = option(False, "CPU: keep plain torch linears (no oneDNN-packed copy of the weights)")
+    disable_cpu_kernels: bool = option(False, "CPU: use torch ops instead of radixserve's native kernels (kernels/cpu.py)")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    kv_cache_tokens: int | None = None  # explicit pool size in tokens (slots)
-    kv_cache_memory_mb: int | None = None  # else: a byte budget in MiB (K, V and their scales); tokens follow from the dtype
-    kv_mem_fraction: float = 0.25  # else: this fraction of available memory
-    # auto: the activations' dtype | bf16 | fp8_e4m3, int8: quantized, an fp32 scale per (token, KV head)
-    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
-    page_size: int = 1  # tokens per KV page; the prefix cache shares whole pages only
-    disable_radix_cache: bool = False  # True: no prefix sharing (for A/B runs)
-    radix_eviction_policy: str = "lru"  # lru | priority (lowest request priority first, then LRU)
-    tenant_max_cached_tokens: Mapping[str, int] = field(default_factory=dict)  # tenant -> quota
+    kv_cache_tokens: int | None = option(None, "KV pool size in tokens (slots); overrides the memory options")
+    kv_cache_memory_mb: int | None = option(None, "else: KV pool byte budget in MiB (K, V and their scales)")
+    kv_mem_fraction: float = option(0.25, "else: the fraction of available memory the KV pool takes")
+    kv_cache_dtype: str = option("auto", "KV cache dtype; auto: the activations' dtype; fp8_e4m3, int8: quantized "
+                                         "with an fp32 scale per (token, KV head)", KV_CACHE_DTYPES)
+    page_size: int = option(1, "tokens per KV page; the prefix cache shares whole pages only")
+    disable_radix_cache: bool = option(False, "turn off prefix sharing (the radix cache), e.g. for A/B runs")
+    radix_eviction_policy: str = option("lru", "prefix-cache eviction: lru, or priority (lowest request priority "
+                                               "first, then LRU)", EVICTION_POLICIES)
+    tenant_max_cached_tokens: Mapping[str, int] = field(default_factory=dict, metadata={
+        "help": "tenant id -> its prefix-cache quota in tokens (from --tenants)"})
 
     def check(self) -> None:
         """The pool's sizing options, refused before a model loads (ValueError naming the option)."""
@@ -58,15 +77,16 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedConfig:
-    chunked_prefill_size: int = 1024  # prefill tokens per iteration (decodes ride along)
-    max_running_requests: int = 64
-    max_total_tokens: int | None = None  # cap on the KV pool, in tokens
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first)
-    lpm_queue_cap: int = 128  # above this many waiting requests lpm falls back to fcfs
-    init_new_token_ratio: float = 0.7  # share of remaining decode tokens reserved at admission
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.002
-    reserve_clip_tokens: int = 4096  # per-request cap on the reservation
+    chunked_prefill_size: int = option(1024, "prefill tokens per iteration (running decodes ride along)")
+    max_running_requests: int = option(64, "requests decoding at once")
+    max_total_tokens: int | None = option(None, "cap on the KV pool, in tokens")
+    schedule_policy: str = option("fcfs", "order of waiting requests: fcfs, or lpm (longest cached prefix first)",
+                                  SCHEDULE_POLICIES)
+    lpm_queue_cap: int = option(128, "above this many waiting requests lpm falls back to fcfs")
+    init_new_token_ratio: float = option(0.7, "share of running requests' remaining decode tokens reserved at admission")
+    min_new_token_ratio: float = option(0.1, "floor that reserved share decays to")
+    new_token_ratio_decay: float = option(0.002, "how much the reserved share decays per iteration")
+    reserve_clip_tokens: int = option(4096, "per-request cap on the reservation, in tokens")
 
 
 @dataclass(frozen=True)
@@ -75,15 +95,17 @@ class SpecConfig:
     the request's latest n-gram in its own tokens or in its namespace's cached branches, verified
     exactly in the same forward as the batch's decodes."""
 
-    speculative: str = field(default="none", metadata={"choices": SPECULATIVE})  # ngram: draft from the context
-    spec_max_draft: int = 16  # most draft tokens per request per step (adaptive below it)
-    spec_ngram_min: int = 1  # shortest suffix n-gram looked up
-    spec_ngram_max: int = 8  # longest (the longest that occurs wins)
-    spec_max_batch: int = 16  # no drafts when more requests than this decode at once (compute-bound)
+    speculative: str = option("none", "speculative decoding; ngram: draft from the request's context and its "
+                                      "namespace's cached branches", SPECULATIVE)
+    spec_max_draft: int = option(16, "most draft tokens per request per step (adaptive below it)")
+    spec_ngram_min: int = option(1, "shortest suffix n-gram looked up")
+    spec_ngram_max: int = option(8, "longest suffix n-gram looked up (the longest that occurs wins)")
+    spec_max_batch: int = option(16, "no drafts when more requests than this decode at once (compute-bound)")
     # What one decode step costs beyond its rows, in rows (reading the weights, overheads): a draft
     # token is proposed only where its chance of acceptance beats the row it adds. None: 3 on a CPU
     # (measured on the 2-core reference machine: 8.5 ms for 1 row, +~2 ms per row), 64 on a GPU.
-    spec_fixed_cost_rows: float | None = None
+    spec_fixed_cost_rows: float | None = option(None, "a decode step's fixed cost in rows: a draft token is proposed "
+                                                      "only where it pays for its row; unset: 3 on a CPU, 64 on a GPU")
 
     def fixed_cost(self, device_type: str) -> float:
         """spec_fixed_cost_rows, or its default on this kind of device."""
@@ -107,46 +129,60 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    tenants: str | None = None  # TOML or JSON file: api key -> tenant
-    served_model_name: str | None = None  # default: the model's name
-    max_queued_requests: int = 256  # accepted requests without a first token yet; over it: 503
-    max_request_bytes: int = 8 << 20  # larger bodies: 413 (a declared Content-Length over it: at once)
-    body_read_timeout: float = 30.0  # seconds for a request's whole body to arrive; then 408
-    keepalive_timeout: float = 15.0  # seconds a connection may sit idle, or take to send its headers; then closed
-    max_connections: int = 4096  # open connections in all; more are answered 503 and closed at once
-    max_connections_per_client: int = 512  # open connections from one client address; more: 503 and closed
-    metrics_key: str | None = None  # a key for GET /metrics besides admin keys (open only when no key is configured)
-    slo_ttft_ms: float = 2000.0  # goodput counts requests within both SLOs
-    slo_tpot_ms: float = 200.0
-    drain_timeout: float = 30.0  # seconds running requests may take to finish on SIGTERM
-    max_stream_backlog: int = 512  # deltas a stream may have waiting for a client that does not read; over it: abort
-    stream_write_timeout: float = 60.0  # seconds one stream write may wait on a client that does not read; then abort
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(30000, "TCP port to listen on")
+    api_key: str | None = option(None, "one API key for one admin tenant (clients send 'Authorization: Bearer KEY')")
+    tenants: str | None = option(None, "TOML or JSON file mapping API keys to tenants (priority, quotas, admin)")
+    served_model_name: str | None = option(None, "the model name the API reports and accepts; unset: the model's own name")
+    max_queued_requests: int = option(256, "accepted requests without a first token yet; over it: 503")
+    max_request_bytes: int = option(8 << 20, "largest request body in bytes; larger: 413 (a declared Content-Length at once)")
+    body_read_timeout: float = option(30.0, "seconds a request's whole body may take to arrive; then 408")
+    keepalive_timeout: float = option(15.0, "seconds a connection may sit idle, or take to send its headers; then closed")
+    max_connections: int = option(4096, "open connections in all; more are answered 503 and closed at once")
+    max_connections_per_client: int = option(512, "open connections from one client address; more: 503 and closed")
+    metrics_key: str | None = option(None, "a key for GET /metrics besides admin keys (/metrics is open only when no key "
+                                           "is configured)")
+    slo_ttft_ms: float = option(2000.0, "time-to-first-token SLO in ms; goodput counts requests within both SLOs")
+    slo_tpot_ms: float = option(200.0, "time-per-output-token SLO in ms")
+    drain_timeout: float = option(30.0, "seconds running requests may take to finish on SIGTERM")
+    max_stream_backlog: int = option(512, "deltas a stream may have waiting for a client that does not read; "
+                                          "over it: abort")
+    stream_write_timeout: float = option(60.0, "seconds one stream write may wait on a client that does not read; "
+                                               "then abort")
+    responses_db: str | None = option(None, "SQLite file of stored /v1/responses; unset: responses.sqlite3 in the "
+                                            "cache folder")
+    log_requests: bool = option(False, "also write each request's prompt text to the access log (never its API key)")
+    reasoning_parser: str | None = option(None, "chat: return <think>...</think> reasoning as reasoning_content, apart "
+                                                "from content; a JSON or tool-call constraint starts after it "
+                                                "(server/reasoning.py)", ("qwen3", "deepseek_r1"))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    sched: SchedConfig = field(default_factory=SchedConfig)
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    attention_backend: str = "auto"  # auto | torch | torch_ref | triton
-    default_max_new_tokens: int = 128
-    grammar_backend: str = "auto"  # auto (xgrammar, then outlines-core) | xgrammar | outlines
-    grammar_compile_timeout: float = 10.0  # seconds from a compile's start in a worker; then the worker is killed, a 400
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "the model and where it runs"})
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata={"help": "the KV pool and the prefix cache"})
+    sched: SchedConfig = field(default_factory=SchedConfig, metadata={"help": "batching and admission"})
+    spec: SpecConfig = field(default_factory=SpecConfig, metadata={"help": "speculative decoding"})
+    attention_backend: str = option("auto", "attention kernels: auto (triton on CUDA, else torch), torch, torch_ref "
+                                            "(the simple oracle) or triton", ATTENTION_BACKENDS)
+    default_max_new_tokens: int = option(128, "max new tokens of a request that does not say")
+    grammar_backend: str = option("auto", "grammar backend for constrained output; auto: xgrammar, then outlines-core",
+                                  GRAMMAR_BACKENDS)
+    grammar_compile_timeout: float = option(10.0, "seconds a grammar compile may take in its worker; then the worker "
+                                                  "is killed and the request gets a 400")
     # Compiles run in killable worker processes. 2: a compile is CPU-bound on about one core and an
     # idle worker holds ~240 MiB (torch + xgrammar), so on the 2-core reference machine more workers
     # would only slow each other and the model's forward.
-    grammar_compile_workers: int = 2
-    grammar_tenant_compiles: int | None = None  # compiles one tenant may run at once (None: half the workers, at least 1)
+    grammar_compile_workers: int = option(2, "grammar compile worker processes (each ~240 MiB idle)")
+    grammar_tenant_compiles: int | None = option(None, "compiles one tenant may run at once; unset: half the workers, "
+                                                       "at least 1")
     # A compile whose worker grows this many MiB past its memory at the compile's start is killed (a 400).
     # Measured on SmolLM2's vocabulary: ordinary schemas and regexes +2..15 MiB, an exploding regex
     # +190 MiB in its 10 s; 1024 leaves large schemas and vocabularies room and stops a memory bomb in ~3 s.
-    grammar_compile_memory_mb: int = 1024
-    grammar_max_whitespace: int = 2  # JSON: most whitespace characters in a row (-1: unbounded)
-    disable_jump_forward: bool = False  # True: sample every token, even ones the grammar forces
+    grammar_compile_memory_mb: int = option(1024, "MiB a compile's worker may grow past its start; then it is killed "
+                                                  "and the request gets a 400")
+    grammar_max_whitespace: int = option(2, "JSON output: most whitespace characters in a row (-1: unbounded)")
+    disable_jump_forward: bool = option(False, "sample every token, even ones the grammar forces (no jump-forward)")
 
     @classmethod
     def build(cls, model: str | None = None, **overrides: Any) -> EngineConfig:

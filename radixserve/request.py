@@ -25,6 +25,9 @@ from grammars.spec import GrammarError, GrammarSpec
 from radixserve import stop_regex
 from radixserve.limits import MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, TooDeep, loads
 
+MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's range)
+
 
 class InvalidParam(ValueError):
     """A request parameter the engine refuses: `field` names it (in the engine's names),
@@ -78,6 +81,9 @@ class SamplingParams:
     structural_tag: str | None = None  # JSON: tagged regions of constrained JSON inside free text
     grammar_after: str | None = None  # the constraint starts once the output contains this (e.g. "</think>")
     strict_json_schema: bool = True  # reject schema keywords no backend enforces (False: enforce what can be)
+    # token id -> bias added to its logit before penalties, temperature, filters and the grammar mask;
+    # ids may be given as decimal strings (JSON object keys, OpenAI's convention)
+    logit_bias: dict[int | str, float] | None = None
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The output constraint, or None; raises GrammarError (a ValueError) naming the field."""
@@ -142,6 +148,44 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise InvalidParam("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
+        _check_logit_bias(self.logit_bias, vocab_size)
+
+    def token_bias(self) -> tuple[list[int], list[float]]:
+        """logit_bias as (token ids, biases), keys parsed; empty without one. Call after validate."""
+        items = (self.logit_bias or {}).items()
+        return [int(k) for k, _ in items], [float(v) for _, v in items]
+
+
+def _check_logit_bias(bias: Any, vocab_size: int) -> None:
+    """At most MAX_LOGIT_BIAS entries; keys are token ids (ints, or their decimal strings) in
+    [0, vocab_size), values numbers in [-100, 100]."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise InvalidParam("logit_bias", f"expected an object mapping token ids to biases, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidParam("logit_bias", f"{len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS}")
+    seen: set[int] = set()
+    for key, value in bias.items():
+        tok = _token_key(key)
+        if tok is None or not 0 <= tok < vocab_size:
+            raise InvalidParam("logit_bias", f"key {key!r} is not a token id in [0, {vocab_size})")
+        if tok in seen:
+            raise InvalidParam("logit_bias", f"token {tok} is given twice")
+        seen.add(tok)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > LOGIT_BIAS_RANGE:
+            raise InvalidParam("logit_bias", f"the bias of token {tok} is {value!r}, not a number in "
+                                             f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+
+
+def _token_key(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of ASCII digits ("123"); else None."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
+    return None
 
 
 def _json_text(kind: str, source: str) -> Any:
@@ -223,6 +267,7 @@ class Req:
         self.grammar_spec: GrammarSpec | None = params.grammar_spec()
         self.grammar: Any = None  # its grammars.base.Matcher once compiled; constrains every sample once active
         self.grammar_active = params.grammar_after is None
+        self.bias_ids, self.bias_values = params.token_bias()  # logit_bias, parsed once
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
 

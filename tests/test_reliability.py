@@ -68,7 +68,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "seed": "x"}, 400, "seed"),
     ("/v1/chat/completions", {"messages": USER, "stop": 5}, 400, "stop"),
     ("/v1/chat/completions", {"messages": USER, "n": 0}, 400, "n"),
-    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "sometimes", "tools": [FN]}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": USER, "tools": [FN], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      400, "nope"),

@@ -105,11 +105,14 @@ class RequestFront:
         check_admissible(req, self.context_len, self.num_slots)
         return req
 
-    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render messages (and tools, for templates that take them) with the model's own chat
-        template, ready for generation."""
-        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or "")))
-        extra = {"tools": tools} if tools else {}
+        template, ready for generation. `template_kwargs` are more variables for the template
+        (e.g. enable_thinking); the caller keeps them off apply_chat_template's own arguments."""
+        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
+                              + len(str(template_kwargs or "")))
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                        return_dict=False, **extra))
 

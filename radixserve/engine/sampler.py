@@ -1,7 +1,7 @@
-"""Sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+"""Sampling: logit bias, penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), before
-penalties and temperature, as vLLM reports them. A request with a seed owns a generator,
+logit bias, penalties and temperature, as vLLM reports them. A request with a seed owns a generator,
 so its samples do not depend on what else is in the batch.
 """
 
@@ -89,7 +89,7 @@ class Sampler:
         raw = logits
         drafts = drafts if drafts is not None else [()] * len(reqs)
         want_lp = [i for i, r in enumerate(reqs) if r.params.return_logprob]
-        logits = self._apply_penalties(logits.clone(), reqs, drafts)
+        logits = self._apply_penalties(_apply_bias(logits.clone(), reqs), reqs, drafts)
         self._apply_grammars(logits, reqs, masks, drafts)
         tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
@@ -185,6 +185,24 @@ class Sampler:
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in reqs):
             logits = _filter(logits, reqs)
         return torch.softmax(logits, dim=-1)
+
+
+def _apply_bias(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """Each row's request's logit_bias, added in place (one scatter for the batch): every row of
+    a request, draft rows included, carries the same bias."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, r in enumerate(reqs):
+        if r.bias_ids:
+            rows += [i] * len(r.bias_ids)
+            cols += r.bias_ids
+            vals += r.bias_values
+    if rows:
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
 
 
 def _filter(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:

@@ -19,11 +19,11 @@ from aiohttp import web
 
 from radixserve.engine.protocol import EngineStats
 from radixserve.request import SamplingParams
-from radixserve.server import completions, native, openai
+from radixserve.server import access_log, anthropic, completions, native, openai, responses
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
 from radixserve.server.errors import ApiError
-from radixserve.server.openapi import openapi_document
+from radixserve.server.openapi import DOCUMENT, openapi_document
 from radixserve.server.protocol import AbortRequest, ModelInfo
 from radixserve.server.state import ServerState, engine_rids
 
@@ -218,11 +218,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return _json(openapi_document(request.app["state"].model_name))
+    """This server's OpenAPI document: every route, its summary and shapes."""
+    return _json(request.app[DOCUMENT])
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=state.config.max_request_bytes)
+    app = web.Application(middlewares=[access_log.middleware, errors], client_max_size=state.config.max_request_bytes)
     app["state"] = state
     app.router.add_post("/generate", native.generate)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
@@ -240,4 +241,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    responses.add_routes(app)
+    anthropic.add_routes(app)
+    app[DOCUMENT] = openapi_document(app, state.model_name)  # once every route is on the app
     return app

@@ -13,14 +13,15 @@ from radixserve.cli_args import add_engine_args, engine_kwargs
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve", description="LLM serving engine for agents")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity (default: info)")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream the answer to one chat-templated prompt")
     add_engine_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default: 0.0)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the user message (with --raw: the whole prompt text)")
     from radixserve.server import serve
 
     serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))

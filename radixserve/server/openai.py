@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -14,7 +15,7 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.limits import MAX_N
 from radixserve.request import SamplingParams, TokenLogprob
-from radixserve.server import tools
+from radixserve.server import reasoning, tools
 from radixserve.server.body import read_body
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.protocol import (
@@ -48,14 +49,15 @@ def check_common(b: _OpenAISampling) -> None:
         raise ApiError(400, f"max_tokens: must be at least 1, got {b.max_tokens}", param="max_tokens")
     if not 1 <= b.n <= MAX_N:
         raise ApiError(400, f"n: {b.n} is out of range [1, {MAX_N}]", param="n")
-    if b.logit_bias:
-        raise ApiError(400, "logit_bias: is not supported", param="logit_bias")
     if b.stream_options is not None and not b.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
 
 def sampling_params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
-            json_schema: tuple[str, bool] | None = None, structural_tag: str | None = None) -> SamplingParams:
+            json_schema: tuple[str, bool] | None = None, structural_tag: str | None = None,
+            grammar_after: str | None = None) -> SamplingParams:
+    """`grammar_after`: where a constraint starts unless the client said (e.g. after the reasoning)."""
+
     def opt(v: Any, default: Any) -> Any:
         return default if v is None else v
 
@@ -66,7 +68,9 @@ def sampling_params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int
         stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
         seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
         json_schema=json_schema[0] if json_schema else None, strict_json_schema=bool(json_schema and json_schema[1]),
-        regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag, grammar_after=b.grammar_after,
+        regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag,
+        grammar_after=b.grammar_after if b.grammar_after is not None else grammar_after,
+        logit_bias=b.logit_bias,
     )
 
 
@@ -87,7 +91,8 @@ def _response_format(fmt: dict[str, Any] | None) -> tuple[str, bool] | None:
 
 
 def request_options(b: _OpenAISampling) -> RequestOptions:
-    return RequestOptions(b.rid, b.priority, b.cache_salt, b.public_prefix_len, rename=RENAME)
+    return RequestOptions(b.rid, b.priority, b.cache_salt, b.public_prefix_len, rename=RENAME,
+                          prompt_cache_key=b.prompt_cache_key)
 
 
 def usage(outs: list[Output], prompts: int = 1) -> Usage:
@@ -129,11 +134,12 @@ def _messages(b: ChatCompletionRequest) -> list[dict[str, Any]]:
 def _render(state: ServerState, b: ChatCompletionRequest, offered: list[tools.Tool]) -> Callable[[], list[int]]:
     """The prompt, built off the event loop: a long tool-call history is real work."""
     template = getattr(state.engine.tokenizer, "chat_template", None)
+    extra = {"template_kwargs": b.chat_template_kwargs} if b.chat_template_kwargs else {}
 
     def render() -> list[int]:
         messages, tool_specs = tools.render(_messages(b), offered, template)
         try:
-            return state.engine.chat_ids(messages, tool_specs)
+            return state.engine.chat_ids(messages, tool_specs, **extra)
         except ValueError as e:  # e.g. a text that cannot fit the context window
             raise value_error(e, RENAME) from None
         except Exception as e:  # the template's own checks (e.g. role order)
@@ -174,8 +180,33 @@ async def begin(request: web.Request, typ: type) -> tuple[ServerState, float, An
     return state, arrival, tenant, b
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await begin(request, ChatCompletionRequest)
+# Arguments of apply_chat_template itself: chat_template_kwargs may not set them.
+_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                            "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                            "tokenizer_kwargs"})
+
+
+def _check_template_kwargs(kw: dict[str, Any] | None) -> None:
+    for k in kw or {}:
+        if k in _TEMPLATE_ARGS or not k.isidentifier():
+            why = "is an argument of the template call itself" if k in _TEMPLATE_ARGS else "is not a variable name"
+            raise ApiError(400, f"chat_template_kwargs.{k}: {why}", param=f"chat_template_kwargs.{k}")
+
+
+@dataclass
+class ChatPlan:
+    """What a chat request asks beyond sampling: its constraint, its tools, its reasoning split."""
+
+    mode: str  # tool_choice: none | auto | required
+    offered: list[tools.Tool]  # described to the model
+    callable_tools: list[tools.Tool]  # what a required call may use
+    schema: tuple[str, bool] | None = None  # (JSON schema text, strict)
+    tag: str | None = None  # a structural tag (JSON text)
+    parser: str | None = None  # the reasoning parser, when this request's output is split
+
+
+def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None) -> ChatPlan:
     tag = None
     if b.response_format is not None and b.response_format.get("type") == "structural_tag":
         tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
@@ -187,37 +218,58 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if schema is not None or tag is not None:
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
         schema = (tools.call_schema(callable_tools), False)
-    if mode == "none":
-        offered = []
+    _check_template_kwargs(b.chat_template_kwargs)
+    parser = reasoning_parser if reasoning.thinking_on(b.chat_template_kwargs) else None
+    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser)
+
+
+def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams]:
+    """One per choice. With a reasoning parser, a constraint starts after the reasoning."""
     if b.top_logprobs is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     top = b.top_logprobs or 0
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    render = _render(state, b, offered)
-    params = [sampling_params(b, max_tokens, i, top, b.logprobs, schema, tag) for i in range(b.n)]
+    constrained = any(x is not None for x in (plan.schema, plan.tag, b.regex, b.ebnf))
+    after = reasoning.MARKER if plan.parser and constrained else None
+    return [sampling_params(b, max_tokens, i, top, b.logprobs, plan.schema, plan.tag, after) for i in range(b.n)]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, arrival, tenant, b = await begin(request, ChatCompletionRequest)
+    plan = chat_plan(b, state.config.reasoning_parser)
+    params = chat_params(b, plan)
+    render = _render(state, b, plan.offered)
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
-    async with state.admit(tenant, [render] * b.n, params, opts, arrival) as flight:
-        if not b.stream or offered:  # with tools, a stream carries each choice whole at its end
-            return await _chat_whole(request, state, b, flight, mode, offered)
-        return await _chat_stream(request, state, b, flight)
+    if plan.mode == "required":  # the call schema's compile errors name the tools
+        opts.rename = {**opts.rename, "json_schema": tools.error_param(plan.offered, plan.callable_tools)}
+    try:
+        async with state.admit(tenant, [render] * b.n, params, opts, arrival) as flight:
+            if not b.stream or plan.offered:  # with tools, a stream carries each choice whole at its end
+                return await _chat_whole(request, state, b, flight, plan)
+            return await _chat_stream(request, state, b, flight, plan.parser)
+    except ApiError as e:
+        if plan.mode != "required":
+            raise
+        raise tools.blame(e, plan.offered, plan.callable_tools) from None
 
 
-async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight, mode: str,
-                      offered: list[tools.Tool]) -> web.StreamResponse:
+async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight,
+                      plan: ChatPlan) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     outs = await state.collect(flight)
-    choices = [_chat_choice(state, i, o, mode, offered) for i, o in enumerate(outs)]
+    choices = [chat_choice(state, i, o, plan) for i, o in enumerate(outs)]
     if not b.stream:
         resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
     return await _stream_whole(request, cid, created, state.model_name, choices, usage(outs) if include_usage(b) else None)
 
 
-async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight) -> web.StreamResponse:
+async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight,
+                       parser: str | None) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     sse = await SSEWriter.open(request)
 
@@ -227,6 +279,7 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
     for i in range(b.n):
         await sse.send(chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
     outs: list[Output | None] = [None] * b.n
+    splits = [reasoning.splitter(parser) for _ in range(b.n)]
     async for i, d in state.merged(flight):
         lps = _chat_logprobs(state, d.logprobs) if b.logprobs and d.logprobs else None
         reason = None
@@ -237,8 +290,10 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
                                           "type": "internal_server_error", "param": None, "code": "internal_error"}})
                 continue
             reason = d.output.finish_reason
-        if d.text or lps or reason:
-            await sse.send(chunk([ChatChunkChoice(i, ChatDelta(content=d.text or None), reason, lps)]))
+        thought, text = reasoning.feed(splits[i], d.text, d.finished)
+        if text or thought or lps or reason:
+            delta = ChatDelta(content=text or None, reasoning_content=thought or None)
+            await sse.send(chunk([ChatChunkChoice(i, delta, reason, lps)]))
     if include_usage(b):
         await sse.send(chunk([], usage([o for o in outs if o is not None])))
     await sse.done()
@@ -249,17 +304,20 @@ def include_usage(b: _OpenAISampling) -> bool:
     return b.stream_options is not None and b.stream_options.include_usage
 
 
-def _chat_choice(state: ServerState, i: int, o: Output, mode: str, offered: list[tools.Tool]) -> ChatChoice:
-    reason, content, calls = finish_reason(o), o.text, None
-    if reason == "stop" and mode == "required":
-        calls = tools.calls_from_json(o.text) or None
-        content = None if calls else o.text
-    elif reason == "stop" and mode == "auto":
-        content, found = tools.parse_calls(o.text, offered)
+def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatChoice:
+    """Tool calls and JSON are read from the content only, never from the reasoning."""
+    reason, calls = finish_reason(o), None
+    thought, content = reasoning.split(o.text, plan.parser)
+    if reason == "stop" and content is not None and plan.mode == "required":
+        calls = tools.calls_from_json(content) or None
+        content = None if calls else content
+    elif reason == "stop" and content is not None and plan.mode == "auto":
+        content, found = tools.parse_calls(content, plan.offered)
         calls = found or None
     if calls:
         reason = "tool_calls"
-    return ChatChoice(i, AssistantMessage(content=content, tool_calls=calls), reason, _chat_logprobs(state, o.logprobs))
+    message = AssistantMessage(content=content, tool_calls=calls, reasoning_content=thought)
+    return ChatChoice(i, message, reason, _chat_logprobs(state, o.logprobs))
 
 
 async def _stream_whole(request: web.Request, cid: str, created: int, model: str, choices: list[ChatChoice],
@@ -267,7 +325,8 @@ async def _stream_whole(request: web.Request, cid: str, created: int, model: str
     sse = await SSEWriter.open(request)
     for c in choices:
         calls = [ToolCallDelta(k, t.id, t.function) for k, t in enumerate(c.message.tool_calls or [])] or None
-        delta = ChatDelta(role="assistant", content=c.message.content, tool_calls=calls)
+        delta = ChatDelta(role="assistant", content=c.message.content, tool_calls=calls,
+                          reasoning_content=c.message.reasoning_content)
         await sse.send(ChatCompletionChunk(cid, created, model, [ChatChunkChoice(c.index, delta, c.finish_reason, c.logprobs)]))
     if usage is not None:
         await sse.send(ChatCompletionChunk(cid, created, model, [], usage))

@@ -24,6 +24,9 @@ Stop = str | Annotated[list[str], Meta(max_length=MAX_STOPS)] | None
 StopTokenIds = Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None
 CacheSalt = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None
 Rid = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
+PromptCacheKey = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None
+SafetyIdentifier = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: a handful of switches (enable_thinking, ...)
 # crosses to the engine process as a msgpack int: bounded so a huge one is a 400, not an encoding error
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None
 
@@ -72,6 +75,7 @@ class NativeSamplingParams(_In):
     ebnf: str | None = None
     structural_tag: str | None = None  # JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
     grammar_after: str | None = None  # the constraint applies once the output contains this marker
+    logit_bias: dict[str, float] | None = None
 
 
 class GenerateRequest(_In):
@@ -159,6 +163,7 @@ class ChatMessage(_In):
     tool_call_id: str | None = None
     refusal: str | None = None
     annotations: list[Any] | None = None  # accepted so a returned message can be sent back; ignored
+    reasoning_content: str | None = None  # likewise: earlier reasoning is not rendered again
     function_call: Any = None
     audio: Any = None
 
@@ -187,6 +192,9 @@ class _OpenAISampling(_In):
     metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_KEYS)] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: PromptCacheKey = None  # a routing hint (RequestOptions.prompt_cache_key), not a cache namespace
+    safety_identifier: SafetyIdentifier = None  # accepted; not used
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; not used
     # extras
     top_k: int | None = None
     min_p: float | None = None
@@ -214,6 +222,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -263,6 +272,7 @@ class AssistantMessage(_Out):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> part, apart from content
 
 
 class ChatChoice(_Out):
@@ -296,6 +306,7 @@ class ChatDelta(_Out, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_Out):

@@ -1,14 +1,16 @@
 """`radixserve serve`: the engine on its own thread, the aiohttp app on the event loop, and a
 graceful drain on SIGINT/SIGTERM (new requests get 503, running ones finish up to
---drain-timeout, then exit 0)."""
+--drain-timeout, then exit 0). A port already in use is refused before the model loads."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import errno
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
@@ -28,6 +30,31 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse a port something else listens on before the model loads (seconds): bind every
+    address `host` resolves to as asyncio's create_server will (SO_REUSEADDR, IPv6-only for
+    IPv6), then let go at once. Raises ValueError in one line."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r} ({e.strerror})") from None
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise listen_error(host, port, e) from None
+
+
+def listen_error(host: str, port: int, e: OSError) -> ValueError:
+    if e.errno == errno.EADDRINUSE:
+        return ValueError(f"port {port} on {host} is already in use (choose another with --port)")
+    return ValueError(f"cannot listen on port {port} on {host}: {e.strerror or e}")
+
+
 def run(args: argparse.Namespace) -> int:
     from radixserve.engine.process import EngineProcess
     from radixserve.server.auth import Auth
@@ -35,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     cfg = server_config(args)
     auth = Auth.from_options(cfg.api_key, cfg.tenants)
+    check_port(cfg.host, cfg.port)
     quotas = {t.id: t.max_cached_tokens for t in auth.tenants if t.max_cached_tokens is not None}
     if auth.open and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no API key configured and listening on %s: anyone who can reach it can use it", cfg.host)
@@ -66,7 +94,12 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
                            keepalive_timeout=cfg.keepalive_timeout, lingering_time=LINGER_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # taken since check_port looked
+        await runner.cleanup()
+        state.executor.shutdown(wait=False)
+        raise listen_error(cfg.host, cfg.port, e) from None
     host, port = runner.addresses[0][:2]
     kv = engine.snapshot().kv_total_slots
     log.info("radixserve ready at http://%s:%d | model %s | KV cache %d tokens | auth %s | ready in %.1f s",

@@ -18,6 +18,7 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
 from radixserve.request import Req, SamplingParams, TokenLogprob
+from radixserve.server import access_log
 from radixserve.server.admission import Admission, Ticket
 from radixserve.server.auth import Auth, Tenant, request_priority
 from radixserve.server.errors import ApiError, value_error
@@ -50,6 +51,10 @@ class RequestOptions:
     cache_salt: str | None = None
     public_prefix_len: int | None = None
     rename: dict[str, str] = field(default_factory=dict)  # engine field name -> this API's name
+    # OpenAI's prompt_cache_key: the client's hint of which requests share a long prefix, for a
+    # router to send them to one replica. Not a cache namespace: salting by it would keep users
+    # from sharing a system prompt, the opposite of what the client asks for.
+    prompt_cache_key: str | None = None
 
 
 def _aborted(req: Req, last: Delta | None, tokens: int) -> Output:
@@ -111,7 +116,9 @@ class ServerState:
         return why if why not in (None, "shut down") else None
 
     def authenticate(self, request: web.Request) -> Tenant:
-        return self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        tenant = self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        access_log.note_tenant(tenant.id)
+        return tenant
 
     def tenant_info(self, tenant: Tenant) -> dict[str, Any]:
         """One tenant's own view: its queue, in-flight requests and usage, nothing of others'."""
@@ -149,6 +156,10 @@ class ServerState:
             self.active[r] = None  # claimed before the first await: a concurrent twin gets the 400
         try:
             flight.reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, rids, opts, priority)
+            texts = None
+            if self.config.log_requests:  # the access log's prompt texts, decoded off the loop
+                texts = await self.off_loop(access_log.prompt_texts, self.engine.tokenizer, flight.reqs)
+            access_log.note_admitted(flight.reqs, texts)
             for r in flight.reqs:
                 self.active[r.rid] = r
             for r in flight.reqs:  # compiled in the grammar workers; the request waits here, outside the run queue
@@ -208,7 +219,9 @@ class ServerState:
             self.admission.leave(ticket)
             reason = out.finish_reason if out is not None else "abort"
             self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
-            self.usage[ticket.tenant].add(out if out is not None else _aborted(req, last, tokens))
+            used = out if out is not None else _aborted(req, last, tokens)
+            self.usage[ticket.tenant].add(used)
+            access_log.note_completion(used.completion_tokens)
             self.active.pop(req.rid, None)
 
     async def collect(self, flight: Flight) -> list[Output]:

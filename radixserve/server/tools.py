@@ -67,10 +67,94 @@ def choose(tools: list[Tool], choice: Any) -> tuple[str, list[Tool]]:
 
 
 def call_schema(tools: list[Tool]) -> str:
-    """One call to one of `tools`: {"name": <its name>, "arguments": <its parameters>}."""
-    branches = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return json.dumps(branches[0] if len(branches) == 1 else {"anyOf": branches})
+    """One call to one of `tools`: {"name": <its name>, "arguments": <its parameters>}.
+
+    Each tool's `$defs` / `definitions` move to the root `$defs` (renamed `<tool>__<name>` when
+    an earlier tool took the name) and its local `$ref`s are rewritten to resolve from the root:
+    `#/$defs/X` to X's new name, any other pointer (`#` itself too) into the tool's arguments."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for k, t in enumerate(tools):
+        at = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{k}/properties/arguments"
+        branches.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": _hoist(t, at, defs)},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    root = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    return json.dumps({**root, "$defs": defs} if defs else root)
+
+
+def error_param(offered: list[Tool], callable_tools: list[Tool]) -> str:
+    """The field a call schema's compile error names: the one callable tool's parameters."""
+    if len(callable_tools) == 1:
+        return f"tools[{offered.index(callable_tools[0])}].function.parameters"
+    return "tools"
+
+
+_ARGS_AT = re.compile(r"#/(?:anyOf/(\d+)/)?properties/arguments")
+
+
+def blame(e: ApiError, offered: list[Tool], callable_tools: list[Tool]) -> ApiError:
+    """A call schema's compile error (named by error_param), naming the tool whose parameters
+    hold the problem where the message points into them, with pointers as in the tool's own schema."""
+    m = _ARGS_AT.search(e.message)
+    if m is None or e.param != error_param(offered, callable_tools):
+        return e
+    param = e.param
+    if m.group(1) is not None and int(m.group(1)) < len(callable_tools):
+        param = f"tools[{offered.index(callable_tools[int(m.group(1))])}].function.parameters"
+    msg = _ARGS_AT.sub("#", e.message)
+    if msg.startswith(f"{e.param}: "):
+        msg = param + msg[len(e.param):]
+    return ApiError(e.status, msg, param=param, code=e.code)
+
+
+_DEFS = ("$defs", "definitions")
+_DATA = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas
+_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", *_DEFS})  # name -> schema
+
+
+def _hoist(t: Tool, at: str, defs: dict[str, Any]) -> Any:
+    """The tool's parameters without their definitions, which go into `defs` (the root's)."""
+    params = t.parameters
+    names: dict[tuple[str, str], str] = {}  # (where, name) in the tool -> name in the root $defs
+    for kind in _DEFS:
+        own = params.get(kind)
+        for name in own if isinstance(own, dict) else ():
+            new = name if name not in defs else f"{t.name}__{name}"
+            while new in defs:
+                new += "_"
+            names[(kind, name)] = new
+            defs[new] = None  # taken
+    for (kind, name), new in names.items():
+        defs[new] = _refs(params[kind][name], names, at)
+    moved = {kind for kind, _ in names}
+    return _refs({k: v for k, v in params.items() if k not in moved}, names, at)
+
+
+def _refs(s: Any, names: dict[tuple[str, str], str], at: str) -> Any:
+    """A copy of schema `s` with its local `$ref`s rewritten (see call_schema)."""
+    if isinstance(s, list):
+        return [_refs(x, names, at) for x in s]
+    if not isinstance(s, dict):
+        return s
+    out = {}
+    for k, v in s.items():
+        if k == "$ref" and isinstance(v, str):
+            out[k] = _ref(v, names, at)
+        elif k in _MAPS and isinstance(v, dict):
+            out[k] = {n: _refs(x, names, at) for n, x in v.items()}
+        else:
+            out[k] = v if k in _DATA else _refs(v, names, at)
+    return out
+
+
+def _ref(ref: str, names: dict[tuple[str, str], str], at: str) -> str:
+    if not ref.startswith("#"):
+        return ref  # not local: the grammar backend refuses it, naming the tool
+    parts = ref[1:].split("/")  # "#/$defs/A/properties/x" -> ["", "$defs", "A", "properties", "x"]
+    key = (parts[1], parts[2].replace("~1", "/").replace("~0", "~")) if len(parts) > 2 else None
+    if key in names:
+        return "/".join(["#", "$defs", names[key].replace("~", "~0").replace("/", "~1"), *parts[3:]])
+    return at + ref[1:]
 
 
 def render(messages: list[dict[str, Any]], tools: list[Tool], template: str | None) -> tuple[list[dict[str, Any]], Any]:

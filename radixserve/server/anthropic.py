@@ -1,0 +1,138 @@
+"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens, so the `anthropic`
+SDK works unchanged (`anthropic.Anthropic(base_url=..., api_key=...)`; the key may come as
+`x-api-key`). Requests run through the chat path (anthropic_convert); errors keep the app's
+middleware (metrics, Retry-After) but render in Anthropic's shape:
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: ..."}}
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from radixserve.server import anthropic_convert as convert
+from radixserve.server.anthropic_protocol import (
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TokenCount,
+    error_body,
+)
+from radixserve.server.anthropic_stream import stream_message
+from radixserve.server.body import read_body, too_large
+from radixserve.server.errors import ApiError
+from radixserve.server.state import ServerState
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class AnthropicError(ApiError):
+    """An ApiError in Anthropic's shape; the app's middleware still counts and renders it."""
+
+    @classmethod
+    def of(cls, e: ApiError) -> AnthropicError:
+        return cls(e.status, e.message, e.param, e.code, e.headers)
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=msgspec.json.encode(error_body(self.status, self.message)),
+                            content_type="application/json", headers=self.headers)
+
+
+def anthropic_errors(handler: Handler) -> Handler:
+    """Whatever goes wrong in `handler` leaves it as an AnthropicError."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except AnthropicError:
+            raise
+        except ApiError as e:
+            raise AnthropicError.of(e) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise AnthropicError.of(too_large(request.app["state"].config.max_request_bytes)) from None
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            raise AnthropicError(e.status, f"{request.method} {request.path}: {e.reason}") from None
+        except ConnectionError:  # the client left: the middleware ends the request quietly
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            raise AnthropicError(500, "internal server error", code="internal_error") from None
+
+    return wrapped
+
+
+def _json(obj: object) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+
+
+async def _begin(request: web.Request, typ: type, admit: bool) -> tuple[ServerState, float, Any, Any]:
+    """The clock, the tenant (overload refused before the body is read), the body, the model."""
+    state: ServerState = request.app["state"]
+    arrival = time.monotonic()
+    tenant = state.authenticate(request)
+    if admit:
+        state.admission.check(tenant)
+    b = await read_body(request, typ)
+    state.check_model(b.model)
+    return state, arrival, tenant, b
+
+
+@anthropic_errors
+async def messages(request: web.Request) -> web.StreamResponse:
+    state, arrival, tenant, b = await _begin(request, MessagesRequest, admit=True)
+    conv = convert.conversation(b)
+    params, opts = convert.engine_request(b, conv)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    async with state.admit(tenant, [convert.renderer(state, conv)], [params], opts, arrival) as flight:
+        if b.stream:
+            return await stream_message(request, state, flight, conv, b.stop_sequences, mid)
+        out = (await state.collect(flight))[0]
+        content, reason, sequence = convert.answer(out, conv, b.stop_sequences)
+        return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
+
+
+@anthropic_errors
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """The rendered prompt's tokens (system, messages and the offered tools), generating nothing."""
+    state, _, _, b = await _begin(request, CountTokensRequest, admit=False)
+    ids = await state.off_loop(convert.renderer(state, convert.conversation(b)))
+    return _json(TokenCount(len(ids)))
+
+
+ROUTES = {"/v1/messages": messages, "/v1/messages/count_tokens": count_tokens}
+
+
+@anthropic_errors
+async def unrouted(request: web.Request) -> web.StreamResponse:
+    """Another method on a route, or a path under /v1/messages this server does not serve."""
+    if request.path in ROUTES:
+        raise ApiError(405, f"{request.method} {request.path}: method not allowed; use POST")
+    raise ApiError(404, f"{request.method} {request.path}: not found; this server serves POST {' and POST '.join(ROUTES)}")
+
+
+OPENAPI_ROUTES: list[tuple[str, str, type | None, type | None, str]] = [
+    ("POST", "/v1/messages", MessagesRequest, Message,
+     "Anthropic Messages API; `stream: true` answers with Anthropic's named server-sent events"),
+    ("POST", "/v1/messages/count_tokens", CountTokensRequest, TokenCount,
+     "Anthropic token counting: the rendered prompt's tokens, tools included"),
+]
+
+
+def add_routes(app: web.Application) -> None:
+    """Register this module's routes on the app."""
+    for path, handler in ROUTES.items():
+        app.router.add_post(path, handler)
+        app.router.add_route("*", path, unrouted)  # same resource: a GET is a 405 in Anthropic's shape
+    app.router.add_route("*", "/v1/messages/{tail:.*}", unrouted)

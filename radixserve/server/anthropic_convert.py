@@ -1,0 +1,246 @@
+"""Anthropic requests as the chat path's messages, tools and sampling parameters; engine outputs
+as Anthropic content blocks, stop reasons and usage.
+
+- tool_use blocks (an assistant's earlier calls) become the tool-call history text the chat
+  path renders (tools.history_text); each tool_result block becomes a "tool" message.
+- A final assistant turn of text is a prefill: its tokens follow the generation prompt and the
+  answer continues it (as Anthropic's API does).
+- tool_choice any/tool constrain the output to one call (tools.call_schema); auto parses calls
+  out of free text; none offers no tools. output_config.format constrains it to a JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.engine.outputs import Output
+from radixserve.request import SamplingParams
+from radixserve.server import tools
+from radixserve.server.anthropic_protocol import (
+    Block,
+    ContentBlock,
+    CountTokensRequest,
+    DocumentBlockParam,
+    ImageBlockParam,
+    MessageParam,
+    MessagesRequest,
+    TextBlock,
+    TextBlockParam,
+    ToolChoice,
+    ToolParam,
+    ToolResultBlockParam,
+    ToolUseBlock,
+    ToolUseBlockParam,
+    Usage,
+)
+from radixserve.server.errors import ApiError, value_error
+from radixserve.server.openai import finish_reason, sampling_params
+from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.state import RequestOptions
+
+# engine field names -> this API's
+RENAME = {"max_new_tokens": "max_tokens", "prompt": "messages", "stop": "stop_sequences"}
+
+
+def bad(where: str, problem: str) -> ApiError:
+    return ApiError(400, f"{where}: {problem}", param=where)
+
+
+@dataclass
+class Conversation:
+    """A request's prompt, as the chat path takes it."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)  # {"role", "content"}, roles as chat templates know them
+    prefill: str = ""  # the final assistant turn's text, which the answer continues
+    offered: list[tools.Tool] = field(default_factory=list)  # described in the prompt
+    mode: str = "none"  # none | auto | required (tools.choose)
+    callable: list[tools.Tool] = field(default_factory=list)  # what a required call may use
+    one_call: bool = False  # disable_parallel_tool_use
+
+
+def conversation(b: CountTokensRequest) -> Conversation:
+    if b.thinking is not None and b.thinking.get("type") != "disabled":
+        raise bad("thinking", "extended thinking is not supported by this server (the model has no thinking mode); "
+                  "omit it or send {\"type\": \"disabled\"}")
+    if not b.messages:
+        raise bad("messages", "must contain at least one message")
+    conv = Conversation()
+    if b.system:
+        conv.messages.append({"role": "system", "content": _text(b.system, "system")})
+    for i, m in enumerate(b.messages):
+        conv.messages.extend(_turn(m, f"messages[{i}]"))
+    last = b.messages[-1]
+    if last.role == "assistant" and not _has_calls(last):
+        conv.prefill = conv.messages.pop()["content"]
+    conv.offered = _tools(b.tools)
+    conv.mode, conv.callable = _choose(conv.offered, b.tool_choice)
+    conv.one_call = bool(b.tool_choice and b.tool_choice.disable_parallel_tool_use)
+    if conv.mode == "none":
+        conv.offered = []
+    return conv
+
+
+def _has_calls(m: MessageParam) -> bool:
+    return isinstance(m.content, list) and any(isinstance(x, ToolUseBlockParam) for x in m.content)
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """Text blocks (or a string) as one text; any other block is refused by name."""
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        if not isinstance(block, TextBlockParam):
+            _refuse(block, f"{where}[{j}]", "only text blocks are allowed here")
+    return "".join(block.text for block in content)
+
+
+def _refuse(block: Block, where: str, otherwise: str) -> None:
+    if isinstance(block, (ImageBlockParam, DocumentBlockParam)):
+        kind = "image" if isinstance(block, ImageBlockParam) else "document"
+        raise bad(f"{where}.type", f"{kind} blocks are not supported: the served model reads text only")
+    raise bad(f"{where}.type", f"{type(block).__struct_config__.tag!r}: {otherwise}")
+
+
+def _turn(m: MessageParam, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: a user turn's tool results are "tool" messages."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    if m.role == "assistant":
+        return [_assistant(m.content, where)]
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    for j, block in enumerate(m.content):
+        if isinstance(block, TextBlockParam):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlockParam) and m.role == "user":
+            if text:
+                out.append({"role": m.role, "content": "".join(text)})
+                text = []
+            out.append({"role": "tool", "content": _result(block, f"{where}.content[{j}]")})
+        else:
+            _refuse(block, f"{where}.content[{j}]", f"not allowed in a {m.role} message")
+    if text or not out:
+        out.append({"role": m.role, "content": "".join(text)})
+    return out
+
+
+def _assistant(blocks: list[Block], where: str) -> dict[str, Any]:
+    text, calls = [], []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlockParam):
+            text.append(block.text)
+        elif isinstance(block, ToolUseBlockParam):
+            calls.append({"function": {"name": block.name, "arguments": block.input}})
+        else:
+            _refuse(block, f"{where}.content[{j}]", "not allowed in an assistant message")
+    history = tools.history_text(calls, f"{where}.content")
+    return {"role": "assistant", "content": "\n".join(x for x in ("".join(text), history) if x)}
+
+
+def _result(block: ToolResultBlockParam, where: str) -> str:
+    text = _text(block.content, f"{where}.content")
+    return f"Error: {text}" if block.is_error else text
+
+
+def _tools(specs: list[ToolParam] | None) -> list[tools.Tool]:
+    out = []
+    for i, t in enumerate(specs or []):
+        where = f"tools[{i}]"
+        if t.type not in (None, "custom"):
+            raise bad(f"{where}.type", f"{t.type!r} is not supported; only custom tools (name, description, input_schema) are")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", t.name):
+            raise bad(f"{where}.name", f"{t.name!r} is not a valid tool name (1-64 of A-Z a-z 0-9 _ -)")
+        if t.input_schema is None:
+            raise bad(f"{where}.input_schema", "required for a custom tool")
+        if t.input_schema.get("type") != "object":
+            raise bad(f"{where}.input_schema.type", "must be \"object\"")
+        out.append(tools.Tool(t.name, t.description, t.input_schema))
+    if len({t.name for t in out}) != len(out):
+        raise bad("tools", "tool names must be unique")
+    return out
+
+
+def _choose(offered: list[tools.Tool], choice: ToolChoice | None) -> tuple[str, list[tools.Tool]]:
+    """Anthropic's tool_choice, checked with its own field names, then normalized by tools.choose."""
+    if choice is None:
+        return tools.choose(offered, None)
+    if choice.type == "tool":
+        if choice.name is None:
+            raise bad("tool_choice.name", "required when type is \"tool\"")
+        if all(t.name != choice.name for t in offered):
+            raise bad("tool_choice.name", f"no tool is named {choice.name!r}")
+        return tools.choose(offered, {"type": "function", "function": {"name": choice.name}})
+    if choice.type != "none" and not offered:
+        raise bad("tool_choice.type", f"{choice.type!r} needs tools")
+    return tools.choose(offered, {"auto": "auto", "any": "required", "none": "none"}[choice.type])
+
+
+def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingParams, RequestOptions]:
+    """Sampling through the chat path's own mapping (its defaults, e.g. temperature 1.0, are
+    Anthropic's too); a grammar from a required tool call or output_config.format."""
+    if b.container is not None:
+        raise bad("container", "code execution containers are not supported by this server")
+    schema, field = None, "tools"
+    fmt = b.output_config.format if b.output_config is not None else None
+    if fmt is not None:
+        if conv.mode == "required":
+            raise bad("output_config.format", "cannot be combined with a required tool call (tool_choice any or tool)")
+        schema, field = (json.dumps(fmt.schema), True), "output_config.format.schema"
+    elif conv.mode == "required":
+        schema = (tools.call_schema(conv.callable), False)
+    chat = ChatCompletionRequest(model=b.model, max_tokens=b.max_tokens, stop=b.stop_sequences,
+                                 temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
+    params = sampling_params(chat, b.max_tokens, 0, 0, False, schema)
+    return params, RequestOptions(rename={**RENAME, "json_schema": field})
+
+
+def renderer(state: Any, conv: Conversation) -> Callable[[], list[int]]:
+    """The prompt's token ids, built off the event loop (as the chat path builds them)."""
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+
+    def render() -> list[int]:
+        messages, specs = tools.render(conv.messages, conv.offered, template)
+        try:
+            ids = state.engine.chat_ids(messages, specs)
+            if conv.prefill:
+                ids = [*ids, *state.engine.tokenizer.encode(conv.prefill, add_special_tokens=False)]
+            return ids
+        except ValueError as e:  # e.g. a text that cannot fit the context window
+            raise value_error(e, RENAME) from None
+        except Exception as e:  # the template's own checks (e.g. role order)
+            raise bad("messages", f"the model's chat template rejected them: {e}") from None
+
+    return render
+
+
+def answer(out: Output, conv: Conversation, stops: list[str] | None) -> tuple[list[ContentBlock], str, str | None]:
+    """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
+    is an ApiError 500)."""
+    reason, text, calls = finish_reason(out), out.text, []
+    if reason == "stop" and conv.mode == "required":
+        calls = tools.calls_from_json(out.text)
+        text = "" if calls else out.text
+    elif reason == "stop" and conv.mode == "auto":
+        rest, calls = tools.parse_calls(out.text, conv.offered)
+        text = rest or ""
+    uses = [ToolUseBlock(f"toolu_{uuid.uuid4().hex[:24]}", c.function.name, args) for c in calls
+            if isinstance(args := json.loads(c.function.arguments), dict)]
+    uses = uses[:1] if conv.one_call else uses
+    blocks: list[ContentBlock] = [TextBlock(text)] if text or not uses else []
+    if uses:
+        return [*blocks, *uses], "tool_use", None
+    if reason == "length":
+        return blocks, "max_tokens", None
+    if isinstance(out.matched_stop, str) and out.matched_stop in (stops or ()):
+        return blocks, "stop_sequence", out.matched_stop
+    return blocks, "end_turn", None
+
+
+def usage(out: Output) -> Usage:
+    """Anthropic's split: input_tokens are the prompt tokens the cache did not hold."""
+    return Usage(out.prompt_tokens - out.cached_tokens, out.completion_tokens, out.cached_tokens, 0)

@@ -1,0 +1,236 @@
+"""Wire types of the Anthropic Messages API (/v1/messages), shaped as the `anthropic` SDK reads
+and writes them. Blocks and events are tagged by their `type`; a stream event's tag is also its
+SSE `event:` name. Request Structs forbid unknown fields (a typo is a 400 naming it), except
+where a known kind must be decoded to be refused with a clear message (image and document
+blocks, server tools)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from radixserve.limits import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS
+
+CacheControl = dict[str, Any] | None  # {"type": "ephemeral"}: accepted; the prefix cache needs no marks
+
+
+class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """A request body part: unknown fields are rejected."""
+
+
+class _Out(msgspec.Struct, omit_defaults=False):
+    """A response body part."""
+
+
+# -- request blocks --------------------------------------------------------------------------
+class TextBlockParam(_In, tag="text", tag_field="type"):
+    text: str
+    cache_control: CacheControl = None
+    citations: list[Any] | None = None  # accepted so a returned block can be sent back; ignored
+
+
+class ImageBlockParam(msgspec.Struct, tag="image", tag_field="type"):
+    """Decoded only to be refused by name (the served model reads text)."""
+
+    source: Any = None
+
+
+class DocumentBlockParam(msgspec.Struct, tag="document", tag_field="type"):
+    """Decoded only to be refused by name."""
+
+    source: Any = None
+
+
+class ToolUseBlockParam(_In, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+    caller: Any = None
+
+
+ToolResultContent = TextBlockParam | ImageBlockParam | DocumentBlockParam
+
+
+class ToolResultBlockParam(_In, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[ToolResultContent] = ""
+    is_error: bool = False
+    cache_control: CacheControl = None
+
+
+Block = TextBlockParam | ImageBlockParam | DocumentBlockParam | ToolUseBlockParam | ToolResultBlockParam
+
+
+class MessageParam(_In):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+
+
+class ToolParam(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A custom tool. Not strict about fields: a server tool (its own fields) is refused by its type."""
+
+    name: str
+    input_schema: dict[str, Any] | None = None
+    description: str = ""
+    type: str | None = None  # "custom" or absent
+    cache_control: CacheControl = None
+    strict: bool | None = None
+    input_examples: list[Any] | None = None
+
+
+class ToolChoice(_In):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_In):
+    user_id: str | None = None
+
+
+class OutputFormat(_In):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(_In):
+    format: OutputFormat | None = None  # the answer is JSON following the schema (a grammar enforces it)
+    effort: str | None = None  # accepted: the served model has one effort
+
+
+# -- requests --------------------------------------------------------------------------------
+class CountTokensRequest(_In):
+    """What makes a prompt: POST /v1/messages/count_tokens."""
+
+    model: str
+    messages: Annotated[list[MessageParam], Meta(max_length=MAX_MESSAGES)]
+    system: str | list[TextBlockParam] | None = None
+    tools: Annotated[list[ToolParam], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl = None
+    speed: str | None = None  # accepted; there is one speed
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    """POST /v1/messages."""
+
+    max_tokens: Annotated[int, Meta(ge=1)]
+    stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOPS)] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+    service_tier: str | None = None  # accepted; there is one tier
+    inference_geo: str | None = None  # accepted; it runs here
+    diagnostics: dict[str, Any] | None = None  # accepted; no cache-miss reasons are reported
+    container: Any = None  # refused unless null: no code execution
+
+
+# -- responses -------------------------------------------------------------------------------
+class TextBlock(_Out, tag="text", tag_field="type"):
+    text: str
+
+
+class ToolUseBlock(_Out, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = TextBlock | ToolUseBlock
+
+
+class Usage(_Out):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = 0  # prompt tokens found in the prefix cache (also counted in input_tokens)
+    cache_creation_input_tokens: int = 0
+
+
+class Message(_Out, tag="message", tag_field="type"):
+    id: str
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class TokenCount(_Out):
+    input_tokens: int
+
+
+class ErrorObject(_Out):
+    type: str
+    message: str
+
+
+class ErrorBody(_Out, tag="error", tag_field="type"):
+    """An error: the JSON body of a 4xx/5xx, or an `event: error` in a stream that already began."""
+
+    error: ErrorObject
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> ErrorBody:
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return ErrorBody(ErrorObject(kind, message))
+
+
+# -- stream events (the tag is the SSE event name) -------------------------------------------
+class TextDelta(_Out, tag="text_delta", tag_field="type"):
+    text: str
+
+
+class InputJsonDelta(_Out, tag="input_json_delta", tag_field="type"):
+    partial_json: str
+
+
+class MessageStart(_Out, tag="message_start", tag_field="type"):
+    message: Message
+
+
+class ContentBlockStart(_Out, tag="content_block_start", tag_field="type"):
+    index: int
+    content_block: ContentBlock
+
+
+class Ping(_Out, tag="ping", tag_field="type"):
+    pass
+
+
+class ContentBlockDelta(_Out, tag="content_block_delta", tag_field="type"):
+    index: int
+    delta: TextDelta | InputJsonDelta
+
+
+class ContentBlockStop(_Out, tag="content_block_stop", tag_field="type"):
+    index: int
+
+
+class StopInfo(_Out):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class MessageDelta(_Out, tag="message_delta", tag_field="type"):
+    delta: StopInfo
+    usage: Usage  # cumulative totals: the SDK overwrites what message_start said
+
+
+class MessageStop(_Out, tag="message_stop", tag_field="type"):
+    pass
+
+
+StreamEvent = MessageStart | ContentBlockStart | Ping | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | ErrorBody

@@ -1,0 +1,269 @@
+"""OpenAI Responses API: POST /v1/responses (whole or streamed), and stored responses:
+GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
+
+A request becomes chat messages and tools (responses_input) and runs on the chat path's
+machinery: tools.render and the model's chat template, openai.sampling_params, and
+ServerState.admit / collect / run. A stored response keeps its Context: a continuation
+(previous_response_id) renders the whole conversation and, when that text starts with the
+stored one, reuses its tokens (prompt and output, as the engine ran them) as its first tokens,
+so the prefix cache holds the whole earlier turn."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from radixserve.engine.outputs import Output
+from radixserve.request import SamplingParams
+from radixserve.server import openai, responses_stored, tools
+from radixserve.server.body import read_body
+from radixserve.server.errors import ApiError
+from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.responses_input import choose, echo_text, listed_items, new_id, parse_tools, text_schema, to_messages
+from radixserve.server.responses_protocol import (
+    Context,
+    CreateResponseRequest,
+    DeletedResponse,
+    FunctionCallOutput,
+    IncompleteDetails,
+    InputItemList,
+    InputTokensDetails,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ResponseObject,
+    ResponseUsage,
+)
+from radixserve.server.responses_store import StoredResponse, pack_context
+from radixserve.server.responses_stored import STORE, db, not_found
+from radixserve.server.responses_stream import EventWriter
+from radixserve.server.state import Flight, RequestOptions, ServerState
+
+RENAME = {"max_new_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input", "json_schema": "text.format"}
+
+
+@dataclass
+class Plan:
+    """A checked request: the conversation (without instructions), the tools offered, how the
+    output is constrained, and the stored context it continues."""
+
+    body: CreateResponseRequest
+    messages: list[dict[str, Any]]
+    offered: list[tools.Tool]
+    mode: str  # none | auto | required
+    params: SamplingParams
+    prev: Context | None
+
+
+@dataclass
+class Rendered:
+    """The prompt as rendered (off the loop, when the request is admitted)."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+
+
+# -- create ----------------------------------------------------------------------------------
+async def create(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    arrival = time.monotonic()
+    tenant = state.authenticate(request)
+    state.admission.check(tenant)  # overloaded: refused before the body is read
+    b = await read_body(request, CreateResponseRequest)
+    state.check_model(b.model)
+    plan = await _plan(request, tenant.id, b)
+    rendered = Rendered()
+    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
+    async with state.admit(tenant, [_render(state, plan, rendered)], [plan.params], opts, arrival) as flight:
+        resp = _new_response(state, b)
+        if b.stream:
+            return await _stream(request, tenant.id, plan, rendered, flight, resp)
+        out = (await state.collect(flight))[0]
+        openai.finish_reason(out)  # an engine error is a 500, as in chat
+        _finish(resp, out, plan, new_id("msg"))
+        await _save(request, tenant.id, plan, rendered, out, resp)
+        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+
+
+async def _plan(request: web.Request, tenant: str, b: CreateResponseRequest) -> Plan:
+    if b.max_output_tokens is not None and b.max_output_tokens < 1:
+        raise ApiError(400, f"max_output_tokens: must be at least 1, got {b.max_output_tokens}", param="max_output_tokens")
+    if b.top_logprobs:
+        raise ApiError(400, "top_logprobs: logprobs are not supported on /v1/responses", param="top_logprobs")
+    if b.background:
+        raise ApiError(400, "background: background responses are not supported", param="background")
+    schema = text_schema(b.text)
+    offered = parse_tools(b.tools)
+    mode, callable_tools = choose(offered, b.tool_choice)
+    if mode == "required":
+        if schema is not None:
+            raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
+        schema = (tools.call_schema(callable_tools), False)
+    messages, prev = to_messages(b.input), None
+    if b.previous_response_id is not None:
+        row = await db(request, request.app[STORE].get, tenant, b.previous_response_id)
+        if row is None:
+            raise not_found(b.previous_response_id, "previous_response_id")
+        prev = row.loaded_context()
+        messages = [*prev.messages, *messages]
+    sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
+    params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema)
+    return Plan(b, messages, offered if mode != "none" else [], mode, params, prev)
+
+
+def _render(state: ServerState, plan: Plan, into: Rendered) -> Callable[[], list[int]]:
+    """The prompt, built off the event loop. A continuation whose text extends the stored
+    context's text starts with the stored tokens; only the rest is tokenized."""
+    tok = state.engine.tokenizer
+    template = getattr(tok, "chat_template", None)
+    system = [{"role": "system", "content": plan.body.instructions}] if plan.body.instructions else []
+
+    def render() -> list[int]:
+        messages, specs = tools.render([*system, *plan.messages], plan.offered, template)
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           **({"tools": specs} if specs else {}))
+        except Exception as e:  # the template's own checks (e.g. role order)
+            raise ApiError(400, f"input: the model's chat template rejected it: {e}", param="input") from None
+        head: list[int] = []
+        rest, prev = text, plan.prev
+        if prev is not None and text.startswith(prev.text):
+            head, rest = prev.ids, text[len(prev.text):]
+        _check_fits(state, len(rest))
+        into.text, into.ids = text, [*head, *tok.encode(rest, add_special_tokens=False)]
+        return into.ids
+
+    return render
+
+
+@lru_cache(maxsize=4)
+def _longest_token(tok: Any) -> int:
+    return max(map(len, tok.get_vocab()), default=1)
+
+
+def _check_fits(state: ServerState, chars: int) -> None:
+    """A text that cannot fit the context window even at the longest token is refused before
+    it is tokenized."""
+    window = state.engine.context_len
+    if chars > window * _longest_token(state.engine.tokenizer):
+        raise ApiError(400, f"input: {chars} characters cannot fit the context window of {window} tokens", param="input")
+
+
+def _new_response(state: ServerState, b: CreateResponseRequest) -> ResponseObject:
+    return ResponseObject(
+        id=new_id("resp"), created_at=int(time.time()), model=state.model_name, status="in_progress", output=[],
+        instructions=b.instructions, tools=b.tools or [], tool_choice=b.tool_choice or "auto", text=echo_text(b.text),
+        temperature=1.0 if b.temperature is None else b.temperature, top_p=1.0 if b.top_p is None else b.top_p,
+        max_output_tokens=b.max_output_tokens, previous_response_id=b.previous_response_id, metadata=b.metadata or {},
+        parallel_tool_calls=b.parallel_tool_calls is not False, store=b.store, user=b.user,
+        truncation=b.truncation or "disabled")
+
+
+def _finish(resp: ResponseObject, out: Output, plan: Plan, message_id: str) -> None:
+    """Fill in the output items, the status and the usage of a finished request."""
+    resp.output = _output_items(out, plan, message_id)
+    resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
+    if resp.status == "incomplete":
+        resp.incomplete_details = IncompleteDetails("max_output_tokens" if out.finish_reason == "length" else None)
+    resp.usage = ResponseUsage(out.prompt_tokens, InputTokensDetails(out.cached_tokens), out.completion_tokens,
+                               OutputTokensDetails(), out.prompt_tokens + out.completion_tokens)
+
+
+def _output_items(out: Output, plan: Plan, message_id: str) -> list[OutputItem]:
+    """A message, function calls, or both: the output parsed as the chat path parses it."""
+    text: str | None = out.text
+    calls: list[Any] = []
+    if out.finish_reason == "stop" and plan.mode == "required":
+        calls = tools.calls_from_json(out.text)
+        text = None if calls else out.text
+    elif out.finish_reason == "stop" and plan.mode == "auto":
+        text, calls = tools.parse_calls(out.text, plan.offered)
+    status = "incomplete" if out.finish_reason == "length" else "completed"
+    items: list[OutputItem] = [] if calls and not text else [OutputMessage(message_id, [OutputText(text or "")], status)]
+    return items + [FunctionCallOutput(new_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
+
+
+async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rendered, flight: Flight,
+                  resp: ResponseObject) -> web.StreamResponse:
+    state: ServerState = request.app["state"]
+    w = await EventWriter.open(request)
+    await w.start(resp)
+    live = not plan.offered  # with tools, the output is parsed once whole (as chat streams it)
+    message_id = new_id("msg")
+    if live:
+        await w.open_message(0, message_id)
+    out: Output | None = None
+    async with aclosing(state.run(flight.reqs[0], flight.tickets[0], flight.arrival)) as deltas:
+        async for d in deltas:
+            if live and d.text:
+                await w.text_delta(0, message_id, d.text)
+            out = d.output if d.finished else out
+    if out is None or out.finish_reason == "error":
+        await w.fail(resp, "server_error", f"internal error while generating: {out.error if out else 'no output'}")
+        return w.response
+    _finish(resp, out, plan, message_id)
+    try:
+        await _save(request, tenant, plan, rendered, out, resp)
+    except ApiError as e:
+        await w.fail(resp, "server_error", e.message)
+        return w.response
+    if live and isinstance(resp.output[0], OutputMessage):
+        await w.close_message(0, resp.output[0])
+    else:
+        await w.whole(resp.output)
+    await w.finish(resp)
+    return w.response
+
+
+# -- storing ---------------------------------------------------------------------------------
+async def _save(request: web.Request, tenant: str, plan: Plan, rendered: Rendered, out: Output,
+                resp: ResponseObject) -> None:
+    if not plan.body.store:
+        return
+    tok = request.app["state"].engine.tokenizer
+
+    def row() -> StoredResponse:
+        ctx = _context_after(tok, plan.messages, rendered, out)
+        return StoredResponse(resp.id, tenant, resp.created_at, msgspec.json.encode(resp),
+                              msgspec.json.encode(listed_items(plan.body.input)), pack_context(ctx))
+
+    store = request.app[STORE]
+    await db(request, lambda: store.put(row()))
+
+
+def _context_after(tok: Any, messages: list[dict[str, Any]], rendered: Rendered, out: Output) -> Context:
+    """The conversation once the output is in: the output as the model wrote it (special tokens
+    included, the one it stopped on left to the template) as the assistant's message."""
+    ids = out.token_ids
+
+    def text(t: list[int]) -> str:
+        return tok.decode(t, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    ends_special = bool(ids) and ids[-1] in set(getattr(tok, "all_special_ids", ()))
+    said = {"role": "assistant", "content": text(ids[:-1] if ends_special else ids)}
+    return Context([*messages, said], rendered.text + text(ids), [*rendered.ids, *ids])
+
+
+# -- routes ----------------------------------------------------------------------------------
+OPENAPI_ROUTES: list[tuple[str, str, type | None, type | None, str]] = [
+    ("POST", "/v1/responses", CreateResponseRequest, ResponseObject,
+     "OpenAI Responses: create a response; `stream: true` answers with typed server-sent events"),
+    ("GET", "/v1/responses/{response_id}", None, ResponseObject, "A stored response (the caller's own)"),
+    ("DELETE", "/v1/responses/{response_id}", None, DeletedResponse, "Delete a stored response"),
+    ("GET", "/v1/responses/{response_id}/input_items", None, InputItemList,
+     "A stored response's input items, a page at a time (limit, order, after)"),
+]
+
+
+def add_routes(app: web.Application) -> None:
+    """Register this module's routes on the app."""
+    app.router.add_post("/v1/responses", create)
+    responses_stored.add_routes(app)

@@ -1,0 +1,160 @@
+"""A Responses request in chat terms: its input items as chat messages, its flat function tools
+and tool_choice as the chat path's (server/tools.py), text.format as a JSON schema; and the
+input items as /input_items lists them. Every error names the Responses field."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from radixserve.server import tools
+from radixserve.server.errors import ApiError
+from radixserve.server.responses_protocol import InputItem, InputPart, TextConfig
+
+ROLES = ("user", "assistant", "system", "developer")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+# -- input -> chat messages ------------------------------------------------------------------
+def to_messages(value: str | list[InputItem]) -> list[dict[str, Any]]:
+    if not value:
+        raise _bad("input", "must not be empty")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        if item.type == "message":
+            out.append(_message(i, item))
+        elif item.type == "function_call":
+            call = _call_text(i, item)
+            if out and out[-1]["role"] == "assistant":  # the calls of one turn join its text, as chat renders them
+                out[-1]["content"] = "\n".join(x for x in (out[-1]["content"], call) if x)
+            else:
+                out.append({"role": "assistant", "content": call})
+        elif item.type == "function_call_output":
+            _need(i, item, "call_id", "output")
+            out.append({"role": "tool", "content": _text(item.output, f"input[{i}].output")})
+        else:
+            raise _bad(f"input[{i}].type", f"{item.type!r} is not one of message, function_call, function_call_output")
+    return out
+
+
+def _need(i: int, item: InputItem, *fields: str) -> None:
+    for f in fields:
+        if getattr(item, f) is None:
+            raise _bad(f"input[{i}].{f}", f"required for a {item.type} item")
+
+
+def _message(i: int, item: InputItem) -> dict[str, Any]:
+    _need(i, item, "role", "content")
+    if item.role not in ROLES:
+        raise _bad(f"input[{i}].role", f"{item.role!r} is not one of {', '.join(ROLES)}")
+    role = "system" if item.role == "developer" else item.role
+    return {"role": role, "content": _text(item.content, f"input[{i}].content")}
+
+
+def _text(content: str | list[InputPart] | None, param: str) -> str:
+    if isinstance(content, str) or content is None:
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text") or part.text is None:
+            raise _bad(f"{param}[{j}].type", f"only input_text and output_text parts are supported, got {part.type!r}")
+    return "".join(p.text or "" for p in content)
+
+
+def _call_text(i: int, item: InputItem) -> str:
+    """An earlier function call, rendered back the way the chat path renders tool calls."""
+    _need(i, item, "call_id", "name", "arguments")
+    try:
+        return tools.history_text([{"function": {"name": item.name, "arguments": item.arguments}}], f"input[{i}]")
+    except ApiError as e:
+        raise _bad(f"input[{i}].arguments", e.message.split(": ", 1)[-1]) from None
+
+
+# -- input -> the items /input_items lists ---------------------------------------------------
+def listed_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [_listed_message(new_id("msg"), "user", value)]
+    out = []
+    for item in value:
+        if item.type == "message":
+            out.append(_listed_message(item.id or new_id("msg"), item.role or "user", _text(item.content, "input")))
+        elif item.type == "function_call":
+            out.append({"type": "function_call", "id": item.id or new_id("fc"), "call_id": item.call_id, "name": item.name,
+                        "arguments": item.arguments, "status": "completed"})
+        else:
+            out.append({"type": "function_call_output", "id": item.id or new_id("fco"), "call_id": item.call_id,
+                        "output": _text(item.output, "input"), "status": "completed"})
+    return out
+
+
+def _listed_message(mid: str, role: str, text: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []} if role == "assistant" else {"type": "input_text", "text": text}
+    return {"type": "message", "id": mid, "role": role, "status": "completed", "content": [part]}
+
+
+# -- tools, tool_choice, text.format ---------------------------------------------------------
+def parse_tools(raw: list[dict[str, Any]] | None) -> list[tools.Tool]:
+    """Responses tools are flat ({type, name, description, parameters, strict}): checked by the
+    chat path's parse_tools in its nested shape, its errors renamed to the flat fields."""
+    nested = []
+    for i, t in enumerate(raw or []):
+        if t.get("type") != "function":
+            raise _bad(f"tools[{i}].type", f"only function tools are supported, got {t.get('type')!r}")
+        fn = {k: v for k, v in t.items() if k in ("name", "description", "parameters") and v is not None}
+        nested.append({"type": "function", "function": fn})
+    try:
+        return tools.parse_tools(nested)
+    except ApiError as e:
+        param = e.param.replace(".function.", ".") if e.param else None
+        raise ApiError(e.status, e.message.replace(".function.", "."), param=param) from None
+
+
+def choose(offered: list[tools.Tool], choice: str | dict[str, Any] | None) -> tuple[str, list[tools.Tool]]:
+    """(mode, tools a call may use), mode none | auto | required, as the chat path's choose."""
+    if isinstance(choice, dict):
+        name = choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise _bad("tool_choice", 'expected "none", "auto", "required" or {"type": "function", "name": ...}')
+        named = [t for t in offered if t.name == name]
+        if not named:
+            raise _bad("tool_choice.name", f"no tool is named {name!r}")
+        return "required", named
+    if choice not in (None, "none", "auto", "required"):
+        raise _bad("tool_choice", f'{choice!r} is not one of "none", "auto", "required" or {{"type": "function", "name": ...}}')
+    if not offered and choice != "required":
+        return "none", []
+    return tools.choose(offered, choice)
+
+
+def text_schema(text: TextConfig | None) -> tuple[str, bool] | None:
+    """text.format as (JSON schema text, strict), or None for free text: what chat's
+    response_format becomes, so both constrain (and refuse what they cannot enforce) alike."""
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"}), False
+    if fmt.schema is None:
+        raise _bad("text.format.schema", "required when text.format.type is json_schema")
+    return json.dumps(fmt.schema), fmt.strict is True
+
+
+def echo_text(text: TextConfig | None) -> dict[str, Any]:
+    fmt = text.format if text is not None else None
+    if fmt is None:
+        return {"format": {"type": "text"}}
+    echoed: dict[str, Any] = {"type": fmt.type}
+    if fmt.type == "json_schema":
+        echoed.update(name=fmt.name or "response", schema=fmt.schema, strict=fmt.strict is True)
+        if fmt.description is not None:
+            echoed["description"] = fmt.description
+    return {"format": echoed}

@@ -1,0 +1,87 @@
+"""Stored /v1/responses in one SQLite file (stdlib sqlite3, WAL): the response object as sent,
+its input items, and the context a continuation starts from. Every row carries its tenant; a
+read or delete names the tenant, so another tenant's response is as good as missing.
+
+Calls block (they are short): the routes run them off the event loop."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from radixserve.server.responses_protocol import Context
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    response BLOB NOT NULL,     -- the response object, JSON, as the client got it
+    input_items BLOB NOT NULL,  -- this request's own input items, JSON
+    context BLOB NOT NULL       -- a Context, msgpack
+)"""
+
+
+@dataclass
+class StoredResponse:
+    id: str
+    tenant: str
+    created_at: int
+    response: bytes
+    input_items: bytes
+    context: bytes
+
+    def loaded_context(self) -> Context:
+        return msgspec.msgpack.decode(self.context, type=Context)
+
+
+def pack_context(ctx: Context) -> bytes:
+    return msgspec.msgpack.encode(ctx)
+
+
+class ResponseStore:
+    """One connection, shared by the executor's threads under a lock; opened at first use (a
+    server that never stores a response creates no file)."""
+
+    def __init__(self, path: Callable[[], Path]) -> None:
+        self._path = path
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            path = self._path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(path, check_same_thread=False, timeout=5.0, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(_SCHEMA)
+            self._db = db
+        return self._db
+
+    def put(self, row: StoredResponse) -> None:
+        with self._lock:
+            self._conn().execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                                 (row.id, row.tenant, row.created_at, row.response, row.input_items, row.context))
+
+    def get(self, tenant: str, rid: str) -> StoredResponse | None:
+        with self._lock:
+            cur = self._conn().execute("SELECT * FROM responses WHERE id = ? AND tenant = ?", (rid, tenant))
+            found = cur.fetchone()
+        return StoredResponse(*found) if found is not None else None
+
+    def delete(self, tenant: str, rid: str) -> bool:
+        with self._lock:
+            cur = self._conn().execute("DELETE FROM responses WHERE id = ? AND tenant = ?", (rid, tenant))
+        return cur.rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

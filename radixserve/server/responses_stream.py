@@ -1,0 +1,96 @@
+"""The Responses API's streamed events: `event: <type>` and `data: <json>` per event, each
+numbered by `sequence_number`, no `[DONE]` (as OpenAI). The order, per output item:
+
+    response.created, response.in_progress
+    message:        output_item.added, content_part.added, output_text.delta..., output_text.done,
+                    content_part.done, output_item.done
+    function call:  output_item.added, function_call_arguments.delta, function_call_arguments.done,
+                    output_item.done
+    response.completed | response.incomplete   (or: error, response.failed)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixserve.server.responses_protocol import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ErrorEvent,
+    FunctionCallOutput,
+    ItemEvent,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    PartEvent,
+    ResponseError,
+    ResponseEvent,
+    ResponseObject,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from radixserve.server.sse import SSEWriter
+
+
+class EventWriter(SSEWriter):
+    """An SSEWriter for typed events: numbers them and names each in its `event:` line."""
+
+    seq = 0
+
+    async def emit(self, cls: type, kind: str, *fields: Any) -> None:
+        event = cls(kind, self.seq, *fields)
+        self.seq += 1
+        await self._write(b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n")
+
+    async def close(self) -> None:
+        await self._bounded(self.response.write_eof())
+
+    # -- the response ------------------------------------------------------------------------
+    async def start(self, resp: ResponseObject) -> None:
+        await self.emit(ResponseEvent, "response.created", resp)
+        await self.emit(ResponseEvent, "response.in_progress", resp)
+
+    async def finish(self, resp: ResponseObject) -> None:
+        kind = "response.incomplete" if resp.status == "incomplete" else "response.completed"
+        await self.emit(ResponseEvent, kind, resp)
+        await self.close()
+
+    async def fail(self, resp: ResponseObject, code: str, message: str) -> None:
+        await self.emit(ErrorEvent, "error", message, code)
+        failed = msgspec.structs.replace(resp, status="failed", error=ResponseError(code, message))
+        await self.emit(ResponseEvent, "response.failed", failed)
+        await self.close()
+
+    # -- output items ------------------------------------------------------------------------
+    async def open_message(self, index: int, item_id: str) -> None:
+        await self.emit(ItemEvent, "response.output_item.added", index, OutputMessage(item_id, [], "in_progress"))
+        await self.emit(PartEvent, "response.content_part.added", item_id, index, 0, OutputText(""))
+
+    async def text_delta(self, index: int, item_id: str, delta: str) -> None:
+        await self.emit(TextDeltaEvent, "response.output_text.delta", item_id, index, 0, delta)
+
+    async def close_message(self, index: int, item: OutputMessage) -> None:
+        part = item.content[0] if item.content else OutputText("")
+        await self.emit(TextDoneEvent, "response.output_text.done", item.id, index, 0, part.text)
+        await self.emit(PartEvent, "response.content_part.done", item.id, index, 0, part)
+        await self.emit(ItemEvent, "response.output_item.done", index, item)
+
+    async def function_call(self, index: int, item: FunctionCallOutput) -> None:
+        opened = msgspec.structs.replace(item, arguments="", status="in_progress")
+        await self.emit(ItemEvent, "response.output_item.added", index, opened)
+        await self.emit(ArgumentsDeltaEvent, "response.function_call_arguments.delta", item.id, index, item.arguments)
+        await self.emit(ArgumentsDoneEvent, "response.function_call_arguments.done", item.id, index, item.arguments)
+        await self.emit(ItemEvent, "response.output_item.done", index, item)
+
+    async def whole(self, items: list[OutputItem]) -> None:
+        """Items known only at the end (with tools, the output is parsed once complete)."""
+        for index, item in enumerate(items):
+            if isinstance(item, FunctionCallOutput):
+                await self.function_call(index, item)
+            else:
+                await self.open_message(index, item.id)
+                if item.content and item.content[0].text:
+                    await self.text_delta(index, item.id, item.content[0].text)
+                await self.close_message(index, item)
