@@ -102,16 +102,17 @@ class SpecConfig:
     spec_ngram_max: int = option(8, "longest suffix n-gram looked up (the longest that occurs wins)")
     spec_max_batch: int = option(16, "no drafts when more requests than this decode at once (compute-bound)")
     # What one decode step costs beyond its rows, in rows (reading the weights, overheads): a draft
-    # token is proposed only where its chance of acceptance beats the row it adds. None: 3 on a CPU
-    # (measured on the 2-core reference machine: 8.5 ms for 1 row, +~2 ms per row), 64 on a GPU.
+    # token is proposed only where its chance of acceptance beats the row it adds. None: 6 on a CPU
+    # (the default model on the 2-core reference machine, one request's rows: 4.7 ms + 0.66 ms a row
+    # at 450 tokens of context, 7.4 + 1.6 at 1,600, plus ~1 ms of Python a step), 64 on a GPU.
     spec_fixed_cost_rows: float | None = option(None, "a decode step's fixed cost in rows: a draft token is proposed "
-                                                      "only where it pays for its row; unset: 3 on a CPU, 64 on a GPU")
+                                                      "only where it pays for its row; unset: 6 on a CPU, 64 on a GPU")
 
     def fixed_cost(self, device_type: str) -> float:
         """spec_fixed_cost_rows, or its default on this kind of device."""
         if self.spec_fixed_cost_rows is not None:
             return self.spec_fixed_cost_rows
-        return 64.0 if device_type == "cuda" else 3.0
+        return 64.0 if device_type == "cuda" else 6.0
 
     def check(self) -> None:
         if self.speculative not in SPECULATIVE:
