@@ -219,7 +219,7 @@ def _delete(s, rid: str, key: str) -> tuple[int, dict]:
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].image_url"),
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0].type"),
-    ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),  # a reasoning item is accepted: see test_reasoning_apis
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),

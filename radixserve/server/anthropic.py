@@ -92,7 +92,7 @@ async def _begin(request: web.Request, typ: type, admit: bool) -> tuple[ServerSt
 @anthropic_errors
 async def messages(request: web.Request) -> web.StreamResponse:
     state, arrival, tenant, b = await _begin(request, MessagesRequest, admit=True)
-    conv = convert.conversation(b)
+    conv = convert.conversation(b, state.config.reasoning_parser)
     params, opts = convert.engine_request(b, conv)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     async with state.admit(tenant, [convert.renderer(state, conv)], [params], opts, arrival) as flight:
@@ -107,7 +107,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """The rendered prompt's tokens (system, messages and the offered tools), generating nothing."""
     state, _, _, b = await _begin(request, CountTokensRequest, admit=False)
-    ids = await state.off_loop(convert.renderer(state, convert.conversation(b)))
+    ids = await state.off_loop(convert.renderer(state, convert.conversation(b, state.config.reasoning_parser)))
     return _json(TokenCount(len(ids)))
 
 

@@ -7,6 +7,11 @@ as Anthropic content blocks, stop reasons and usage.
   answer continues it (as Anthropic's API does).
 - tool_choice any/tool constrain the output to one call (tools.call_schema); auto parses calls
   out of free text; none offers no tools. output_config.format constrains it to a JSON schema.
+- With --reasoning-parser the output's `<think>` part is a leading thinking block and the text
+  and tool_use blocks come from the rest (server/reasoning.py, as chat's reasoning_content); a
+  constraint applies after the reasoning. `thinking` disabled sets enable_thinking=false in the
+  template (no split); enabled (budget_tokens checked as Anthropic does, then only a hint) or
+  adaptive keep the model's thinking. Thinking blocks sent back are left out of the prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams
-from radixserve.server import tools
+from radixserve.server import reasoning, tools
 from radixserve.server.anthropic_protocol import (
     Block,
     ContentBlock,
@@ -29,8 +34,12 @@ from radixserve.server.anthropic_protocol import (
     ImageBlockParam,
     MessageParam,
     MessagesRequest,
+    RedactedThinkingBlockParam,
     TextBlock,
     TextBlockParam,
+    ThinkingBlock,
+    ThinkingBlockParam,
+    ThinkingConfig,
     ToolChoice,
     ToolParam,
     ToolResultBlockParam,
@@ -61,15 +70,15 @@ class Conversation:
     mode: str = "none"  # none | auto | required (tools.choose)
     callable: list[tools.Tool] = field(default_factory=list)  # what a required call may use
     one_call: bool = False  # disable_parallel_tool_use
+    parser: str | None = None  # the reasoning parser, when the output is split
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
+    show_thinking: bool = True  # thinking.display "omitted": the thinking block's text is left empty
 
 
-def conversation(b: CountTokensRequest) -> Conversation:
-    if b.thinking is not None and b.thinking.get("type") != "disabled":
-        raise bad("thinking", "extended thinking is not supported by this server (the model has no thinking mode); "
-                  "omit it or send {\"type\": \"disabled\"}")
+def conversation(b: CountTokensRequest, reasoning_parser: str | None = None) -> Conversation:
     if not b.messages:
         raise bad("messages", "must contain at least one message")
-    conv = Conversation()
+    conv = _thinking(b.thinking, reasoning_parser)
     if b.system:
         conv.messages.append({"role": "system", "content": _text(b.system, "system")})
     for i, m in enumerate(b.messages):
@@ -83,6 +92,24 @@ def conversation(b: CountTokensRequest) -> Conversation:
     if conv.mode == "none":
         conv.offered = []
     return conv
+
+
+def _thinking(t: ThinkingConfig | None, parser: str | None) -> Conversation:
+    """Omitted: the model's own default, its reasoning split off when a parser is set."""
+    if t is None or t.type == "disabled":
+        kwargs = {"enable_thinking": False} if t is not None else {}
+        return Conversation(parser=reasoning.active(parser, kwargs), template_kwargs=kwargs)
+    if parser is None:
+        raise bad("thinking", f"type {t.type!r} needs a reasoning model: start the server with --reasoning-parser "
+                  "(qwen3 or deepseek_r1), or omit thinking or send {\"type\": \"disabled\"}")
+    n = t.budget_tokens
+    if t.type == "enabled" and (n is None or n < 1024):
+        raise bad("thinking.budget_tokens", "required when thinking.type is \"enabled\"" if n is None
+                  else f"must be at least 1024, got {n}")
+    if t.type != "enabled" and n is not None:
+        raise bad("thinking.budget_tokens", "only allowed when thinking.type is \"enabled\"")
+    kwargs = {"enable_thinking": True} if t.type == "enabled" else {}
+    return Conversation(parser=parser, template_kwargs=kwargs, show_thinking=t.display != "omitted")
 
 
 def _has_calls(m: MessageParam) -> bool:
@@ -136,7 +163,7 @@ def _assistant(blocks: list[Block], where: str) -> dict[str, Any]:
             text.append(block.text)
         elif isinstance(block, ToolUseBlockParam):
             calls.append({"function": {"name": block.name, "arguments": block.input}})
-        else:
+        elif not isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)):  # earlier thinking: dropped
             _refuse(block, f"{where}.content[{j}]", "not allowed in an assistant message")
     history = tools.history_text(calls, f"{where}.content")
     return {"role": "assistant", "content": "\n".join(x for x in ("".join(text), history) if x)}
@@ -185,6 +212,9 @@ def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingPara
     Anthropic's too); a grammar from a required tool call or output_config.format."""
     if b.container is not None:
         raise bad("container", "code execution containers are not supported by this server")
+    budget = b.thinking.budget_tokens if b.thinking is not None else None
+    if budget is not None and budget >= b.max_tokens:
+        raise bad("thinking.budget_tokens", f"must be less than max_tokens ({b.max_tokens}), got {budget}")
     schema, field = None, "tools"
     fmt = b.output_config.format if b.output_config is not None else None
     if fmt is not None:
@@ -195,7 +225,8 @@ def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingPara
         schema = (tools.call_schema(conv.callable), False)
     chat = ChatCompletionRequest(model=b.model, max_tokens=b.max_tokens, stop=b.stop_sequences,
                                  temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
-    params = sampling_params(chat, b.max_tokens, 0, 0, False, schema)
+    after = reasoning.grammar_after(conv.parser, schema is not None)
+    params = sampling_params(chat, b.max_tokens, 0, 0, False, schema, grammar_after=after)
     return params, RequestOptions(rename={**RENAME, "json_schema": field})
 
 
@@ -206,7 +237,7 @@ def renderer(state: Any, conv: Conversation) -> Callable[[], list[int]]:
     def render() -> list[int]:
         messages, specs = tools.render(conv.messages, conv.offered, template)
         try:
-            ids = state.engine.chat_ids(messages, specs)
+            ids = state.engine.chat_ids(messages, specs, template_kwargs=conv.template_kwargs or None)
             if conv.prefill:
                 ids = [*ids, *state.engine.tokenizer.encode(conv.prefill, add_special_tokens=False)]
             return ids
@@ -221,17 +252,16 @@ def renderer(state: Any, conv: Conversation) -> Callable[[], list[int]]:
 def answer(out: Output, conv: Conversation, stops: list[str] | None) -> tuple[list[ContentBlock], str, str | None]:
     """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
     is an ApiError 500)."""
-    reason, text, calls = finish_reason(out), out.text, []
-    if reason == "stop" and conv.mode == "required":
-        calls = tools.calls_from_json(out.text)
-        text = "" if calls else out.text
-    elif reason == "stop" and conv.mode == "auto":
-        rest, calls = tools.parse_calls(out.text, conv.offered)
-        text = rest or ""
-    uses = [ToolUseBlock(f"toolu_{uuid.uuid4().hex[:24]}", c.function.name, args) for c in calls
+    reason = finish_reason(out)
+    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered)
+    uses = [ToolUseBlock(f"toolu_{uuid.uuid4().hex[:24]}", c.function.name, args) for c in a.calls
             if isinstance(args := json.loads(c.function.arguments), dict)]
     uses = uses[:1] if conv.one_call else uses
-    blocks: list[ContentBlock] = [TextBlock(text)] if text or not uses else []
+    blocks: list[ContentBlock] = []
+    if a.reasoning is not None:  # cut off while thinking: the thinking block alone
+        blocks.append(ThinkingBlock(a.reasoning if conv.show_thinking else ""))
+    if a.content or not (uses or a.reasoning is not None):
+        blocks.append(TextBlock(a.content or ""))
     if uses:
         return [*blocks, *uses], "tool_use", None
     if reason == "length":

@@ -61,7 +61,19 @@ class ToolResultBlockParam(_In, tag="tool_result", tag_field="type"):
     cache_control: CacheControl = None
 
 
-Block = TextBlockParam | ImageBlockParam | DocumentBlockParam | ToolUseBlockParam | ToolResultBlockParam
+class ThinkingBlockParam(_In, tag="thinking", tag_field="type"):
+    """An earlier turn's thinking, sent back: accepted in an assistant message, left out of the prompt."""
+
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlockParam(_In, tag="redacted_thinking", tag_field="type"):
+    data: str
+
+
+Block = (TextBlockParam | ImageBlockParam | DocumentBlockParam | ToolUseBlockParam | ToolResultBlockParam
+         | ThinkingBlockParam | RedactedThinkingBlockParam)
 
 
 class MessageParam(_In):
@@ -96,6 +108,15 @@ class OutputFormat(_In):
     schema: dict[str, Any]
 
 
+class ThinkingConfig(_In):
+    """enabled (budget_tokens, a hint: nothing stops the reasoning at it) | adaptive (the model's
+    own default) | disabled. Needs --reasoning-parser, except disabled."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None  # omitted: the thinking block's text is left empty
+
+
 class OutputConfig(_In):
     format: OutputFormat | None = None  # the answer is JSON following the schema (a grammar enforces it)
     effort: str | None = None  # accepted: the served model has one effort
@@ -110,7 +131,7 @@ class CountTokensRequest(_In):
     system: str | list[TextBlockParam] | None = None
     tools: Annotated[list[ToolParam], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None
     speed: str | None = None  # accepted; there is one speed
@@ -143,7 +164,14 @@ class ToolUseBlock(_Out, tag="tool_use", tag_field="type"):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(_Out, tag="thinking", tag_field="type"):
+    """The output's `<think>` part (--reasoning-parser). No signature: nothing here is signed."""
+
+    thinking: str
+    signature: str = ""
+
+
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class Usage(_Out):
@@ -197,6 +225,16 @@ class InputJsonDelta(_Out, tag="input_json_delta", tag_field="type"):
     partial_json: str
 
 
+class ThinkingDelta(_Out, tag="thinking_delta", tag_field="type"):
+    thinking: str
+
+
+class SignatureDelta(_Out, tag="signature_delta", tag_field="type"):
+    """Sent just before a thinking block's content_block_stop."""
+
+    signature: str
+
+
 class MessageStart(_Out, tag="message_start", tag_field="type"):
     message: Message
 
@@ -212,7 +250,7 @@ class Ping(_Out, tag="ping", tag_field="type"):
 
 class ContentBlockDelta(_Out, tag="content_block_delta", tag_field="type"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStop(_Out, tag="content_block_stop", tag_field="type"):

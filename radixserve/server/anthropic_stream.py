@@ -1,11 +1,12 @@
 """Anthropic's streaming: named SSE events, in the order its SDK accumulates them:
 
-    message_start, then per content block: content_block_start, content_block_delta..., content_block_stop
-    (a ping after the first start), message_delta (stop_reason, cumulative usage), message_stop
+    message_start, ping, then per content block: content_block_start, content_block_delta...,
+    content_block_stop, then message_delta (stop_reason, cumulative usage), message_stop
 
-Free text streams token by token. With tools offered the answer is parsed whole, so its blocks
-come at the end: a tool_use block's input as one input_json_delta. An error once the stream
-began is an `event: error`."""
+Free text streams token by token (LiveBlocks): with --reasoning-parser, a thinking block
+(thinking_delta..., then an empty signature_delta) while the output is inside `<think>`, then
+the text block. With tools offered the answer is parsed whole, so its blocks come at the end: a
+tool_use block's input as one input_json_delta. An error once the stream began is an `event: error`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import logging
 import msgspec
 from aiohttp import web
 
-from radixserve.engine.outputs import Output
 from radixserve.server import anthropic_convert as convert
+from radixserve.server import reasoning
 from radixserve.server.anthropic_protocol import (
     ContentBlock,
     ContentBlockDelta,
@@ -28,10 +29,13 @@ from radixserve.server.anthropic_protocol import (
     MessageStart,
     MessageStop,
     Ping,
+    SignatureDelta,
     StopInfo,
     StreamEvent,
     TextBlock,
     TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
     ToolUseBlock,
     Usage,
     error_body,
@@ -74,40 +78,76 @@ async def stream_message(request: web.Request, state: ServerState, flight: Fligh
 
 async def _answer(sse: EventWriter, state: ServerState, flight: Flight, conv: convert.Conversation,
                   stops: list[str] | None) -> None:
-    if conv.mode == "none":
-        out = await _stream_text(sse, state, flight)
-    else:
-        await sse.emit(Ping())
-        out = (await state.collect(flight))[0]
+    await sse.emit(Ping())
+    live, out = LiveBlocks(sse, conv), None
+    async for _, d in state.merged(flight):
+        await live.feed(d.text, d.finished)
+        out = d.output if d.finished else out
     if out is None:
         raise ApiError(500, "internal error while generating: the request ended without an output")
     blocks, reason, sequence = convert.answer(out, conv, stops)  # an engine error raises here
-    if conv.mode != "none":
-        await _emit_blocks(sse, blocks)
+    await live.finish(blocks)
     await sse.emit(MessageDelta(StopInfo(reason, sequence), convert.usage(out)))
     await sse.emit(MessageStop())
 
 
-async def _stream_text(sse: EventWriter, state: ServerState, flight: Flight) -> Output | None:
-    await sse.emit(ContentBlockStart(0, TextBlock("")))
-    await sse.emit(Ping())
-    out = None
-    async for _, d in state.merged(flight):
-        if d.text:
-            await sse.emit(ContentBlockDelta(0, TextDelta(d.text)))
-        if d.finished:
-            out = d.output
-    await sse.emit(ContentBlockStop(0))
-    return out
+class LiveBlocks:
+    """The content blocks of one answer as its text comes (live: free text, no tools to parse).
+    Blocks open lazily, in order: the thinking block once the splitter sees reasoning, the text
+    block at its first text. `finish` closes what is open with the final blocks (built from the
+    whole text, which the stream's split always agrees with) and sends the rest whole."""
+
+    def __init__(self, sse: EventWriter, conv: convert.Conversation) -> None:
+        self.sse, self.live, self.show = sse, conv.mode == "none", conv.show_thinking
+        self.split = reasoning.splitter(conv.parser)
+        self.opened: list[ContentBlock] = []  # in order, as each started
+        self.closed = 0  # how many of `opened` are done
+
+    async def feed(self, text: str, final: bool) -> None:
+        if not self.live:
+            return
+        thought, content = reasoning.feed(self.split, text, final)
+        if self.split is not None and self.split.saw_reasoning and not self.opened:
+            await self._open(ThinkingBlock(""))
+        if thought and self.show:
+            await self.sse.emit(ContentBlockDelta(0, ThinkingDelta(thought)))
+        if content and not any(isinstance(b, TextBlock) for b in self.opened):
+            if self.opened:  # the thinking ended where the text starts
+                await _stop(self.sse, 0, ThinkingBlock(""))
+                self.closed = 1
+            await self._open(TextBlock(""))
+        if content:
+            await self.sse.emit(ContentBlockDelta(len(self.opened) - 1, TextDelta(content)))
+
+    async def finish(self, blocks: list[ContentBlock]) -> None:
+        for i, block in enumerate(blocks):
+            if i >= len(self.opened):
+                await _whole(self.sse, i, block)
+            elif i >= self.closed:
+                await _stop(self.sse, i, block)
+
+    async def _open(self, block: ContentBlock) -> None:
+        self.opened.append(block)
+        await self.sse.emit(ContentBlockStart(len(self.opened) - 1, block))
 
 
-async def _emit_blocks(sse: EventWriter, blocks: list[ContentBlock]) -> None:
-    for i, block in enumerate(blocks):
-        if isinstance(block, ToolUseBlock):
-            await sse.emit(ContentBlockStart(i, ToolUseBlock(block.id, block.name, {})))
-            await sse.emit(ContentBlockDelta(i, InputJsonDelta(json.dumps(block.input))))
-        else:
-            await sse.emit(ContentBlockStart(i, TextBlock("")))
-            if block.text:
-                await sse.emit(ContentBlockDelta(i, TextDelta(block.text)))
-        await sse.emit(ContentBlockStop(i))
+async def _whole(sse: EventWriter, i: int, block: ContentBlock) -> None:
+    """A block known only at the end."""
+    if isinstance(block, ToolUseBlock):
+        await sse.emit(ContentBlockStart(i, ToolUseBlock(block.id, block.name, {})))
+        await sse.emit(ContentBlockDelta(i, InputJsonDelta(json.dumps(block.input))))
+    elif isinstance(block, ThinkingBlock):
+        await sse.emit(ContentBlockStart(i, ThinkingBlock("")))
+        if block.thinking:
+            await sse.emit(ContentBlockDelta(i, ThinkingDelta(block.thinking)))
+    else:
+        await sse.emit(ContentBlockStart(i, TextBlock("")))
+        if block.text:
+            await sse.emit(ContentBlockDelta(i, TextDelta(block.text)))
+    await _stop(sse, i, block)
+
+
+async def _stop(sse: EventWriter, i: int, block: ContentBlock) -> None:
+    if isinstance(block, ThinkingBlock):  # a thinking block's signature comes just before its stop
+        await sse.emit(ContentBlockDelta(i, SignatureDelta(block.signature)))
+    await sse.emit(ContentBlockStop(i))

@@ -219,7 +219,7 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None) -> ChatPla
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
         schema = (tools.call_schema(callable_tools), False)
     _check_template_kwargs(b.chat_template_kwargs)
-    parser = reasoning_parser if reasoning.thinking_on(b.chat_template_kwargs) else None
+    parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
     return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser)
 
 
@@ -232,7 +232,7 @@ def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     constrained = any(x is not None for x in (plan.schema, plan.tag, b.regex, b.ebnf))
-    after = reasoning.MARKER if plan.parser and constrained else None
+    after = reasoning.grammar_after(plan.parser, constrained)
     return [sampling_params(b, max_tokens, i, top, b.logprobs, plan.schema, plan.tag, after) for i in range(b.n)]
 
 
@@ -306,17 +306,11 @@ def include_usage(b: _OpenAISampling) -> bool:
 
 def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatChoice:
     """Tool calls and JSON are read from the content only, never from the reasoning."""
-    reason, calls = finish_reason(o), None
-    thought, content = reasoning.split(o.text, plan.parser)
-    if reason == "stop" and content is not None and plan.mode == "required":
-        calls = tools.calls_from_json(content) or None
-        content = None if calls else content
-    elif reason == "stop" and content is not None and plan.mode == "auto":
-        content, found = tools.parse_calls(content, plan.offered)
-        calls = found or None
-    if calls:
+    reason = finish_reason(o)
+    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered)
+    if a.calls:
         reason = "tool_calls"
-    message = AssistantMessage(content=content, tool_calls=calls, reasoning_content=thought)
+    message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)
     return ChatChoice(i, message, reason, _chat_logprobs(state, o.logprobs))
 
 

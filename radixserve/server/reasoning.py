@@ -8,11 +8,19 @@ The streaming splitter hands each text delta back as (reasoning, content). A tag
 deltas is held back until it is whole (or the output ends), so no tag text leaks either way.
 `split` runs the same splitter over a whole text: a stream and its whole answer always agree.
 Whitespace right after a tag is dropped; output without tags (qwen3) is content, unchanged.
+
+Shared by the three chat-like APIs (chat, /v1/responses, /v1/messages): `active` (is the
+output split), `grammar_after` (where a constraint starts), `answer` (a finished output as
+reasoning, content and the tool calls read from the content only), `reasoning_tokens`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+
+from radixserve.server import tools
+from radixserve.server.protocol import ToolCall
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = {"qwen3": False, "deepseek_r1": True}  # parser -> the output starts inside the reasoning
@@ -89,6 +97,16 @@ def thinking_on(template_kwargs: dict[str, Any] | None) -> bool:
     return kw.get("enable_thinking") is not False and kw.get("thinking") is not False
 
 
+def active(parser: str | None, template_kwargs: dict[str, Any] | None) -> str | None:
+    """The parser that splits this request's output: none when thinking is off in the template."""
+    return parser if thinking_on(template_kwargs) else None
+
+
+def grammar_after(parser: str | None, constrained: bool) -> str | None:
+    """Where a constraint (JSON, a required tool call) starts: after the reasoning, when it is split."""
+    return MARKER if parser and constrained else None
+
+
 def splitter(parser: str | None) -> ThinkSplitter | None:
     """A fresh splitter for one choice, or None when there is nothing to split."""
     return None if parser is None else ThinkSplitter(PARSERS[parser])
@@ -113,3 +131,44 @@ def split(text: str, parser: str | None) -> tuple[str | None, str | None]:
     if s is None or not s.saw_reasoning:
         return None, text
     return r, c or None
+
+
+@dataclass
+class Answer:
+    """A finished output as a client sees it. `reasoning` None: none was split off; `content`
+    None: nothing after it (e.g. cut off while reasoning, or all of it a tool call)."""
+
+    reasoning: str | None
+    content: str | None
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none",
+           offered: list[tools.Tool] | None = None) -> Answer:
+    """Tool calls (mode required: the constrained JSON; auto: tagged calls) are read from the
+    content only: a call written inside the reasoning is not one."""
+    thought, content = split(text, parser)
+    calls: list[ToolCall] = []
+    if finish_reason == "stop" and content is not None and mode == "required":
+        calls = tools.calls_from_json(content)
+        content = None if calls else content
+    elif finish_reason == "stop" and content is not None and mode == "auto":
+        content, calls = tools.parse_calls(content, offered or [])
+    return Answer(thought, content, calls)
+
+
+def reasoning_tokens(tok: Any, ids: list[int]) -> int:
+    """How many output tokens were reasoning, its tags included: those up to the first `</think>`
+    (all of them when none closed it). Counted on the tokens the model wrote, not re-tokenized:
+    at the `</think>` token when the vocabulary has one, else at the shortest prefix whose text
+    holds the tag."""
+    close = tok.convert_tokens_to_ids(CLOSE)
+    if isinstance(close, int) and close != getattr(tok, "unk_token_id", None) and close in ids:
+        return ids.index(close) + 1
+    lo, hi = 1, len(ids)
+    if not ids or CLOSE not in tok.decode(ids, skip_special_tokens=True):
+        return len(ids)
+    while lo < hi:  # the text of ids[:k] holds the tag from some k on
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if CLOSE in tok.decode(ids[:mid], skip_special_tokens=True) else (mid + 1, hi)
+    return lo

@@ -6,7 +6,14 @@ machinery: tools.render and the model's chat template, openai.sampling_params, a
 ServerState.admit / collect / run. A stored response keeps its Context: a continuation
 (previous_response_id) renders the whole conversation and, when that text starts with the
 stored one, reuses its tokens (prompt and output, as the engine ran them) as its first tokens,
-so the prefix cache holds the whole earlier turn."""
+so the prefix cache holds the whole earlier turn.
+
+With --reasoning-parser the output's `<think>` part is a leading reasoning item (counted in
+usage.output_tokens_details.reasoning_tokens) and the message or calls come from the rest, as
+chat splits reasoning_content (server/reasoning.py); `reasoning: {"effort": "none"}` turns
+thinking off in the template, as chat's chat_template_kwargs {"enable_thinking": false}. A
+stored turn keeps the output as the model wrote it, reasoning included: the template decides
+what a continuation shows of it."""
 
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams
-from radixserve.server import openai, responses_stored, tools
+from radixserve.server import openai, reasoning, responses_stored, tools
 from radixserve.server.body import read_body
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ChatCompletionRequest
@@ -39,12 +46,14 @@ from radixserve.server.responses_protocol import (
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningOutput,
+    ReasoningText,
     ResponseObject,
     ResponseUsage,
 )
 from radixserve.server.responses_store import StoredResponse, pack_context
 from radixserve.server.responses_stored import STORE, db, not_found
-from radixserve.server.responses_stream import EventWriter
+from radixserve.server.responses_stream import EventWriter, LiveItems
 from radixserve.server.state import Flight, RequestOptions, ServerState
 
 RENAME = {"max_new_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input", "json_schema": "text.format"}
@@ -60,7 +69,9 @@ class Plan:
     offered: list[tools.Tool]
     mode: str  # none | auto | required
     params: SamplingParams
-    prev: Context | None
+    prev: Context | None = None
+    parser: str | None = None  # the reasoning parser, when this response's output is split
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
 
 
 @dataclass
@@ -79,7 +90,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     state.admission.check(tenant)  # overloaded: refused before the body is read
     b = await read_body(request, CreateResponseRequest)
     state.check_model(b.model)
-    plan = await _plan(request, tenant.id, b)
+    plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser))
     rendered = Rendered()
     opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
     async with state.admit(tenant, [_render(state, plan, rendered)], [plan.params], opts, arrival) as flight:
@@ -88,12 +99,13 @@ async def create(request: web.Request) -> web.StreamResponse:
             return await _stream(request, tenant.id, plan, rendered, flight, resp)
         out = (await state.collect(flight))[0]
         openai.finish_reason(out)  # an engine error is a 500, as in chat
-        _finish(resp, out, plan, new_id("msg"))
+        finish(resp, out, plan, item_ids(), state.engine.tokenizer)
         await _save(request, tenant.id, plan, rendered, out, resp)
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
 
 
-async def _plan(request: web.Request, tenant: str, b: CreateResponseRequest) -> Plan:
+def plan_of(b: CreateResponseRequest, reasoning_parser: str | None) -> Plan:
+    """The request checked, without the stored context it may continue (see _plan)."""
     if b.max_output_tokens is not None and b.max_output_tokens < 1:
         raise ApiError(400, f"max_output_tokens: must be at least 1, got {b.max_output_tokens}", param="max_output_tokens")
     if b.top_logprobs:
@@ -107,16 +119,24 @@ async def _plan(request: web.Request, tenant: str, b: CreateResponseRequest) -> 
         if schema is not None:
             raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
         schema = (tools.call_schema(callable_tools), False)
-    messages, prev = to_messages(b.input), None
-    if b.previous_response_id is not None:
-        row = await db(request, request.app[STORE].get, tenant, b.previous_response_id)
-        if row is None:
-            raise not_found(b.previous_response_id, "previous_response_id")
-        prev = row.loaded_context()
-        messages = [*prev.messages, *messages]
+    kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
+    parser = reasoning.active(reasoning_parser, kwargs)
     sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
-    params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema)
-    return Plan(b, messages, offered if mode != "none" else [], mode, params, prev)
+    after = reasoning.grammar_after(parser, schema is not None)
+    params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, grammar_after=after)
+    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, None, parser, kwargs)
+
+
+async def _plan(request: web.Request, tenant: str, plan: Plan) -> Plan:
+    """The stored conversation a continuation (previous_response_id) goes on from, put first."""
+    rid = plan.body.previous_response_id
+    if rid is not None:
+        row = await db(request, request.app[STORE].get, tenant, rid)
+        if row is None:
+            raise not_found(rid, "previous_response_id")
+        plan.prev = row.loaded_context()
+        plan.messages = [*plan.prev.messages, *plan.messages]
+    return plan
 
 
 def _render(state: ServerState, plan: Plan, into: Rendered) -> Callable[[], list[int]]:
@@ -130,7 +150,7 @@ def _render(state: ServerState, plan: Plan, into: Rendered) -> Callable[[], list
         messages, specs = tools.render([*system, *plan.messages], plan.offered, template)
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                           **({"tools": specs} if specs else {}))
+                                           **plan.template_kwargs, **({"tools": specs} if specs else {}))
         except Exception as e:  # the template's own checks (e.g. role order)
             raise ApiError(400, f"input: the model's chat template rejected it: {e}", param="input") from None
         head: list[int] = []
@@ -167,28 +187,33 @@ def _new_response(state: ServerState, b: CreateResponseRequest) -> ResponseObjec
         truncation=b.truncation or "disabled")
 
 
-def _finish(resp: ResponseObject, out: Output, plan: Plan, message_id: str) -> None:
+def item_ids() -> tuple[str, str]:
+    """The ids of a response's reasoning item and message, known before its text is."""
+    return new_id("rs"), new_id("msg")
+
+
+def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any) -> None:
     """Fill in the output items, the status and the usage of a finished request."""
-    resp.output = _output_items(out, plan, message_id)
+    a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered)
+    resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
         resp.incomplete_details = IncompleteDetails("max_output_tokens" if out.finish_reason == "length" else None)
+    thought = 0 if a.reasoning is None else min(reasoning.reasoning_tokens(tok, out.token_ids), out.completion_tokens)
     resp.usage = ResponseUsage(out.prompt_tokens, InputTokensDetails(out.cached_tokens), out.completion_tokens,
-                               OutputTokensDetails(), out.prompt_tokens + out.completion_tokens)
+                               OutputTokensDetails(thought), out.prompt_tokens + out.completion_tokens)
 
 
-def _output_items(out: Output, plan: Plan, message_id: str) -> list[OutputItem]:
-    """A message, function calls, or both: the output parsed as the chat path parses it."""
-    text: str | None = out.text
-    calls: list[Any] = []
-    if out.finish_reason == "stop" and plan.mode == "required":
-        calls = tools.calls_from_json(out.text)
-        text = None if calls else out.text
-    elif out.finish_reason == "stop" and plan.mode == "auto":
-        text, calls = tools.parse_calls(out.text, plan.offered)
+def _output_items(out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> list[OutputItem]:
+    """The reasoning (when split off), then a message, function calls, or both: the content
+    parsed as the chat path parses it. A response cut off while reasoning has no message."""
     status = "incomplete" if out.finish_reason == "length" else "completed"
-    items: list[OutputItem] = [] if calls and not text else [OutputMessage(message_id, [OutputText(text or "")], status)]
-    return items + [FunctionCallOutput(new_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
+    items: list[OutputItem] = []
+    if a.reasoning is not None:
+        items.append(ReasoningOutput(ids[0], [ReasoningText(a.reasoning)], status if a.content is None else "completed"))
+    if a.content or not (a.calls or a.reasoning is not None):
+        items.append(OutputMessage(ids[1], [OutputText(a.content or "")], status))
+    return items + [FunctionCallOutput(new_id("fc"), c.id, c.function.name, c.function.arguments) for c in a.calls]
 
 
 async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rendered, flight: Flight,
@@ -196,29 +221,23 @@ async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rende
     state: ServerState = request.app["state"]
     w = await EventWriter.open(request)
     await w.start(resp)
-    live = not plan.offered  # with tools, the output is parsed once whole (as chat streams it)
-    message_id = new_id("msg")
-    if live:
-        await w.open_message(0, message_id)
+    ids = item_ids()
+    live = LiveItems(w, plan.parser, ids, not plan.offered)  # with tools, the output is parsed once whole (as chat)
     out: Output | None = None
     async with aclosing(state.run(flight.reqs[0], flight.tickets[0], flight.arrival)) as deltas:
         async for d in deltas:
-            if live and d.text:
-                await w.text_delta(0, message_id, d.text)
+            await live.feed(d.text, d.finished)
             out = d.output if d.finished else out
     if out is None or out.finish_reason == "error":
         await w.fail(resp, "server_error", f"internal error while generating: {out.error if out else 'no output'}")
         return w.response
-    _finish(resp, out, plan, message_id)
+    finish(resp, out, plan, ids, state.engine.tokenizer)
     try:
         await _save(request, tenant, plan, rendered, out, resp)
     except ApiError as e:
         await w.fail(resp, "server_error", e.message)
         return w.response
-    if live and isinstance(resp.output[0], OutputMessage):
-        await w.close_message(0, resp.output[0])
-    else:
-        await w.whole(resp.output)
+    await live.finish(resp.output)
     await w.finish(resp)
     return w.response
 

@@ -1,6 +1,10 @@
 """A Responses request in chat terms: its input items as chat messages, its flat function tools
 and tool_choice as the chat path's (server/tools.py), text.format as a JSON schema; and the
-input items as /input_items lists them. Every error names the Responses field."""
+input items as /input_items lists them. Every error names the Responses field.
+
+A reasoning item sent back (as a client managing its own context does) is dropped from the
+prompt: an earlier turn's reasoning is not shown to the model again, as reasoning models'
+templates drop it."""
 
 from __future__ import annotations
 
@@ -42,8 +46,11 @@ def to_messages(value: str | list[InputItem]) -> list[dict[str, Any]]:
         elif item.type == "function_call_output":
             _need(i, item, "call_id", "output")
             out.append({"role": "tool", "content": _text(item.output, f"input[{i}].output")})
-        else:
-            raise _bad(f"input[{i}].type", f"{item.type!r} is not one of message, function_call, function_call_output")
+        elif item.type != "reasoning":
+            raise _bad(f"input[{i}].type",
+                       f"{item.type!r} is not one of message, function_call, function_call_output, reasoning")
+    if not out:
+        raise _bad("input", "must hold a message or a function call, not only reasoning")
     return out
 
 
@@ -90,6 +97,10 @@ def listed_items(value: str | list[InputItem]) -> list[dict[str, Any]]:
         elif item.type == "function_call":
             out.append({"type": "function_call", "id": item.id or new_id("fc"), "call_id": item.call_id, "name": item.name,
                         "arguments": item.arguments, "status": "completed"})
+        elif item.type == "reasoning":
+            parts = item.content if isinstance(item.content, list) else []
+            out.append({"type": "reasoning", "id": item.id or new_id("rs"), "summary": item.summary or [],
+                        "content": [{"type": "reasoning_text", "text": p.text or ""} for p in parts]})
         else:
             out.append({"type": "function_call_output", "id": item.id or new_id("fco"), "call_id": item.call_id,
                         "output": _text(item.output, "input"), "status": "completed"})

@@ -29,8 +29,9 @@ class InputPart(_In):
 
 
 class InputItem(_In):
-    """One input item: a message (`type` may be left out), a function_call or a
-    function_call_output. Which fields each kind needs is checked when it is converted."""
+    """One input item: a message (`type` may be left out), a function_call, a
+    function_call_output, or a reasoning item sent back (dropped from the prompt). Which fields
+    each kind needs is checked when it is converted."""
 
     type: str = "message"
     role: str | None = None
@@ -44,6 +45,8 @@ class InputItem(_In):
     output: str | list[InputPart] | None = None
     namespace: str | None = None
     parsed_arguments: Any = None  # what the openai client's parse() added
+    summary: list[Any] | None = None  # a reasoning item's
+    encrypted_content: str | None = None
 
 
 class TextFormat(_In):
@@ -78,7 +81,7 @@ class CreateResponseRequest(_In):
     # accepted and ignored: harmless hints OpenAI clients send
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort "none" turns thinking off; the rest is ignored
     service_tier: str | None = None
     prompt_cache_key: ShortText | None = None  # a routing hint, passed on as chat passes it
     prompt_cache_retention: str | None = None
@@ -90,10 +93,13 @@ class CreateResponseRequest(_In):
 
 
 # -- the response object ---------------------------------------------------------------------
-class OutputText(_Out):
+class OutputText(_Out, tag_field="type", tag="output_text"):
     text: str
-    type: Literal["output_text"] = "output_text"
     annotations: list[Any] = msgspec.field(default_factory=list)
+
+
+class ReasoningText(_Out, tag_field="type", tag="reasoning_text"):
+    text: str
 
 
 class OutputMessage(_Out, tag_field="type", tag="message"):
@@ -111,11 +117,21 @@ class FunctionCallOutput(_Out, tag_field="type", tag="function_call"):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallOutput
+class ReasoningOutput(_Out, tag_field="type", tag="reasoning"):
+    """The `<think>` part of the output (--reasoning-parser), as the model wrote it: no summary."""
+
+    id: str
+    content: list[ReasoningText]
+    status: str = "completed"  # in_progress | completed | incomplete
+    summary: list[Any] = msgspec.field(default_factory=list)
+
+
+OutputItem = ReasoningOutput | OutputMessage | FunctionCallOutput
 
 
 class InputTokensDetails(_Out):
     cached_tokens: int
+    cache_write_tokens: int = 0  # required by the openai SDK's type; the prefix cache writes without charge
 
 
 class OutputTokensDetails(_Out):
@@ -205,7 +221,7 @@ class PartEvent(_Out):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(_Out):
@@ -226,6 +242,28 @@ class TextDoneEvent(_Out):
     content_index: int
     text: str
     logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class ReasoningDeltaEvent(_Out):
+    """response.reasoning_text.delta."""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(_Out):
+    """response.reasoning_text.done."""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ArgumentsDeltaEvent(_Out):

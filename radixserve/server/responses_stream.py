@@ -2,11 +2,16 @@
 numbered by `sequence_number`, no `[DONE]` (as OpenAI). The order, per output item:
 
     response.created, response.in_progress
+    reasoning:      output_item.added, content_part.added, reasoning_text.delta..., reasoning_text.done,
+                    content_part.done, output_item.done
     message:        output_item.added, content_part.added, output_text.delta..., output_text.done,
                     content_part.done, output_item.done
     function call:  output_item.added, function_call_arguments.delta, function_call_arguments.done,
                     output_item.done
     response.completed | response.incomplete   (or: error, response.failed)
+
+Free text streams as it comes (LiveItems): the reasoning item while the output is inside
+`<think>`, then the message. With tools the output is parsed whole, so its items come at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from radixserve.server import reasoning
 from radixserve.server.responses_protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -25,6 +31,10 @@ from radixserve.server.responses_protocol import (
     OutputMessage,
     OutputText,
     PartEvent,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningOutput,
+    ReasoningText,
     ResponseError,
     ResponseEvent,
     ResponseObject,
@@ -77,6 +87,19 @@ class EventWriter(SSEWriter):
         await self.emit(PartEvent, "response.content_part.done", item.id, index, 0, part)
         await self.emit(ItemEvent, "response.output_item.done", index, item)
 
+    async def open_reasoning(self, index: int, item_id: str) -> None:
+        await self.emit(ItemEvent, "response.output_item.added", index, ReasoningOutput(item_id, [], "in_progress"))
+        await self.emit(PartEvent, "response.content_part.added", item_id, index, 0, ReasoningText(""))
+
+    async def reasoning_delta(self, index: int, item_id: str, delta: str) -> None:
+        await self.emit(ReasoningDeltaEvent, "response.reasoning_text.delta", item_id, index, 0, delta)
+
+    async def close_reasoning(self, index: int, item: ReasoningOutput) -> None:
+        part = item.content[0] if item.content else ReasoningText("")
+        await self.emit(ReasoningDoneEvent, "response.reasoning_text.done", item.id, index, 0, part.text)
+        await self.emit(PartEvent, "response.content_part.done", item.id, index, 0, part)
+        await self.emit(ItemEvent, "response.output_item.done", index, item)
+
     async def function_call(self, index: int, item: FunctionCallOutput) -> None:
         opened = msgspec.structs.replace(item, arguments="", status="in_progress")
         await self.emit(ItemEvent, "response.output_item.added", index, opened)
@@ -84,13 +107,72 @@ class EventWriter(SSEWriter):
         await self.emit(ArgumentsDoneEvent, "response.function_call_arguments.done", item.id, index, item.arguments)
         await self.emit(ItemEvent, "response.output_item.done", index, item)
 
-    async def whole(self, items: list[OutputItem]) -> None:
-        """Items known only at the end (with tools, the output is parsed once complete)."""
+    async def whole(self, index: int, item: OutputItem) -> None:
+        """An item known only at the end (with tools, the output is parsed once complete)."""
+        if isinstance(item, FunctionCallOutput):
+            await self.function_call(index, item)
+            return
+        text = item.content[0].text if item.content else ""
+        if isinstance(item, ReasoningOutput):
+            await self.open_reasoning(index, item.id)
+            if text:
+                await self.reasoning_delta(index, item.id, text)
+            await self.close_reasoning(index, item)
+        else:
+            await self.open_message(index, item.id)
+            if text:
+                await self.text_delta(index, item.id, text)
+            await self.close_message(index, item)
+
+
+class LiveItems:
+    """The output items of one response as its text comes (`live`: free text, no tools to parse).
+    Items open lazily, in output order: the reasoning item once the splitter sees reasoning, the
+    message at its first content. `finish` closes what is open with the final items (built from
+    the whole text, which the stream's split always agrees with) and sends the rest whole.
+
+    NOTE: `ids` are the final items' ids (reasoning, message), so what streamed and the
+    response.completed output name the same items."""
+
+    def __init__(self, w: EventWriter, parser: str | None, ids: tuple[str, str], live: bool) -> None:
+        self.w, self.ids, self.live = w, ids, live
+        self.split = reasoning.splitter(parser)
+        self.opened: list[str] = []  # "reasoning", "message": in output order
+        self.thought: list[str] = []
+        self.closed = 0  # how many of `opened` are done
+
+    async def feed(self, text: str, final: bool) -> None:
+        if not self.live:
+            return
+        thought, content = reasoning.feed(self.split, text, final)
+        if self.split is not None and self.split.saw_reasoning and not self.opened:
+            await self._open("reasoning")
+        if thought:
+            self.thought.append(thought)
+            await self.w.reasoning_delta(0, self.ids[0], thought)
+        if content and "message" not in self.opened:
+            if self.opened:  # the reasoning ended where the content starts
+                await self.w.close_reasoning(0, ReasoningOutput(self.ids[0], [ReasoningText("".join(self.thought))]))
+                self.closed = 1
+            await self._open("message")
+        if content:
+            await self.w.text_delta(len(self.opened) - 1, self.ids[1], content)
+
+    async def finish(self, items: list[OutputItem]) -> None:
         for index, item in enumerate(items):
-            if isinstance(item, FunctionCallOutput):
-                await self.function_call(index, item)
-            else:
-                await self.open_message(index, item.id)
-                if item.content and item.content[0].text:
-                    await self.text_delta(index, item.id, item.content[0].text)
-                await self.close_message(index, item)
+            if index < self.closed:
+                continue
+            if index >= len(self.opened):
+                await self.w.whole(index, item)
+            elif isinstance(item, ReasoningOutput):
+                await self.w.close_reasoning(index, item)
+            elif isinstance(item, OutputMessage):
+                await self.w.close_message(index, item)
+
+    async def _open(self, kind: str) -> None:
+        index = len(self.opened)
+        self.opened.append(kind)
+        if kind == "reasoning":
+            await self.w.open_reasoning(index, self.ids[0])
+        else:
+            await self.w.open_message(index, self.ids[1])
