@@ -93,6 +93,13 @@ def test_a_busy_port_is_one_line_and_exit_2_before_the_model_loads(busy_port, tm
                                 "(choose another with --port)")
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_one_line_and_exit_2_before_the_model_loads(port, tmp_path):
+    r = subprocess.run([*CLI, "serve", "--model", str(tmp_path / "no-model-here"), "--port", port], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"radixserve: error: port: {port} is not a TCP port (0-65535)"
+
+
 def test_a_port_taken_after_the_check_is_the_same_one_line(busy_port):
     """The race: the port is free when checked and taken at the real bind."""
     engine = SimpleNamespace(tokenizer=None, vocab_size=0, model_name="m", snapshot=EngineStats)

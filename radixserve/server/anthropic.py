@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from radixserve.server import anthropic_convert as convert
+from radixserve.server import tools
 from radixserve.server.anthropic_protocol import (
     CountTokensRequest,
     Message,
@@ -95,12 +96,17 @@ async def messages(request: web.Request) -> web.StreamResponse:
     conv = convert.conversation(b, state.config.reasoning_parser)
     params, opts = convert.engine_request(b, conv)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    async with state.admit(tenant, [convert.renderer(state, conv)], [params], opts, arrival) as flight:
-        if b.stream:
-            return await stream_message(request, state, flight, conv, b.stop_sequences, mid)
-        out = (await state.collect(flight))[0]
-        content, reason, sequence = convert.answer(out, conv, b.stop_sequences)
-        return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
+    try:
+        async with state.admit(tenant, [convert.renderer(state, conv)], [params], opts, arrival) as flight:
+            if b.stream:
+                return await stream_message(request, state, flight, conv, b.stop_sequences, mid)
+            out = (await state.collect(flight))[0]
+            content, reason, sequence = convert.answer(out, conv, b.stop_sequences)
+            return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
+    except ApiError as e:
+        if conv.mode != "required":
+            raise
+        raise tools.blame(e, conv.offered, conv.callable, tools.ANTHROPIC_PARAMS) from None
 
 
 @anthropic_errors

@@ -78,6 +78,11 @@ class Conversation:
 def conversation(b: CountTokensRequest, reasoning_parser: str | None = None) -> Conversation:
     if not b.messages:
         raise bad("messages", "must contain at least one message")
+    for i, m in enumerate(b.messages):  # as Anthropic's API: user and assistant only, a user turn first
+        if m.role not in ("user", "assistant"):
+            raise bad(f"messages[{i}].role", f"must be \"user\" or \"assistant\", got {m.role!r} (a system prompt goes in system)")
+    if b.messages[0].role != "user":
+        raise bad("messages[0].role", "the first message must use the \"user\" role")
     conv = _thinking(b.thinking, reasoning_parser)
     if b.system:
         conv.messages.append({"role": "system", "content": _text(b.system, "system")})
@@ -186,7 +191,7 @@ def _tools(specs: list[ToolParam] | None) -> list[tools.Tool]:
             raise bad(f"{where}.input_schema", "required for a custom tool")
         if t.input_schema.get("type") != "object":
             raise bad(f"{where}.input_schema.type", "must be \"object\"")
-        out.append(tools.Tool(t.name, t.description, t.input_schema))
+        out.append(tools.Tool(t.name, t.description, t.input_schema, t.strict is True))
     if len({t.name for t in out}) != len(out):
         raise bad("tools", "tool names must be unique")
     return out
@@ -222,7 +227,8 @@ def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingPara
             raise bad("output_config.format", "cannot be combined with a required tool call (tool_choice any or tool)")
         schema, field = (json.dumps(fmt.schema), True), "output_config.format.schema"
     elif conv.mode == "required":
-        schema = (tools.call_schema(conv.callable), False)
+        schema = tools.call_spec(conv.callable)
+        field = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)
     chat = ChatCompletionRequest(model=b.model, max_tokens=b.max_tokens, stop=b.stop_sequences,
                                  temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
     after = reasoning.grammar_after(conv.parser, schema is not None)

@@ -217,7 +217,7 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None) -> ChatPla
     if mode == "required":
         if schema is not None or tag is not None:
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
-        schema = (tools.call_schema(callable_tools), False)
+        schema = tools.call_spec(callable_tools)
     _check_template_kwargs(b.chat_template_kwargs)
     parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
     return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser)

@@ -69,6 +69,7 @@ class Plan:
     offered: list[tools.Tool]
     mode: str  # none | auto | required
     params: SamplingParams
+    callable: list[tools.Tool] = field(default_factory=list)  # what a required call may use
     prev: Context | None = None
     parser: str | None = None  # the reasoning parser, when this response's output is split
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
@@ -92,16 +93,24 @@ async def create(request: web.Request) -> web.StreamResponse:
     state.check_model(b.model)
     plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser))
     rendered = Rendered()
-    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
-    async with state.admit(tenant, [_render(state, plan, rendered)], [plan.params], opts, arrival) as flight:
-        resp = _new_response(state, b)
-        if b.stream:
-            return await _stream(request, tenant.id, plan, rendered, flight, resp)
-        out = (await state.collect(flight))[0]
-        openai.finish_reason(out)  # an engine error is a 500, as in chat
-        finish(resp, out, plan, item_ids(), state.engine.tokenizer)
-        await _save(request, tenant.id, plan, rendered, out, resp)
-        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+    rename = RENAME
+    if plan.mode == "required":  # the call schema's compile errors name the tool
+        rename = {**RENAME, "json_schema": tools.error_param(plan.offered, plan.callable, tools.RESPONSES_PARAMS)}
+    opts = RequestOptions(rename=rename, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
+    try:
+        async with state.admit(tenant, [_render(state, plan, rendered)], [plan.params], opts, arrival) as flight:
+            resp = _new_response(state, b)
+            if b.stream:
+                return await _stream(request, tenant.id, plan, rendered, flight, resp)
+            out = (await state.collect(flight))[0]
+            openai.finish_reason(out)  # an engine error is a 500, as in chat
+            finish(resp, out, plan, item_ids(), state.engine.tokenizer)
+            await _save(request, tenant.id, plan, rendered, out, resp)
+            return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+    except ApiError as e:
+        if plan.mode != "required":
+            raise
+        raise tools.blame(e, plan.offered, plan.callable, tools.RESPONSES_PARAMS) from None
 
 
 def plan_of(b: CreateResponseRequest, reasoning_parser: str | None) -> Plan:
@@ -118,13 +127,13 @@ def plan_of(b: CreateResponseRequest, reasoning_parser: str | None) -> Plan:
     if mode == "required":
         if schema is not None:
             raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
-        schema = (tools.call_schema(callable_tools), False)
+        schema = tools.call_spec(callable_tools)
     kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
     parser = reasoning.active(reasoning_parser, kwargs)
     sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
     after = reasoning.grammar_after(parser, schema is not None)
     params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, grammar_after=after)
-    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, None, parser, kwargs)
+    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs)
 
 
 async def _plan(request: web.Request, tenant: str, plan: Plan) -> Plan:

@@ -72,8 +72,10 @@ def _text(content: str | list[InputPart] | None, param: str) -> str:
     if isinstance(content, str) or content is None:
         return content or ""
     for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text") or part.text is None:
+        if part.type not in ("input_text", "output_text"):
             raise _bad(f"{param}[{j}].type", f"only input_text and output_text parts are supported, got {part.type!r}")
+        if part.text is None:
+            raise _bad(f"{param}[{j}].text", f"an {part.type} part needs its text")
     return "".join(p.text or "" for p in content)
 
 
@@ -120,7 +122,7 @@ def parse_tools(raw: list[dict[str, Any]] | None) -> list[tools.Tool]:
     for i, t in enumerate(raw or []):
         if t.get("type") != "function":
             raise _bad(f"tools[{i}].type", f"only function tools are supported, got {t.get('type')!r}")
-        fn = {k: v for k, v in t.items() if k in ("name", "description", "parameters") and v is not None}
+        fn = {k: v for k, v in t.items() if k != "type" and v is not None}  # unknown keys: a 400 from parse_tools
         nested.append({"type": "function", "function": fn})
     try:
         return tools.parse_tools(nested)

@@ -34,6 +34,8 @@ def check_port(host: str, port: int) -> None:
     """Refuse a port something else listens on before the model loads (seconds): bind every
     address `host` resolves to as asyncio's create_server will (SO_REUSEADDR, IPv6-only for
     IPv6), then let go at once. Raises ValueError in one line."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port: {port} is not a TCP port (0-65535)")
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:

@@ -28,6 +28,11 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
+    strict: bool = False  # the call's arguments must follow the parameters exactly (as response_format's strict)
+
+
+_TOOL_KEYS = {"type", "function"}
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
 
 def parse_tools(tools: list[Any] | None) -> list[Tool]:
@@ -36,13 +41,19 @@ def parse_tools(tools: list[Any] | None) -> list[Tool]:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise ApiError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}", param=f"tools[{i}]")
+        for where, keys, known in ((f"tools[{i}]", t, _TOOL_KEYS), (f"tools[{i}].function", fn, _FUNCTION_KEYS)):
+            unknown = sorted(set(keys) - known)
+            if unknown:
+                raise ApiError(400, f"{where}.{unknown[0]}: unknown field", param=f"{where}.{unknown[0]}")
+        if fn.get("strict") not in (None, True, False):
+            raise ApiError(400, f"tools[{i}].function.strict: expected a boolean", param=f"tools[{i}].function.strict")
         name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
             raise ApiError(400, f"tools[{i}].function.name: {name!r} is not a valid function name", param=f"tools[{i}].function.name")
         if not isinstance(params, dict):
             where = f"tools[{i}].function.parameters"
             raise ApiError(400, f"{where}: must be a JSON schema object", param=where)
-        out.append(Tool(name, str(fn.get("description", "")), params))
+        out.append(Tool(name, str(fn.get("description", "")), params, fn.get("strict") is True))
     if len({t.name for t in out}) != len(out):
         raise ApiError(400, "tools: function names must be unique", param="tools")
     return out
@@ -66,6 +77,11 @@ def choose(tools: list[Tool], choice: Any) -> tuple[str, list[Tool]]:
                    param="tool_choice")
 
 
+def call_spec(tools: list[Tool]) -> tuple[str, bool]:
+    """The constraint of a required call: (its schema, strict: whether any callable tool is)."""
+    return call_schema(tools), any(t.strict for t in tools)
+
+
 def call_schema(tools: list[Tool]) -> str:
     """One call to one of `tools`: {"name": <its name>, "arguments": <its parameters>}.
 
@@ -82,25 +98,30 @@ def call_schema(tools: list[Tool]) -> str:
     return json.dumps({**root, "$defs": defs} if defs else root)
 
 
-def error_param(offered: list[Tool], callable_tools: list[Tool]) -> str:
+CHAT_PARAMS = "tools[{}].function.parameters"  # where each API keeps a tool's parameter schema
+RESPONSES_PARAMS = "tools[{}].parameters"
+ANTHROPIC_PARAMS = "tools[{}].input_schema"
+
+
+def error_param(offered: list[Tool], callable_tools: list[Tool], where: str = CHAT_PARAMS) -> str:
     """The field a call schema's compile error names: the one callable tool's parameters."""
     if len(callable_tools) == 1:
-        return f"tools[{offered.index(callable_tools[0])}].function.parameters"
+        return where.format(offered.index(callable_tools[0]))
     return "tools"
 
 
 _ARGS_AT = re.compile(r"#/(?:anyOf/(\d+)/)?properties/arguments")
 
 
-def blame(e: ApiError, offered: list[Tool], callable_tools: list[Tool]) -> ApiError:
+def blame(e: ApiError, offered: list[Tool], callable_tools: list[Tool], where: str = CHAT_PARAMS) -> ApiError:
     """A call schema's compile error (named by error_param), naming the tool whose parameters
     hold the problem where the message points into them, with pointers as in the tool's own schema."""
     m = _ARGS_AT.search(e.message)
-    if m is None or e.param != error_param(offered, callable_tools):
+    if m is None or e.param != error_param(offered, callable_tools, where):
         return e
     param = e.param
     if m.group(1) is not None and int(m.group(1)) < len(callable_tools):
-        param = f"tools[{offered.index(callable_tools[int(m.group(1))])}].function.parameters"
+        param = where.format(offered.index(callable_tools[int(m.group(1))]))
     msg = _ARGS_AT.sub("#", e.message)
     if msg.startswith(f"{e.param}: "):
         msg = param + msg[len(e.param):]
