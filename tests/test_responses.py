@@ -144,6 +144,27 @@ def _turn(c, prev: str | None, text: str):
                               max_output_tokens=16, temperature=0)
 
 
+def test_a_tool_from_a_nested_pydantic_model_is_called_with_valid_arguments(servers: Servers) -> None:
+    """Its schema has $defs (one model inside another): they must resolve inside the call."""
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: str = Field(max_length=12)
+        zip: int = Field(ge=0, le=99999)
+
+    class Ship(BaseModel):
+        to: Address
+        back: Address | None = None
+
+    schema = Ship.model_json_schema()
+    assert "$defs" in schema
+    tool = {"type": "function", "name": "ship", "description": "Ship a parcel", "parameters": schema}
+    r = servers.client().responses.create(model="", input=ASK, tools=[tool], tool_choice="required", max_output_tokens=150,
+                                          temperature=0)
+    call = next(o for o in r.output if o.type == "function_call")
+    assert call.name == "ship" and isinstance(Ship.model_validate_json(call.arguments), Ship)
+
+
 def test_continuation_hits_the_prefix_cache_and_survives_a_restart(servers: Servers) -> None:
     r1 = _turn(servers.client(), None, ASK)
     r2 = _turn(servers.client(), r1.id, "And then?")
