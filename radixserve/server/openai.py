@@ -168,15 +168,17 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob] | None) -> Choice
     return ChoiceLogprobs(content)
 
 
-async def begin(request: web.Request, typ: type) -> tuple[ServerState, float, Any, Any]:
-    """Every OpenAI route starts alike: the clock, the tenant, the decoded body, common checks."""
+async def begin(request: web.Request, typ: type, common: bool = True) -> tuple[ServerState, float, Any, Any]:
+    """Every OpenAI route starts alike: the clock, the tenant, the decoded body, common checks
+    (`common`: the checks of the fields chat and completions share)."""
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
     tenant = state.authenticate(request)
     state.admission.check(tenant)  # overloaded: refused before the body is read
     b = await read_body(request, typ)
     state.check_model(b.model)
-    check_common(b)
+    if common:
+        check_common(b)
     return state, arrival, tenant, b
 
 

@@ -30,7 +30,6 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams
 from radixserve.server import openai, reasoning, responses_stored, tools
-from radixserve.server.body import read_body
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.responses_input import choose, echo_text, listed_items, new_id, parse_tools, text_schema, to_messages
@@ -85,12 +84,7 @@ class Rendered:
 
 # -- create ----------------------------------------------------------------------------------
 async def create(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app["state"]
-    arrival = time.monotonic()
-    tenant = state.authenticate(request)
-    state.admission.check(tenant)  # overloaded: refused before the body is read
-    b = await read_body(request, CreateResponseRequest)
-    state.check_model(b.model)
+    state, arrival, tenant, b = await openai.begin(request, CreateResponseRequest, common=False)
     plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser))
     rendered = Rendered()
     rename = RENAME
