@@ -152,6 +152,8 @@ class ServerConfig:
                                                "then abort")
     responses_db: str | None = option(None, "SQLite file of stored /v1/responses; unset: responses.sqlite3 in the "
                                             "cache folder")
+    responses_max_stored: int = option(10000, "stored /v1/responses kept per tenant; past it the tenant's oldest are "
+                                              "deleted (a store can never fill the disk)")
     log_requests: bool = option(False, "also write each request's prompt text to the access log (never its API key)")
     reasoning_parser: str | None = option(None, "chat: return <think>...</think> reasoning as reasoning_content, apart "
                                                 "from content; a JSON or tool-call constraint starts after it "

@@ -300,3 +300,14 @@ def test_a_failed_stream_ends_with_error_and_response_failed_events() -> None:
     assert [lines[0] for lines in blocks] == [f"event: {e.type}" for e in events]
     assert [e.type for e in events][-2:] == ["error", "response.failed"] and events[-2].message == "boom"
     assert events[-1].response.status == "failed" and events[-1].response.error.message == "boom"
+
+
+def test_the_store_keeps_at_most_the_cap_per_tenant_dropping_the_oldest(tmp_path: Path) -> None:
+    from radixserve.server.responses_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(lambda: tmp_path / "r.sqlite3", lambda: 2)
+    for i, tenant in enumerate(["a", "a", "b", "a"]):
+        store.put(StoredResponse(f"resp_{i}", tenant, 1000 + i, b"{}", b"[]", b""))
+    assert [store.get("a", f"resp_{i}") is not None for i in (0, 1, 3)] == [False, True, True]
+    assert store.get("b", "resp_2") is not None  # another tenant's count is its own
+    store.close()

@@ -25,6 +25,7 @@ CREATE TABLE IF NOT EXISTS responses (
     input_items BLOB NOT NULL,  -- this request's own input items, JSON
     context BLOB NOT NULL       -- a Context, msgpack
 )"""
+_INDEX = "CREATE INDEX IF NOT EXISTS responses_by_tenant ON responses (tenant, created_at)"
 
 
 @dataclass
@@ -48,8 +49,9 @@ class ResponseStore:
     """One connection, shared by the executor's threads under a lock; opened at first use (a
     server that never stores a response creates no file)."""
 
-    def __init__(self, path: Callable[[], Path]) -> None:
+    def __init__(self, path: Callable[[], Path], max_per_tenant: Callable[[], int]) -> None:
         self._path = path
+        self._max = max_per_tenant  # past it, put() deletes the tenant's oldest
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
 
@@ -61,13 +63,18 @@ class ResponseStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute(_SCHEMA)
+            db.execute(_INDEX)
             self._db = db
         return self._db
 
     def put(self, row: StoredResponse) -> None:
+        """Store `row`; the tenant's oldest responses past its cap go."""
         with self._lock:
-            self._conn().execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                                 (row.id, row.tenant, row.created_at, row.response, row.input_items, row.context))
+            db = self._conn()
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                       (row.id, row.tenant, row.created_at, row.response, row.input_items, row.context))
+            db.execute("DELETE FROM responses WHERE rowid IN (SELECT rowid FROM responses WHERE tenant = ? "
+                       "ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)", (row.tenant, self._max()))
 
     def get(self, tenant: str, rid: str) -> StoredResponse | None:
         with self._lock:

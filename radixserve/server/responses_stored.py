@@ -104,7 +104,8 @@ async def close(app: web.Application) -> None:
 
 
 def add_routes(app: web.Application) -> None:
-    app[STORE] = ResponseStore(lambda: db_path(app["state"].config))  # opened at first use
+    app[STORE] = ResponseStore(lambda: db_path(app["state"].config),  # opened at first use
+                               lambda: app["state"].config.responses_max_stored)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", input_items)

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     cfg = server_config(args)
+    if cfg.responses_max_stored < 1:
+        raise ValueError(f"responses_max_stored: must be a positive integer, got {cfg.responses_max_stored}")
     auth = Auth.from_options(cfg.api_key, cfg.tenants)
     check_port(cfg.host, cfg.port)
     quotas = {t.id: t.max_cached_tokens for t in auth.tenants if t.max_cached_tokens is not None}
