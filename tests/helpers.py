@@ -61,3 +61,16 @@ def assert_no_leak(engine: Any) -> None:
     assert s.kv_in_use_slots == 0, s
     assert s.kv_free_slots + s.kv_cached_tokens == s.kv_total_slots, s
     engine.check_integrity()
+
+
+class Sink:
+    """What an SSE writer writes, kept (a stand-in for the aiohttp response)."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    async def write(self, b: bytes) -> None:
+        self.data += b
+
+    async def write_eof(self) -> None:
+        pass

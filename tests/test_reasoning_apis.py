@@ -15,6 +15,7 @@ import msgspec
 import openai
 import pydantic
 import pytest
+from helpers import Sink
 from server_helpers import USER, ServerProcess
 
 from radixserve.engine.outputs import Delta, Output
@@ -48,19 +49,6 @@ class Tok:
 
 def _out(pieces: list[str], reason: str = "stop") -> Output:
     return Output("r", "".join(pieces), list(range(len(pieces))), reason, 7, len(pieces), 0)
-
-
-class Sink:
-    """What an SSE writer writes, kept."""
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    async def write(self, b: bytes) -> None:
-        self.data += b
-
-    async def write_eof(self) -> None:
-        pass
 
 
 def _opens_into(sink: Sink) -> classmethod:

@@ -272,20 +272,11 @@ def test_a_failed_stream_ends_with_error_and_response_failed_events() -> None:
     import asyncio
 
     import pydantic
+    from helpers import Sink
     from openai.types.responses import ResponseStreamEvent
 
     from radixserve.server.responses_protocol import ResponseObject
     from radixserve.server.responses_stream import EventWriter
-
-    class Sink:
-        def __init__(self) -> None:
-            self.data = b""
-
-        async def write(self, b: bytes) -> None:
-            self.data += b
-
-        async def write_eof(self) -> None:
-            pass
 
     resp = ResponseObject("resp_x", 0, "m", "in_progress", [], None, [], "auto", {"format": {"type": "text"}}, 1.0, 1.0,
                           None, None, {}, True, True)

@@ -91,44 +91,38 @@ async def _answer(sse: EventWriter, state: ServerState, flight: Flight, conv: co
     await sse.emit(MessageStop())
 
 
-class LiveBlocks:
+class LiveBlocks(reasoning.LiveParts):
     """The content blocks of one answer as its text comes (live: free text, no tools to parse).
     Blocks open lazily, in order: the thinking block once the splitter sees reasoning, the text
     block at its first text. `finish` closes what is open with the final blocks (built from the
     whole text, which the stream's split always agrees with) and sends the rest whole."""
 
     def __init__(self, sse: EventWriter, conv: convert.Conversation) -> None:
-        self.sse, self.live, self.show = sse, conv.mode == "none", conv.show_thinking
-        self.split = reasoning.splitter(conv.parser)
-        self.opened: list[ContentBlock] = []  # in order, as each started
-        self.closed = 0  # how many of `opened` are done
+        super().__init__(conv.parser, conv.mode == "none")
+        self.sse, self.show = sse, conv.show_thinking
 
-    async def feed(self, text: str, final: bool) -> None:
-        if not self.live:
-            return
-        thought, content = reasoning.feed(self.split, text, final)
-        if self.split is not None and self.split.saw_reasoning and not self.opened:
-            await self._open(ThinkingBlock(""))
-        if thought and self.show:
-            await self.sse.emit(ContentBlockDelta(0, ThinkingDelta(thought)))
-        if content and not any(isinstance(b, TextBlock) for b in self.opened):
-            if self.opened:  # the thinking ended where the text starts
-                await _stop(self.sse, 0, ThinkingBlock(""))
-                self.closed = 1
-            await self._open(TextBlock(""))
-        if content:
-            await self.sse.emit(ContentBlockDelta(len(self.opened) - 1, TextDelta(content)))
+    async def open_reasoning(self) -> None:
+        await self.sse.emit(ContentBlockStart(0, ThinkingBlock("")))
+
+    async def reasoning_delta(self, text: str) -> None:
+        if self.show:
+            await self.sse.emit(ContentBlockDelta(0, ThinkingDelta(text)))
+
+    async def close_reasoning(self) -> None:
+        await _stop(self.sse, 0, ThinkingBlock(""))
+
+    async def open_content(self, index: int) -> None:
+        await self.sse.emit(ContentBlockStart(index, TextBlock("")))
+
+    async def content_delta(self, index: int, text: str) -> None:
+        await self.sse.emit(ContentBlockDelta(index, TextDelta(text)))
 
     async def finish(self, blocks: list[ContentBlock]) -> None:
         for i, block in enumerate(blocks):
-            if i >= len(self.opened):
+            if i >= self.opened:
                 await _whole(self.sse, i, block)
             elif i >= self.closed:
                 await _stop(self.sse, i, block)
-
-    async def _open(self, block: ContentBlock) -> None:
-        self.opened.append(block)
-        await self.sse.emit(ContentBlockStart(len(self.opened) - 1, block))
 
 
 async def _whole(sse: EventWriter, i: int, block: ContentBlock) -> None:

@@ -123,6 +123,49 @@ def feed(s: ThinkSplitter | None, text: str, final: bool = False) -> tuple[str, 
     return r, c
 
 
+class LiveParts:
+    """One streamed answer's parts as its text comes, opened lazily and in order: the reasoning
+    part (index 0) once the splitter sees reasoning, the content part at its first content,
+    which closes the reasoning. `opened` parts have started, the first `closed` have ended.
+    Each API's stream (Responses items, Anthropic blocks) says how a part starts, grows and
+    ends; `live` False (tools to parse at the end): nothing streams."""
+
+    def __init__(self, parser: str | None, live: bool) -> None:
+        self.split, self.live = splitter(parser), live
+        self.opened = 0
+        self.closed = 0
+        self.content_open = False
+
+    async def feed(self, text: str, final: bool) -> None:
+        if not self.live:
+            return
+        thought, content = feed(self.split, text, final)
+        if self.split is not None and self.split.saw_reasoning and not self.opened:
+            self.opened = 1
+            await self.open_reasoning()
+        if thought:
+            await self.reasoning_delta(thought)
+        if content and not self.content_open:
+            if self.opened:  # the reasoning ended where the content starts
+                await self.close_reasoning()
+                self.closed = 1
+            self.opened += 1
+            self.content_open = True
+            await self.open_content(self.opened - 1)
+        if content:
+            await self.content_delta(self.opened - 1, content)
+
+    async def open_reasoning(self) -> None: ...
+
+    async def reasoning_delta(self, text: str) -> None: ...
+
+    async def close_reasoning(self) -> None: ...
+
+    async def open_content(self, index: int) -> None: ...
+
+    async def content_delta(self, index: int, text: str) -> None: ...
+
+
 def split(text: str, parser: str | None) -> tuple[str | None, str | None]:
     """A whole output as (reasoning_content, content): (None, text) when there is no reasoning;
     content None when the output was all reasoning (e.g. cut off by max_tokens)."""

@@ -125,7 +125,7 @@ class EventWriter(SSEWriter):
             await self.close_message(index, item)
 
 
-class LiveItems:
+class LiveItems(reasoning.LiveParts):
     """The output items of one response as its text comes (`live`: free text, no tools to parse).
     Items open lazily, in output order: the reasoning item once the splitter sees reasoning, the
     message at its first content. `finish` closes what is open with the final items (built from
@@ -135,44 +135,33 @@ class LiveItems:
     response.completed output name the same items."""
 
     def __init__(self, w: EventWriter, parser: str | None, ids: tuple[str, str], live: bool) -> None:
-        self.w, self.ids, self.live = w, ids, live
-        self.split = reasoning.splitter(parser)
-        self.opened: list[str] = []  # "reasoning", "message": in output order
+        super().__init__(parser, live)
+        self.w, self.ids = w, ids
         self.thought: list[str] = []
-        self.closed = 0  # how many of `opened` are done
 
-    async def feed(self, text: str, final: bool) -> None:
-        if not self.live:
-            return
-        thought, content = reasoning.feed(self.split, text, final)
-        if self.split is not None and self.split.saw_reasoning and not self.opened:
-            await self._open("reasoning")
-        if thought:
-            self.thought.append(thought)
-            await self.w.reasoning_delta(0, self.ids[0], thought)
-        if content and "message" not in self.opened:
-            if self.opened:  # the reasoning ended where the content starts
-                await self.w.close_reasoning(0, ReasoningOutput(self.ids[0], [ReasoningText("".join(self.thought))]))
-                self.closed = 1
-            await self._open("message")
-        if content:
-            await self.w.text_delta(len(self.opened) - 1, self.ids[1], content)
+    async def open_reasoning(self) -> None:
+        await self.w.open_reasoning(0, self.ids[0])
+
+    async def reasoning_delta(self, text: str) -> None:
+        self.thought.append(text)
+        await self.w.reasoning_delta(0, self.ids[0], text)
+
+    async def close_reasoning(self) -> None:
+        await self.w.close_reasoning(0, ReasoningOutput(self.ids[0], [ReasoningText("".join(self.thought))]))
+
+    async def open_content(self, index: int) -> None:
+        await self.w.open_message(index, self.ids[1])
+
+    async def content_delta(self, index: int, text: str) -> None:
+        await self.w.text_delta(index, self.ids[1], text)
 
     async def finish(self, items: list[OutputItem]) -> None:
         for index, item in enumerate(items):
             if index < self.closed:
                 continue
-            if index >= len(self.opened):
+            if index >= self.opened:
                 await self.w.whole(index, item)
             elif isinstance(item, ReasoningOutput):
                 await self.w.close_reasoning(index, item)
             elif isinstance(item, OutputMessage):
                 await self.w.close_message(index, item)
-
-    async def _open(self, kind: str) -> None:
-        index = len(self.opened)
-        self.opened.append(kind)
-        if kind == "reasoning":
-            await self.w.open_reasoning(index, self.ids[0])
-        else:
-            await self.w.open_message(index, self.ids[1])
