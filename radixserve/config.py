@@ -25,6 +25,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_ref", "triton")
 EVICTION_POLICIES = ("lru", "priority")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+ROUTER_POLICIES = ("prefix", "round_robin", "random", "least_loaded")  # radixserve.routing's registry
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -158,6 +159,41 @@ class ServerConfig:
     reasoning_parser: str | None = option(None, "chat: return <think>...</think> reasoning as reasoning_content, apart "
                                                 "from content; a JSON or tool-call constraint starts after it "
                                                 "(server/reasoning.py)", ("qwen3", "deepseek_r1"))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Data-parallel replicas and how requests are routed to them (radixserve.routing): the
+    prefix policy follows SGLang's cache-aware router (its documented defaults)."""
+
+    data_parallel: int = option(1, "engine processes (data-parallel replicas) behind this one server, each with its "
+                                   "own KV cache; requests are routed by --router-policy")
+    router_policy: str = option("prefix", "replica choice: prefix (the replica that most likely holds the request's "
+                                          "prefix, the least loaded when load is unbalanced), round_robin, random or "
+                                          "least_loaded", ROUTER_POLICIES)
+    router_cache_threshold: float = option(0.3, "prefix policy: the matched share of a prompt's first blocks above "
+                                                "which it goes to the best-matching replica (below: the emptiest)")
+    router_balance_abs_threshold: int = option(64, "prefix policy: load is unbalanced when the busiest replica has "
+                                                   "more than this many requests over the idlest...")
+    router_balance_rel_threshold: float = option(1.5, "...and more than this many times its requests; then the least "
+                                                      "loaded replica is chosen")
+    router_block_tokens: int = option(16, "prefix index block, in tokens (in characters: 4x, where only text is seen)")
+    router_max_prefix_tokens: int = option(4096, "how much of a prompt's start the prefix index keys on, in tokens")
+    router_max_blocks_per_replica: int = option(65536, "prefix index blocks remembered per replica (LRU beyond)")
+
+    def check(self) -> None:
+        if self.data_parallel < 1:
+            raise ValueError(f"data_parallel: must be a positive integer, got {self.data_parallel}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy: {self.router_policy!r} is not one of {', '.join(ROUTER_POLICIES)}")
+        if not 0 <= self.router_cache_threshold <= 1:
+            raise ValueError(f"router_cache_threshold: must be in [0, 1], got {self.router_cache_threshold}")
+        for name in ("router_block_tokens", "router_max_prefix_tokens", "router_max_blocks_per_replica"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+        if self.router_balance_abs_threshold < 0 or self.router_balance_rel_threshold < 1:
+            raise ValueError("router_balance_abs_threshold, router_balance_rel_threshold: need >= 0 and >= 1, got "
+                             f"{self.router_balance_abs_threshold}, {self.router_balance_rel_threshold}")
 
 
 @dataclass(frozen=True)

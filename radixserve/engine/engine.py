@@ -260,6 +260,10 @@ class Engine(RequestFront):
         """The stats as of the end of the last step or command; never blocks (event loops use this)."""
         return self._snapshot
 
+    def replica_snapshots(self) -> list[EngineStats]:
+        """One engine is one replica."""
+        return [self._snapshot]
+
     def _publish(self) -> None:
         self._snapshot = self._stats()
         if self.on_change is not None:

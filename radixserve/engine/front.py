@@ -105,6 +105,10 @@ class RequestFront:
         check_admissible(req, self.context_len, self.num_slots)
         return req
 
+    def route(self, req: Req, hint: str | None = None) -> None:
+        """Choose where the request will run, before its grammar is prepared and it is submitted
+        (`hint`: the client's prompt_cache_key). One engine has one place: nothing to choose."""
+
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render messages (and tools, for templates that take them) with the model's own chat

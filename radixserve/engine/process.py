@@ -44,6 +44,7 @@ from radixserve.engine.protocol import (
     AddRequest,
     Call,
     Deltas,
+    EngineDied,
     EngineInfo,
     EngineStats,
     ErrorInfo,
@@ -62,16 +63,13 @@ START_TIMEOUT_S = 600.0  # loading (and, the first time, converting) a model
 CALL_TIMEOUT_S = 120.0
 
 
-class EngineDied(RuntimeError):
-    pass
-
-
 class EngineProcess(RequestFront):
     """`EngineProcess(model=None, **overrides)`: the same arguments as `Engine`; starts the
     engine core in a child process and waits until it is ready. Requests are built here
     (tokenized and validated: the same InvalidParam as in-process)."""
 
-    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, *, env: dict[str, str] | None = None, **overrides: Any) -> None:
+        """`env`: variables set for the engine process only (a data-parallel replica's device, threads)."""
         from radixserve.models.loader import load_tokenizer, model_dir
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
@@ -79,8 +77,8 @@ class EngineProcess(RequestFront):
         folder = model_dir(model, self.config.model.quantization)
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "radixserve.engine.process", str(theirs.fileno()),
-               json.dumps({"model": model, "overrides": overrides})]
-        self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()])
+               json.dumps({"model": model, "overrides": overrides, "parent": os.getpid()})]
+        self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env={**os.environ, **env} if env else None)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
@@ -169,6 +167,9 @@ class EngineProcess(RequestFront):
 
     def snapshot(self) -> EngineStats:
         return self._snapshot
+
+    def replica_snapshots(self) -> list[EngineStats]:
+        return [self._snapshot]
 
     def flush_cache(self) -> int:
         return int(self._wait(self._call("flush_cache")).value or 0)
@@ -415,11 +416,11 @@ class _Core:
 def _child_main(fd: int, spec: str) -> None:
     logging.basicConfig(level=os.environ.get("RADIXSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
+    args = json.loads(spec)
+    _die_with_parent(args["parent"])
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <engine pid>` prints every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles ^C and tells us to stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
-    args = json.loads(spec)
     conn = Connection(fd)
     try:
         core = _Core(conn, args["model"], args["overrides"])
@@ -443,15 +444,18 @@ def _child_main(fd: int, spec: str) -> None:
         conn.close()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the server dies (the socket's EOF covers the rest)."""
-    try:
-        import ctypes
+def _die_with_parent(parent: int) -> None:
+    """Exit as soon as the server process is gone (the socket's EOF covers a clean close).
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    NOTE: not PR_SET_PDEATHSIG: that fires when the *thread* that spawned us exits, and data-
+    parallel replicas are started and restarted from short-lived threads."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="radixserve-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

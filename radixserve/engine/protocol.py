@@ -10,6 +10,7 @@ and are built into a `Req` on the engine side.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -19,7 +20,11 @@ import msgspec
 from radixserve.engine.outputs import Delta
 from radixserve.request import InvalidParam, Req, SamplingParams
 
-__all__ = ["InvalidParam", "EngineClient", "EngineStats", "AddRequest"]
+__all__ = ["InvalidParam", "EngineClient", "EngineDied", "EngineStats", "AddRequest"]
+
+
+class EngineDied(RuntimeError):
+    """The engine core's process is gone (or, data-parallel, no replica is serving)."""
 
 
 @dataclass
@@ -54,6 +59,18 @@ class EngineStats:
     engine_rss_bytes: int = 0  # the engine process's resident memory (0 for an engine in the caller's process)
     kv_dtype: str = ""  # what the KV pool stores: the activations' dtype, bfloat16, int8 or float8_e4m3fn
     kv_bytes_per_token: int = 0  # K and V of one token in every layer, scales included
+
+    @classmethod
+    def sum(cls, parts: list[EngineStats]) -> EngineStats:
+        """Data-parallel replicas' stats as one engine's: counts add up, the hit rate is
+        recomputed, the KV dtype and bytes per token are the first replica's (all are alike)."""
+        if not parts:
+            return cls()
+        total = cls(**{f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(cls)
+                       if f.type in ("int", "float")})
+        total.cache_hit_rate = total.cached_prompt_tokens / total.prompt_tokens if total.prompt_tokens else 0.0
+        total.kv_dtype, total.kv_bytes_per_token = parts[0].kv_dtype, parts[0].kv_bytes_per_token
+        return total
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -215,6 +232,10 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def snapshot(self) -> EngineStats: ...
+
+    def replica_snapshots(self) -> list[EngineStats]: ...  # per data-parallel replica; snapshot() is their sum
+
+    def route(self, req: Req, hint: str | None = None) -> None: ...  # choose the request's replica (one engine: no-op)
 
     def flush_cache(self) -> int: ...
 

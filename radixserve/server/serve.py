@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from radixserve.cli_args import add_engine_args, add_flags, engine_kwargs, scalar_fields
-from radixserve.config import ServerConfig
+from radixserve.config import RouterConfig, ServerConfig
 
 log = logging.getLogger("radixserve.server")
 LINGER_S = 2.0  # after refusing a body (413/408), read and drop what the client still sends this long, then close
@@ -24,6 +24,17 @@ LINGER_S = 2.0  # after refusing a body (413/408), read and drop what the client
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_flags(p, scalar_fields(ServerConfig))
+    add_flags(p, scalar_fields(RouterConfig))
+    p.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster (the one RAY_ADDRESS or a running "
+                                                      "`ray start` names, else a local one): --replicas engines behind "
+                                                      "a prefix-aware request router (needs radixserve[ray])")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (default: 2)")
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    cfg = RouterConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)})
+    cfg.check()
+    return cfg
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -73,7 +84,13 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if len(auth.tenants) <= 1 and kwargs.get("grammar_tenant_compiles") is None:  # no other tenant to be fair to
         kwargs["grammar_tenant_compiles"] = kwargs["grammar_compile_workers"]
-    engine = EngineProcess(args.model, **kwargs, tenant_max_cached_tokens=quotas)  # the model loop in its own process
+    routing = router_config(args)
+    if routing.data_parallel > 1:  # N engine processes behind this server, requests routed by prefix and load
+        from radixserve.engine.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine(args.model, routing, **kwargs, tenant_max_cached_tokens=quotas)
+    else:
+        engine = EngineProcess(args.model, **kwargs, tenant_max_cached_tokens=quotas)  # the model loop in its own process
     try:
         if not asyncio.run(serve(engine, cfg, auth, t0)):
             return 1  # the engine process died: exit so a supervisor restarts the server

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.protocol import EngineDied
 from radixserve.request import Req, SamplingParams, TokenLogprob
 from radixserve.server import access_log
 from radixserve.server.admission import Admission, Ticket
@@ -162,6 +163,12 @@ class ServerState:
             access_log.note_admitted(flight.reqs, texts)
             for r in flight.reqs:
                 self.active[r.rid] = r
+            try:
+                for r in flight.reqs:  # data-parallel replicas: where each runs (and compiles its grammar)
+                    self.engine.route(r, opts.prompt_cache_key)
+            except EngineDied as e:
+                raise ApiError(503, f"no engine replica can take the request now ({e})", code="engine_down",
+                               headers={"Retry-After": "1"}) from None
             for r in flight.reqs:  # compiled in the grammar workers; the request waits here, outside the run queue
                 try:
                     await self.engine.prepare_grammar(r)

@@ -1,0 +1,332 @@
+"""Data-parallel replicas behind one server: N engine processes, each with its own model copy
+and KV cache, and a router that sends each request to the one most likely to hold its prefix.
+
+    server process                                     engine processes
+    HTTP, auth, tokenizer  --route-->  DataParallelEngine --+--> EngineProcess 0 (cuda:0 / cores/N)
+    (one EngineClient)      Router (radixserve.routing)     +--> EngineProcess 1
+                                                            +--> ...
+
+Routing happens once a request is built (tokenized), before its grammar is compiled (on the
+replica it will run on) and it is submitted: `route(req, hint)`. Load is the requests routed
+to a replica and not yet finished, as SGLang's router counts it.
+
+Failure: a replica whose engine process dies is out of the routing set at once (its socket's
+EOF is the health check) and restarted cold in the background (its index entries forgotten).
+A request that had received nothing from it yet is resubmitted on another replica; one that
+had streamed part of its answer ends with an error naming the replica. If every replica is
+gone at once, the engine is `dead` (the server exits, as it does for one engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.cache.prefix import DEFAULT_TENANT, Namespace
+from radixserve.config import EngineConfig, RouterConfig
+from radixserve.engine.front import RequestFront
+from radixserve.engine.outputs import Delta, Output
+from radixserve.engine.process import EngineProcess
+from radixserve.engine.protocol import EngineDied, EngineStats
+from radixserve.request import Req, SamplingParams
+from radixserve.routing import RouteKey, make_router
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = (1.0, 5.0, 30.0)  # before a dead replica's 1st, 2nd, 3rd and later restarts
+
+
+@dataclass
+class Replica:
+    index: int
+    engine: EngineProcess | None  # None while (re)starting
+    load: int = 0  # requests routed here and not finished
+    restarts: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine is not None and self.engine.dead is None
+
+
+class DataParallelEngine(RequestFront):
+    """`DataParallelEngine(model, router=RouterConfig(data_parallel=N), **overrides)`: the
+    arguments of EngineProcess, started N times. An EngineClient: the server uses it as it
+    uses one engine."""
+
+    def __init__(self, model: str | None = None, router: RouterConfig | None = None, *,
+                 restart: bool = True, **overrides: Any) -> None:
+        self.router_config = cfg = router or RouterConfig(data_parallel=2)
+        self.router = make_router(cfg)
+        self._model, self._restart = model, restart
+        self.config = EngineConfig.build(model, **overrides)  # refuses a bad option before N processes start
+        gpus = _visible_gpus() if self.config.model.device in ("auto", "cuda") else []
+        self._gpus = gpus if len(gpus) >= cfg.data_parallel else []
+        self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, cfg.data_parallel)
+        self._lock = threading.Lock()  # replicas and the router: the event loop, reader and restart threads
+        self._closing = False
+        self.dead: str | None = None
+        self.on_death: Callable[[str], None] | None = None
+        with ThreadPoolExecutor(cfg.data_parallel) as pool:
+            futures = [pool.submit(self._start, i) for i in range(cfg.data_parallel)]
+            errors = [f.exception() for f in futures]
+        started = [f.result() for f in futures if f.exception() is None]
+        if len(started) < cfg.data_parallel:
+            for e in started:
+                e.shutdown()
+            raise next(e for e in errors if e is not None)
+        self.replicas = [Replica(i, e) for i, e in enumerate(started)]
+        first = started[0]
+        for name in ("tokenizer", "model_name", "model_path", "context_len", "vocab_size", "model_vocab_size", "eos_ids",
+                     "num_slots", "dtype", "device", "quantization", "weight_bytes", "default_max_new_tokens"):
+            setattr(self, name, getattr(first, name))
+        self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet
+        self._running: dict[str, int] = {}  # rid -> replica, submitted
+        for r in self.replicas:
+            self._watch(r)
+
+    @property
+    def pid(self) -> int:
+        return next((r.engine.pid for r in self.replicas if r.engine is not None), 0)
+
+    def _start(self, i: int) -> EngineProcess:
+        return EngineProcess(self._model, env=_replica_env(i, self.router_config.data_parallel, self._gpus),
+                             **self._overrides)
+
+    # -- routing ----------------------------------------------------------------------------
+    def route(self, req: Req, hint: str | None = None) -> None:
+        """Choose the request's replica among the healthy ones (raises EngineDied if none is)."""
+        if req.rid in self._placed:
+            return
+        self._placed[req.rid] = self._choose(req, hint, exclude=())
+
+    def _choose(self, req: Req, hint: str | None, exclude: tuple[int, ...] | set[int]) -> int:
+        ns = Namespace(req.tenant or DEFAULT_TENANT, req.cache_salt)
+        with self._lock:
+            loads = {r.index: r.load for r in self.replicas if r.healthy and r.index not in exclude}
+            if not loads:
+                raise EngineDied("no data-parallel replica is serving (restarting)")
+            i = self.router.choose(RouteKey(ns, req.token_ids[:req.prompt_len], hint), loads)
+            self.replicas[i].load += 1
+        return i
+
+    def _release(self, i: int) -> None:
+        with self._lock:
+            self.replicas[i].load -= 1
+
+    # -- requests ---------------------------------------------------------------------------
+    async def prepare_grammar(self, req: Req) -> None:
+        """Compile on the replica the request goes to; if it dies meanwhile, on another."""
+        tried: set[int] = set()
+        while True:
+            self.route(req)
+            i = self._placed[req.rid]
+            engine = self.replicas[i].engine
+            try:
+                if engine is None:
+                    raise EngineDied(f"replica {i} is restarting")
+                return await engine.prepare_grammar(req)
+            except EngineDied:
+                tried.add(i)
+                self._placed.pop(req.rid, None)
+                self._release(i)
+                self._placed[req.rid] = self._choose(req, None, exclude=tried)
+
+    async def submit(self, prompt: Req, params: SamplingParams | None = None, *,
+                     max_backlog: int | None = None) -> AsyncIterator[Delta]:
+        """Stream the request from its replica. Nothing received yet when that replica died: it
+        runs again on another one; part of an answer received: the stream ends with an error."""
+        req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)
+        self.route(req)
+        i = self._placed.pop(req.rid)
+        tried: set[int] = set()
+        try:
+            while True:
+                self._running[req.rid] = i
+                received = False
+                async with aclosing(self._stream(i, req, max_backlog)) as deltas:
+                    async for d in deltas:
+                        if d is None:  # the replica died before sending anything
+                            break
+                        received = True
+                        yield d
+                if received:
+                    return
+                tried.add(i)
+                self._release(i)
+                try:
+                    i = self._choose(req, None, exclude=tried)
+                except EngineDied as e:
+                    i = -1
+                    yield _failed(req, str(e))
+                    return
+                log.warning("request %s: replica %s died before answering; resubmitted on replica %d",
+                            req.rid, sorted(tried), i)
+        finally:
+            self._running.pop(req.rid, None)
+            if i >= 0:
+                self._release(i)
+
+    async def _stream(self, i: int, req: Req, max_backlog: int | None) -> AsyncIterator[Delta | None]:
+        """Replica i's deltas; a single None if it died before the first one."""
+        engine = self.replicas[i].engine
+        if engine is None:
+            yield None
+            return
+        first = True
+        try:
+            async with aclosing(engine.submit(req, max_backlog=max_backlog)) as deltas:
+                async for d in deltas:
+                    if first and d.finished and engine.dead is not None and d.output is not None and d.output.error:
+                        yield None  # its death failed the request: nothing of it reached the caller
+                        return
+                    if d.finished and engine.dead is not None and d.output is not None and d.output.error:
+                        d.output.error = f"data-parallel replica {i}: {d.output.error}"
+                    first = False
+                    yield d
+        except EngineDied:
+            if not first:
+                raise
+            yield None
+
+    def abort(self, rid: str) -> None:
+        i = self._placed.pop(rid, None)
+        if i is not None:  # routed, never submitted (its client left, or it was refused)
+            self._release(i)
+            return
+        i = self._running.get(rid)
+        engine = self.replicas[i].engine if i is not None else None
+        if engine is not None:
+            engine.abort(rid)
+
+    # -- calls --------------------------------------------------------------------------------
+    def _engines(self) -> list[EngineProcess]:
+        with self._lock:
+            return [r.engine for r in self.replicas if r.healthy and r.engine is not None]
+
+    def stats(self) -> EngineStats:
+        return EngineStats.sum([e.stats() for e in self._engines()])
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats.sum([e.snapshot() for e in self._engines()])
+
+    def replica_snapshots(self) -> list[EngineStats]:
+        """Each replica's stats by index (a restarting one: empty)."""
+        return [r.engine.snapshot() if r.engine is not None else EngineStats() for r in self.replicas]
+
+    def describe(self) -> dict[str, Any]:
+        """For /server_info: the router and each replica's process, health, load, restarts and KV."""
+        snaps = self.replica_snapshots()
+        with self._lock:
+            replicas = [{"replica": r.index, "pid": r.engine.pid if r.engine else None, "healthy": r.healthy,
+                         "load": r.load, "restarts": r.restarts, "kv": dataclasses.asdict(s)}
+                        for r, s in zip(self.replicas, snaps)]
+            return {"router": {"policy": self.router.name, "decisions": dict(self.router.decisions)}, "replicas": replicas}
+
+    def flush_cache(self) -> int:
+        return sum(e.flush_cache() for e in self._engines())
+
+    def check_integrity(self) -> None:
+        for e in self._engines():
+            e.check_integrity()
+
+    # -- failure and restart ------------------------------------------------------------------
+    def _watch(self, r: Replica) -> None:
+        assert r.engine is not None
+        r.engine.on_death = lambda why, r=r: self._died(r, why)
+
+    def _died(self, r: Replica, why: str) -> None:
+        """On the dead replica's reader thread."""
+        with self._lock:
+            self.router.forget(r.index)
+            alive = [x for x in self.replicas if x.healthy]
+            if not alive and not self._closing:
+                self.dead = f"every data-parallel replica is gone (replica {r.index}: {why})"
+        log.error("data-parallel replica %d is gone (%s)%s", r.index, why, "" if alive else "; no replica is left")
+        if not alive:
+            if self.on_death is not None:
+                self.on_death(self.dead or why)
+            return
+        if self._restart:
+            threading.Thread(target=self._restart_replica, args=(r,), name=f"radixserve-replica-{r.index}-restart",
+                             daemon=True).start()
+
+    def _restart_replica(self, r: Replica) -> None:
+        with self._lock:
+            old, r.engine = r.engine, None
+        if old is not None:
+            old.shutdown(timeout=5)
+        while not self._closing and self.dead is None:
+            time.sleep(RESTART_BACKOFF_S[min(r.restarts, len(RESTART_BACKOFF_S) - 1)])
+            r.restarts += 1
+            try:
+                engine = self._start(r.index)
+            except Exception:
+                log.exception("data-parallel replica %d did not restart (try %d)", r.index, r.restarts)
+                continue
+            with self._lock:
+                if self._closing or self.dead is not None:
+                    engine.shutdown()
+                    return
+                self.router.forget(r.index)  # cold: whatever was routed there before is gone
+                r.engine = engine
+            self._watch(r)
+            log.info("data-parallel replica %d restarted (cold cache)", r.index)
+            return
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._closing = True
+            engines = [r.engine for r in self.replicas if r.engine is not None]
+        with ThreadPoolExecutor(max(len(engines), 1)) as pool:
+            list(pool.map(lambda e: e.shutdown(timeout), engines))
+        self.dead = self.dead or "shut down"
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _failed(req: Req, why: str) -> Delta:
+    out = Output(req.rid, "", [], "error", req.prompt_len, 0, 0, error=why)
+    return Delta(req.rid, "", finished=True, output=out)
+
+
+def _split_memory(cfg: EngineConfig, overrides: dict[str, Any], n: int) -> dict[str, Any]:
+    """Replicas sharing one memory: --kv-mem-fraction is the whole server's share, each of n
+    replicas takes 1/n of it (a token or MiB budget is per replica, as given)."""
+    c = cfg.cache
+    if c.kv_cache_tokens is None and c.kv_cache_memory_mb is None:
+        return {**overrides, "kv_mem_fraction": c.kv_mem_fraction / n}
+    return dict(overrides)
+
+
+def _replica_env(i: int, n: int, gpus: list[str]) -> dict[str, str]:
+    """Replica i of n: its own GPU where there are n (CUDA_VISIBLE_DEVICES, as SGLang and vLLM
+    place data-parallel ranks), else a 1/n share of the CPU's threads."""
+    if gpus:
+        return {"CUDA_VISIBLE_DEVICES": gpus[i]}
+    if "OMP_NUM_THREADS" not in os.environ and n > 1:
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    return {}
+
+
+def _visible_gpus() -> list[str]:
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d for d in listed.split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        return []
