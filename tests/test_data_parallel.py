@@ -198,3 +198,20 @@ def test_served_forks_hit_one_replica_streamed_or_whole_and_tenants_stay_apart(d
     status, info = dp_server.get("/server_info", "key-acme")
     assert info["data_parallel"]["router"]["decisions"].get("hint", 0) == hints + 1
     assert all(r["healthy"] and r["load"] == 0 for r in info["data_parallel"]["replicas"])
+
+
+def test_bench_route_counts_less_prefill_under_prefix_affinity_than_round_robin(tiny_llama):
+    from radixserve.bench import route
+    from radixserve.server.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "route", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-tokens",
+                                      "16384", "--grammar-compile-workers", "1", "--agents", "2", "--branches", "4",
+                                      "--system-tokens", "400", "--conversations", "3", "--turns", "3", "--output-len", "4"])
+    r = route.measure(args)
+    for workload in ("fork", "multi_turn"):
+        prefix, rr = r[f"{workload}/prefix"], r[f"{workload}/round_robin"]
+        assert prefix["prompt_tokens"] == rr["prompt_tokens"] > 0
+        assert prefix["prefill_tokens_computed"] < rr["prefill_tokens_computed"], (workload, prefix, rr)
+        assert prefix["hit_rate"] > rr["hit_rate"]
+    assert sum(r["fork/prefix"]["requests_per_replica"]) == 8
+    assert route.index_bytes_per_block(replicas=2, blocks=1000) > 0

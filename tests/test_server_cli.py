@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from server_helpers import USER, ServerProcess
 
-from radixserve.config import ServerConfig
+from radixserve.config import RouterConfig, ServerConfig
 from radixserve.engine.protocol import EngineStats
 from radixserve.server import serve
 from radixserve.server.app import build_app
@@ -52,8 +52,8 @@ def test_serve_help_describes_every_flag_with_its_default_and_choices():
     out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"},
                          check=True).stdout
     blocks = _help_blocks(out)
-    flags = {**_ENGINE_FLAGS, **scalar_fields(ServerConfig)}
-    assert set(blocks) == {"--model"} | {"--" + n.replace("_", "-") for n in flags}  # and -h, --help
+    flags = {**_ENGINE_FLAGS, **scalar_fields(ServerConfig), **scalar_fields(RouterConfig)}
+    assert set(blocks) == {"--model", "--ray", "--replicas"} | {"--" + n.replace("_", "-") for n in flags}  # and -h, --help
     for name, f in flags.items():
         invocation, text = blocks["--" + name.replace("_", "-")]
         description = re.sub(r"\s*\(default: [^)]*\)$", "", text)
@@ -70,10 +70,12 @@ def test_config_choices_match_the_registries_that_resolve_them():
     from radixserve.attention import CHOICES
     from radixserve.cache.radix import EVICTION_POLICIES
     from radixserve.engine.engine import _DTYPES
+    from radixserve.routing.policy import POLICIES as ROUTERS
     from radixserve.sched.policy import POLICIES
 
     assert config.ATTENTION_BACKENDS == CHOICES and config.EVICTION_POLICIES == tuple(EVICTION_POLICIES)
     assert config.SCHEDULE_POLICIES == POLICIES and config.DTYPES == ("auto", *_DTYPES)
+    assert config.ROUTER_POLICIES == tuple(ROUTERS)
 
 
 # -- a busy port ---------------------------------------------------------------------------------

@@ -70,6 +70,11 @@ class DataParallelEngine(RequestFront):
         gpus = _visible_gpus() if self.config.model.device in ("auto", "cuda") else []
         self._gpus = gpus if len(gpus) >= cfg.data_parallel else []
         self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, cfg.data_parallel)
+        # NOTE: loaded here, once: the replicas start on threads, and transformers' lazy imports
+        # are not thread-safe (two threads importing AutoTokenizer at once fail)
+        from radixserve.models.loader import load_tokenizer, model_dir
+
+        self.tokenizer = load_tokenizer(model_dir(model, self.config.model.quantization))
         self._lock = threading.Lock()  # replicas and the router: the event loop, reader and restart threads
         self._closing = False
         self.dead: str | None = None
@@ -84,7 +89,7 @@ class DataParallelEngine(RequestFront):
             raise next(e for e in errors if e is not None)
         self.replicas = [Replica(i, e) for i, e in enumerate(started)]
         first = started[0]
-        for name in ("tokenizer", "model_name", "model_path", "context_len", "vocab_size", "model_vocab_size", "eos_ids",
+        for name in ("model_name", "model_path", "context_len", "vocab_size", "model_vocab_size", "eos_ids",
                      "num_slots", "dtype", "device", "quantization", "weight_bytes", "default_max_new_tokens"):
             setattr(self, name, getattr(first, name))
         self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet
@@ -98,7 +103,7 @@ class DataParallelEngine(RequestFront):
 
     def _start(self, i: int) -> EngineProcess:
         return EngineProcess(self._model, env=_replica_env(i, self.router_config.data_parallel, self._gpus),
-                             **self._overrides)
+                             tokenizer=self.tokenizer, **self._overrides)
 
     # -- routing ----------------------------------------------------------------------------
     def route(self, req: Req, hint: str | None = None) -> None:

@@ -68,8 +68,10 @@ class EngineProcess(RequestFront):
     engine core in a child process and waits until it is ready. Requests are built here
     (tokenized and validated: the same InvalidParam as in-process)."""
 
-    def __init__(self, model: str | None = None, *, env: dict[str, str] | None = None, **overrides: Any) -> None:
-        """`env`: variables set for the engine process only (a data-parallel replica's device, threads)."""
+    def __init__(self, model: str | None = None, *, env: dict[str, str] | None = None, tokenizer: Any = None,
+                 **overrides: Any) -> None:
+        """`env`: variables set for the engine process only (a data-parallel replica's device,
+        threads); `tokenizer`: the model's, already loaded (replicas share one)."""
         from radixserve.models.loader import load_tokenizer, model_dir
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
@@ -85,7 +87,7 @@ class EngineProcess(RequestFront):
         self._enc = encoder()
         self._dec = decoder(FromEngine)
         try:
-            self.tokenizer = load_tokenizer(folder)  # while the engine process loads the model
+            self.tokenizer = tokenizer or load_tokenizer(folder)  # while the engine process loads the model
             info = self._wait_ready()
         except BaseException:
             self._kill()

@@ -27,12 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import agents, compare, offline, prefix, reliability, serving, spec, structured
+    from radixserve.bench import agents, compare, offline, prefix, reliability, route, serving, spec, structured
 
     compare.add_args(bsub.add_parser("compare", help="five workloads against OpenAI-compatible servers (llama.cpp, ...)"))
     agents.add_args(bsub.add_parser("agents", help="agent programs in frontend_lang vs sequential openai-client calls"))
     offline.add_args(bsub.add_parser("offline", help="offline throughput vs Hugging Face generate"))
     prefix.add_args(bsub.add_parser("prefix", help="16 calls forked off a long system prompt; multi-turn history reuse"))
+    route.add_args(bsub.add_parser("route", help="data-parallel replicas: prefix-affinity vs round-robin vs random routing"))
     serving.add_args(bsub.add_parser("serving", help="a running server under open- and closed-loop load, over HTTP"))
     reliability.add_args(bsub.add_parser("reliability", help="a running server: overload rejections, tenant isolation timing"))
     structured.add_args(bsub.add_parser("structured", help="JSON-schema coverage, compile time, compliance, constrained speed"))
@@ -71,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             from radixserve.server import serve
 
             return serve.run(args)
-        from radixserve.bench import agents, compare, offline, prefix, reliability, serving, spec, structured
+        from radixserve.bench import agents, compare, offline, prefix, reliability, route, serving, spec, structured
 
         runs = {"agents": agents.run, "compare": compare.run, "offline": offline.run, "prefix": prefix.run,
-                "reliability": reliability.run, "serving": serving.run, "spec": spec.run, "structured": structured.run}
+                "reliability": reliability.run, "route": route.run, "serving": serving.run, "spec": spec.run,
+                "structured": structured.run}
         return runs[args.bench](args)
     except (ModelLoadError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
