@@ -200,6 +200,26 @@ def test_served_forks_hit_one_replica_streamed_or_whole_and_tenants_stay_apart(d
     assert all(r["healthy"] and r["load"] == 0 for r in info["data_parallel"]["replicas"])
 
 
+def test_a_client_gone_mid_stream_frees_its_replica_and_its_load(dp_server):
+    import http.client
+    import json
+
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500,
+                       "temperature": 0, "ignore_eos": True, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", dp_server.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body, {"Authorization": "Bearer key-acme", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert sum(r["load"] for r in _replicas(dp_server)) == 1
+    conn.close()  # gone mid-stream
+    dp_server.wait_idle("key-acme")
+    replicas = _replicas(dp_server)
+    assert [r["load"] for r in replicas] == [0, 0]
+    assert [r["kv"]["kv_in_use_slots"] for r in replicas] == [0, 0]
+    status, info = dp_server.get("/server_info?check_integrity=1", "key-acme")
+    assert info["integrity"] == "ok"
+
+
 def test_bench_route_counts_less_prefill_under_prefix_affinity_than_round_robin(tiny_llama):
     from radixserve.bench import route
     from radixserve.server.cli import build_parser

@@ -118,7 +118,8 @@ class DataParallelEngine(RequestFront):
             loads = {r.index: r.load for r in self.replicas if r.healthy and r.index not in exclude}
             if not loads:
                 raise EngineDied("no data-parallel replica is serving (restarting)")
-            i = self.router.choose(RouteKey(ns, req.token_ids[:req.prompt_len], hint), loads)
+            keyed = req.token_ids[:min(req.prompt_len, self.router_config.router_max_prefix_tokens)]
+            i = self.router.choose(RouteKey(ns, keyed, hint), loads)
             self.replicas[i].load += 1
         return i
 

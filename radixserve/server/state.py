@@ -166,14 +166,14 @@ class ServerState:
             try:
                 for r in flight.reqs:  # data-parallel replicas: where each runs (and compiles its grammar)
                     self.engine.route(r, opts.prompt_cache_key)
+                for r in flight.reqs:  # compiled in the grammar workers; the request waits here, outside the run queue
+                    try:
+                        await self.engine.prepare_grammar(r)
+                    except ValueError as e:
+                        raise value_error(e, opts.rename) from None
             except EngineDied as e:
-                raise ApiError(503, f"no engine replica can take the request now ({e})", code="engine_down",
+                raise ApiError(503, f"no engine can take the request now ({e})", code="engine_down",
                                headers={"Retry-After": "1"}) from None
-            for r in flight.reqs:  # compiled in the grammar workers; the request waits here, outside the run queue
-                try:
-                    await self.engine.prepare_grammar(r)
-                except ValueError as e:
-                    raise value_error(e, opts.rename) from None
             flight.admitted = True
             yield flight
         finally:
