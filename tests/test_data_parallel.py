@@ -94,6 +94,22 @@ def test_round_robin_computes_the_same_forks_on_both_replicas(dp):
     assert min(delta) >= shared, f"each replica computed the shared prefix itself: {delta}, shared {shared}"
 
 
+def test_bench_route_counts_less_prefill_under_prefix_affinity_than_round_robin(dp):
+    from radixserve.bench import route
+    from radixserve.server.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "route", "--agents", "2", "--branches", "4", "--system-tokens", "400",
+                                      "--conversations", "3", "--turns", "3", "--output-len", "4"])
+    r = route.measure(dp, args)
+    for workload in ("fork", "multi_turn"):
+        prefix, rr = r[f"{workload}/prefix"], r[f"{workload}/round_robin"]
+        assert prefix["prompt_tokens"] == rr["prompt_tokens"] > 0
+        assert prefix["prefill_tokens_computed"] < rr["prefill_tokens_computed"], (workload, prefix, rr)
+        assert prefix["hit_rate"] > rr["hit_rate"]
+    assert sum(r["fork/prefix"]["requests_per_replica"]) == 8
+    assert route.index_bytes_per_block(replicas=2, blocks=1000) > 0
+
+
 def test_a_killed_replica_fails_its_started_stream_and_retries_what_had_not_started(tiny_llama):
     with _engine(tiny_llama, max_running_requests=1) as e:
         e.router = make_router(RouterConfig(data_parallel=2, router_policy="round_robin"))
@@ -219,19 +235,3 @@ def test_a_client_gone_mid_stream_frees_its_replica_and_its_load(dp_server):
     status, info = dp_server.get("/server_info?check_integrity=1", "key-acme")
     assert info["integrity"] == "ok"
 
-
-def test_bench_route_counts_less_prefill_under_prefix_affinity_than_round_robin(tiny_llama):
-    from radixserve.bench import route
-    from radixserve.server.cli import build_parser
-
-    args = build_parser().parse_args(["bench", "route", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-tokens",
-                                      "16384", "--grammar-compile-workers", "1", "--agents", "2", "--branches", "4",
-                                      "--system-tokens", "400", "--conversations", "3", "--turns", "3", "--output-len", "4"])
-    r = route.measure(args)
-    for workload in ("fork", "multi_turn"):
-        prefix, rr = r[f"{workload}/prefix"], r[f"{workload}/round_robin"]
-        assert prefix["prompt_tokens"] == rr["prompt_tokens"] > 0
-        assert prefix["prefill_tokens_computed"] < rr["prefill_tokens_computed"], (workload, prefix, rr)
-        assert prefix["hit_rate"] > rr["hit_rate"]
-    assert sum(r["fork/prefix"]["requests_per_replica"]) == 8
-    assert route.index_bytes_per_block(replicas=2, blocks=1000) > 0

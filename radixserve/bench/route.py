@@ -114,22 +114,27 @@ def index_bytes_per_block(replicas: int = 8, blocks: int = 20_000) -> float:
     return used / (replicas * blocks)
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Every workload under every policy, on the same replicas: "fork/prefix" -> its counts."""
-    from radixserve.engine.data_parallel import DataParallelEngine
-
+def measure(engine: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every workload under every policy, on the same replicas: "fork/prefix" -> its counts.
+    The engine's own router is put back afterwards."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     results: dict[str, dict[str, Any]] = {}
-    with DataParallelEngine(args.model, RouterConfig(data_parallel=args.replicas), **engine_kwargs(args)) as engine:
+    own = engine.router
+    try:
         for workload in (fork, multi_turn):
             for policy in policies:
-                engine.router = make_router(RouterConfig(data_parallel=args.replicas, router_policy=policy))
+                engine.router = make_router(RouterConfig(data_parallel=len(engine.replicas), router_policy=policy))
                 results[f"{workload.__name__}/{policy}"] = _measure(engine, workload, args)
+    finally:
+        engine.router = own
     return results
 
 
 def run(args: argparse.Namespace) -> int:
-    results = measure(args)
+    from radixserve.engine.data_parallel import DataParallelEngine
+
+    with DataParallelEngine(args.model, RouterConfig(data_parallel=args.replicas), **engine_kwargs(args)) as engine:
+        results = measure(engine, args)
     per_block = index_bytes_per_block()
     _print(results, args, per_block, RouterConfig())
     if args.json:
