@@ -144,6 +144,9 @@ class ServerConfig:
     max_connections_per_client: int = option(512, "open connections from one client address; more: 503 and closed")
     metrics_key: str | None = option(None, "a key for GET /metrics besides admin keys (/metrics is open only when no key "
                                            "is configured)")
+    metrics_vllm_names: bool = option(False, "also export the gateway gauges under vLLM's names (vllm:num_requests_waiting, "
+                                             "vllm:num_requests_running, vllm:kv_cache_usage_perc), for an endpoint picker "
+                                             "left on its default mapping")
     slo_ttft_ms: float = option(2000.0, "time-to-first-token SLO in ms; goodput counts requests within both SLOs")
     slo_tpot_ms: float = option(200.0, "time-per-output-token SLO in ms")
     drain_timeout: float = option(30.0, "seconds running requests may take to finish on SIGTERM")

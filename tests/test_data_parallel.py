@@ -165,7 +165,7 @@ def dp_server(tiny_llama, tmp_path_factory):
     (d / "tenants.toml").write_text('[[tenants]]\nid = "acme"\napi_key = "key-acme"\nadmin = true\n\n'
                                     '[[tenants]]\nid = "beta"\napi_key = "key-beta"\nadmin = true\n')
     s = ServerProcess(tiny_llama, "--data-parallel", "2", "--tenants", str(d / "tenants.toml"), "--kv-cache-tokens", "8192",
-                      "--grammar-compile-workers", "1", "--dtype", "float32", log=d / "server.log")
+                      "--grammar-compile-workers", "1", "--dtype", "float32", "--metrics-vllm-names", log=d / "server.log")
     yield s
     assert s.stop() == 0, (d / "server.log").read_text()
 
@@ -235,3 +235,20 @@ def test_a_client_gone_mid_stream_frees_its_replica_and_its_load(dp_server):
     status, info = dp_server.get("/server_info?check_integrity=1", "key-acme")
     assert info["integrity"] == "ok"
 
+
+
+def test_metrics_sum_the_replicas_and_label_each_under_both_names(dp_server):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(dp_server.url + "/metrics", headers={"Authorization": "Bearer key-acme"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    replicas = _replicas(dp_server)
+    total = families["radixserve_kv_total_tokens"].samples[0].value
+    assert total == sum(r["kv"]["kv_total_slots"] for r in replicas) == 2 * 8192
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert families[f"radixserve:{name}"].type == families[f"vllm:{name}"].type == "gauge"
+    labels = {s.labels["replica"] for s in families["radixserve_replica_running_requests"].samples}
+    assert labels == {"0", "1"}

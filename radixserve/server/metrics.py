@@ -1,5 +1,16 @@
 """Prometheus metrics (prometheus_client): latency histograms per request, counters, and
-gauges read from the engine's published stats at scrape time (never blocking on a step)."""
+gauges read from the engine's published stats at scrape time (never blocking on a step).
+
+The gateway gauges are what Kubernetes inference gateways' endpoint pickers read to choose a
+pod (the Gateway API Inference Extension's model-server protocol, and llm-d's router, which
+carries it on): a queue length, a running count and the KV-cache utilisation, per pod (summed
+over data-parallel replicas), named like vLLM's and SGLang's so an endpoint picker maps them
+one to one (examples/kubernetes/README.md):
+
+    radixserve:num_requests_waiting   vllm:num_requests_waiting   sglang:num_queue_reqs
+    radixserve:num_requests_running   vllm:num_requests_running   sglang:num_running_reqs
+    radixserve:kv_cache_usage_perc    vllm:kv_cache_usage_perc    sglang:token_usage
+"""
 
 from __future__ import annotations
 
@@ -62,11 +73,66 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=getattr(s, key))
 
 
+GATEWAY_NAMESPACE = "radixserve"  # the gateway gauges: radixserve:num_requests_waiting, ...
+VLLM_NAMESPACE = "vllm"  # the same gauges under vLLM's names, for an endpoint picker's default mapping
+Replicas = Callable[[], list[EngineStats]]
+
+
+def kv_cache_usage(s: EngineStats) -> float:
+    """The fraction of the KV pool that cannot be had now, in [0, 1]: slots held by requests
+    plus cached prefixes a request has locked. Free slots and evictable cached prefixes count
+    as free (vLLM counts its unreferenced prefix-cached blocks as free, SGLang its evictable
+    tokens), so an idle server reads 0 however much it has cached."""
+    if s.kv_total_slots <= 0:
+        return 0.0
+    held = s.kv_total_slots - s.kv_free_slots - s.kv_evictable_tokens
+    return min(max(held / s.kv_total_slots, 0.0), 1.0)
+
+
+def gateway_gauges(s: EngineStats) -> dict[str, tuple[str, float]]:
+    """name -> (help, value) of the three gauges an endpoint picker reads."""
+    return {
+        "num_requests_waiting": ("requests in the engine's waiting queue: submitted, not yet admitted to a batch "
+                                 "(retracted ones included; requests still tokenizing or compiling a grammar are not)",
+                                 s.waiting),
+        "num_requests_running": ("requests the engine is prefilling or decoding", s.running),
+        "kv_cache_usage_perc": ("fraction of the KV pool held by requests or locked prefixes, 0 to 1 (evictable "
+                                "cached prefixes count as free)", kv_cache_usage(s)),
+    }
+
+
+class _GatewayCollector(Collector):
+    """The gateway gauges of the pod (from the aggregate snapshot: the healthy replicas' sum),
+    under each namespace asked for, and each data-parallel replica's, labelled by its index."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats], replicas: Replicas, namespaces: tuple[str, ...]) -> None:
+        self.snapshot, self.replicas, self.namespaces = snapshot, replicas, namespaces
+
+    def collect(self) -> Iterator[Any]:
+        for name, (doc, value) in gateway_gauges(self.snapshot()).items():
+            for ns in self.namespaces:
+                yield GaugeMetricFamily(f"{ns}:{name}", doc, value=value)
+        per_replica = {
+            "radixserve_replica_waiting_requests": ("one data-parallel replica's num_requests_waiting", "num_requests_waiting"),
+            "radixserve_replica_running_requests": ("one data-parallel replica's num_requests_running", "num_requests_running"),
+            "radixserve_replica_kv_cache_usage_perc": ("one data-parallel replica's kv_cache_usage_perc", "kv_cache_usage_perc"),
+        }
+        families = {name: GaugeMetricFamily(name, doc, labels=["replica"]) for name, (doc, _) in per_replica.items()}
+        for i, s in enumerate(self.replicas()):
+            gauges = gateway_gauges(s)
+            for name, (_, key) in per_replica.items():
+                families[name].add_metric([str(i)], gauges[key][1])
+        yield from families.values()
+
+
 class Metrics:
     def __init__(
         self, snapshot: Callable[[], EngineStats], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float,
-        connections: Callable[[], int] = lambda: 0,
+        connections: Callable[[], int] = lambda: 0, *, replicas: Replicas | None = None, vllm_names: bool = False,
     ) -> None:
+        """`replicas`: each data-parallel replica's stats (EngineClient.replica_snapshots; default:
+        the snapshot is the one replica). `vllm_names`: also export the gateway gauges as vllm:*, so an
+        endpoint picker with its default (vLLM) mapping reads them unconfigured."""
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
@@ -79,6 +145,8 @@ class Metrics:
         self.rejection_latency = Histogram("radixserve_rejection_latency_seconds", "arrival to a 429/503 answer (overload)",
                                            registry=r, buckets=REJECT_BUCKETS)
         r.register(_EngineCollector(snapshot, queued, connections))
+        namespaces = (GATEWAY_NAMESPACE, VLLM_NAMESPACE) if vllm_names else (GATEWAY_NAMESPACE,)
+        r.register(_GatewayCollector(snapshot, replicas or (lambda: [snapshot()]), namespaces))
 
     def observe(self, ttft: float | None, e2e: float, completion_tokens: int, finish_reason: str) -> None:
         self.finished.labels(finish_reason).inc()

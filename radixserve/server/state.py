@@ -109,7 +109,8 @@ class ServerState:
         c = self.config
         self.admission = Admission(c.max_queued_requests)
         self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3,
-                               lambda: self.connections.open if self.connections is not None else 0)
+                               lambda: self.connections.open if self.connections is not None else 0,
+                               replicas=self.engine.replica_snapshots, vllm_names=c.metrics_vllm_names)
 
     def engine_down(self) -> str | None:
         """Why the engine core is gone (its process died), or None while it serves."""
