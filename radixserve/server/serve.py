@@ -69,6 +69,10 @@ def listen_error(host: str, port: int, e: OSError) -> ValueError:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        from radixserve.ray.serve import run_ray
+
+        return run_ray(args)
     from radixserve.engine.process import EngineProcess
     from radixserve.server.auth import Auth
 

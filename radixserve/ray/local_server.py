@@ -1,0 +1,82 @@
+"""A replica's own `radixserve serve` on 127.0.0.1 (an ephemeral port), as a child process.
+
+The child is started, and watched, from a thread of its own that lives exactly as long as the
+child: PR_SET_PDEATHSIG fires when the thread that forked a process ends, so the server (and
+its engine process, which dies with the server) is killed when the replica process dies, even
+by SIGKILL (`ray.kill`). Its output goes to the replica's stderr (Ray's replica log); the last
+lines are kept for the error a failed start raises.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+
+READY = re.compile(r"radixserve ready at http://\S+?:(\d+) ")
+TAIL_LINES = 40
+
+
+class LocalServer:
+    def __init__(self, argv: list[str], start_timeout: float = 600.0) -> None:
+        """Start `radixserve serve ARGV` and wait until it listens (RuntimeError, with the
+        server's last output, if it exits or times out first)."""
+        self.argv = argv
+        self.url: str | None = None
+        self.exit_code: int | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started = threading.Event()
+        threading.Thread(target=self._keep, name="radixserve-replica-server", daemon=True).start()
+        self._started.wait(start_timeout)
+        if self.url is None:
+            self.stop(grace=0)
+            why = f"exited with code {self.exit_code}" if self.exit_code is not None else f"not ready in {start_timeout:g} s"
+            raise RuntimeError(f"the replica's radixserve server {why}:\n" + "\n".join(self.tail))
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def gone(self) -> str | None:
+        """Why the server is gone (it exited), or None while it runs."""
+        code = self.exit_code if self.exit_code is not None else (self._proc.poll() if self._proc else None)
+        return None if code is None else f"its radixserve server exited with code {code}"
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (the server drains for up to `grace` s), then SIGKILL."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _keep(self) -> None:
+        cmd = [sys.executable, "-m", "radixserve.ray.child", str(os.getpid()), "--log-level", "info", "serve", *self.argv,
+               "--host", "127.0.0.1", "--port", "0"]
+        try:
+            proc = self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT)
+        except OSError as e:
+            self.tail.append(f"cannot start {cmd[0]}: {e}")
+            self.exit_code = -1
+            self._started.set()
+            return
+        assert proc.stdout is not None
+        for raw in proc.stdout:  # until the server exits (and closes its output)
+            line = raw.decode("utf-8", "replace").rstrip()
+            sys.stderr.write(line + "\n")
+            self.tail.append(line)
+            if self.url is None and (m := READY.search(line)):
+                self.url = f"http://127.0.0.1:{m.group(1)}"
+                self._started.set()
+        self.exit_code = proc.wait()
+        self._started.set()

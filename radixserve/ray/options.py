@@ -1,0 +1,100 @@
+"""`radixserve serve` options as a dict (field name -> value, the names of the CLI flags with
+underscores) and back to argv, checked by the real `radixserve serve` parser, so a replica runs
+exactly the server the same flags would start, and a bad option fails in the driver, not in
+every replica.
+
+`ReplicaSpec` is what each replica is built from. A --tenants file travels in it as bytes (a
+replica may run on another node) and is written to the replica's own folder (mode 0600).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RAY_ONLY = frozenset({"ray", "replicas", "host", "port"})  # the Ray proxy's, not a replica server's
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from radixserve.server.serve import add_args
+
+    p = _Parser(prog="radixserve serve", add_help=False)
+    add_args(p)
+    return p
+
+
+def serve_defaults() -> dict[str, Any]:
+    return vars(serve_parser().parse_args([]))
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of a parsed `radixserve serve` command line that differ from the defaults."""
+    defaults = serve_defaults()
+    return {k: getattr(args, k) for k, v in defaults.items() if k not in RAY_ONLY and getattr(args, k, v) != v}
+
+
+def to_argv(options: Mapping[str, Any]) -> list[str]:
+    """`radixserve serve` flags for these options (ValueError naming an unknown or bad one)."""
+    defaults = serve_defaults()
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown radixserve serve option(s): {', '.join(unknown)}")
+    refused = sorted(set(options) & RAY_ONLY)
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: not a replica option (the Ray proxy's host and port are set apart)")
+    argv: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value == defaults[name]:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    parse(argv)
+    return argv
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return serve_parser().parse_args(argv)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    argv: tuple[str, ...]  # `radixserve serve` flags, --tenants left out
+    tenants: tuple[str, bytes] | None = None  # (file suffix, its bytes)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> ReplicaSpec:
+        opts = dict(options)
+        path = opts.pop("tenants", None)
+        tenants = (Path(path).suffix, Path(path).read_bytes()) if path else None
+        return cls(tuple(to_argv(opts)), tenants)
+
+    def replica_argv(self, folder: str) -> list[str]:
+        """The flags for a replica whose private files go in `folder`."""
+        if self.tenants is None:
+            return list(self.argv)
+        path = os.path.join(folder, "tenants" + self.tenants[0])
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.tenants[1])
+        return [*self.argv, "--tenants", path]
+
+    def admin_key(self, argv: list[str]) -> str | None:
+        """A key /server_info shows an admin's view to (the KV stats): --api-key's, or the first
+        admin tenant's; None with no keys (everyone is admin then) or no admin tenant."""
+        from radixserve.server.auth import Auth
+
+        args = parse(argv)
+        auth = Auth.from_options(args.api_key, args.tenants)
+        return next((t.api_key for t in auth.tenants if t.admin), None)

@@ -1,0 +1,147 @@
+"""Build and run the Ray Serve application: `radixserve serve --ray --replicas N [serve flags]`
+(run_ray), or `serve run examples/ray/serve_config.yaml` (app_builder).
+
+Cluster: RAY_ADDRESS if set, else the cluster `ray start` left its address for on this machine
+(/tmp/ray/ray_current_cluster, as ray.init() looks it up), else a new local one, which with a
+loopback --host binds 127.0.0.1 only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: a one-machine
+cluster, no dashboard, no usage stats). HTTP is Ray's proxy on --host/--port. On SIGINT/SIGTERM
+the application is deleted (replicas drain), and a cluster started here is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from radixserve.ray.options import ReplicaSpec, options_from_args, parse
+
+log = logging.getLogger("radixserve.ray")
+APP_NAME = "radixserve"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+BUILDER_ARGS = ("model", "replicas", "options", "ray_actor_options", "health_check_period_s", "health_check_timeout_s")
+
+
+def build_app(options: Mapping[str, Any] | None = None, replicas: int = 2, *, ray_actor_options: dict[str, Any] | None = None,
+              health_check_period_s: float = 10.0, health_check_timeout_s: float = 30.0) -> Any:
+    """The application: RadixServeIngress in front of `replicas` RadixServeReplica, each a
+    `radixserve serve` with these options (field names: kv_cache_tokens, tenants, router_policy...),
+    routed by PrefixAwareRequestRouter with the options' RouterConfig. Ray Serve's health-check
+    defaults (10 s period, 30 s timeout) unless given."""
+    from ray.serve.config import RequestRouterConfig
+
+    from radixserve.ray.deployment import RadixServeReplica
+    from radixserve.ray.ingress import RadixServeIngress
+    from radixserve.ray.router import PrefixAwareRequestRouter
+    from radixserve.server.auth import Auth
+    from radixserve.server.serve import router_config
+
+    opts = dict(options or {})
+    if replicas < 1:
+        raise ValueError(f"replicas: must be a positive integer, got {replicas}")
+    spec = ReplicaSpec.from_options(opts)
+    args = parse(list(spec.argv))
+    Auth.from_options(args.api_key, opts.get("tenants"))  # a bad tenants file fails here, not in each replica
+    router = router_config(args)
+    per_replica = args.max_queued_requests + args.max_running_requests * args.data_parallel  # its server refuses first
+    engine = RadixServeReplica.options(
+        num_replicas=replicas, max_ongoing_requests=per_replica,
+        ray_actor_options=ray_actor_options or _replica_resources(args.device),
+        health_check_period_s=health_check_period_s, health_check_timeout_s=health_check_timeout_s,
+        request_router_config=RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,
+                                                  request_router_kwargs=dataclasses.asdict(router)),
+    ).bind(spec)
+    return RadixServeIngress.options(max_ongoing_requests=per_replica * replicas).bind(engine, args.max_request_bytes)
+
+
+def _replica_resources(device: str) -> dict[str, Any]:
+    """One CPU a replica, and one GPU when the engine runs on CUDA (device cuda, or auto on a
+    cluster with GPUs)."""
+    import ray
+
+    gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
+    return {"num_cpus": 1, "num_gpus": 1} if device == "cuda" or (device == "auto" and gpus) else {"num_cpus": 1}
+
+
+def app_builder(args: Mapping[str, Any]) -> Any:
+    """For `serve run` / a Serve config file: args model, replicas, options (a dict of
+    `radixserve serve` options), ray_actor_options, health_check_period_s, health_check_timeout_s."""
+    unknown = sorted(set(args) - set(BUILDER_ARGS))
+    if unknown:
+        raise ValueError(f"unknown radixserve application argument(s): {', '.join(unknown)} (known: {', '.join(BUILDER_ARGS)})")
+    options = dict(args.get("options") or {})
+    if args.get("model") is not None:
+        options["model"] = str(args["model"])
+    hc = {k: float(args[k]) for k in ("health_check_period_s", "health_check_timeout_s") if k in args}
+    return build_app(options, int(args.get("replicas", 2)), ray_actor_options=args.get("ray_actor_options"), **hc)
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    """`radixserve serve --ray`: serve until SIGINT/SIGTERM."""
+    from radixserve.server.serve import check_port
+
+    if args.replicas < 1:
+        raise ValueError(f"replicas: must be a positive integer, got {args.replicas}")
+    options = options_from_args(args)
+    started = connect(args.host, args.replicas, check=lambda: check_port(args.host, args.port))
+    import ray
+    from ray import serve
+
+    stop = _stop_on_signal()  # replaces the handler ray.init installed, which aborts the process on SIGTERM
+    try:
+        app = build_app(options, args.replicas)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        log.info("radixserve ready on Ray Serve at http://%s:%d | %d replicas | router %s", args.host, args.port,
+                 args.replicas, args.router_policy)
+        while not stop.wait(1.0):
+            pass
+        log.info("stopping: the replicas finish their running requests")
+    finally:
+        if started:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)  # a shared cluster: its other applications stay
+    return 0
+
+
+def connect(host: str, replicas: int, check: Any = None) -> bool:
+    """Connect to the cluster (see the module docstring); True when a new local one was started."""
+    address = os.environ.get("RAY_ADDRESS") or ("auto" if _ray_start_address_file().exists() else None)
+    if address is None:
+        if check is not None:
+            check()  # the HTTP port, before anything starts
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if host in LOOPBACK:
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1: nothing else listens
+    import ray
+
+    if address is None:
+        ray.init(num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False)
+    else:
+        ray.init(address=address)
+    log.info("Ray: %s cluster, this node %s", "a new local" if address is None else f"the {address}",
+             ray.util.get_node_ip_address())
+    return address is None
+
+
+def _ray_start_address_file() -> Path:
+    """Where `ray start` leaves the cluster's address (Ray's temp folder: $RAY_TMPDIR, else
+    $TMPDIR on Linux, else /tmp; read before ray is imported, see connect)."""
+    tmp = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
+    return Path(tmp or "/tmp") / "ray" / "ray_current_cluster"
+
+
+def _stop_on_signal() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
