@@ -332,6 +332,7 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
                         RunTarget(app_builder(app_args(tiny_llama, tenants, router_policy="round_robin")), "rr", "/rr")])
         wide = [title for addr, title in listeners(os.getpid()) if addr not in ("127.0.0.1", "::ffff:127.0.0.1")]
         assert len(wide) == 6 and all(t.startswith("ray::ServeReplica:") for t in wide), wide  # see the CLI test
+        assert not list(Path(tempfile.gettempdir()).glob("radixserve-replica-*"))  # each tenants file went once read
         yield Cluster(f"http://127.0.0.1:{port}")
     finally:
         serve.shutdown()

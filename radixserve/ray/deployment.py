@@ -43,10 +43,13 @@ REPLICA_HEADER = "x-radixserve-replica"
 class RadixServeReplica:
     def __init__(self, spec: ReplicaSpec, start_timeout: float = 600.0) -> None:
         self.id = serve.get_replica_context().replica_id.unique_id
-        self._folder = tempfile.mkdtemp(prefix="radixserve-replica-")
-        argv = spec.replica_argv(self._folder)
-        self._admin_key = spec.admin_key(argv)
-        self.server = LocalServer(argv, start_timeout)
+        folder = tempfile.mkdtemp(prefix="radixserve-replica-")
+        try:
+            argv = spec.replica_argv(folder)
+            self._admin_key = spec.admin_key(argv)
+            self.server = LocalServer(argv, start_timeout)
+        finally:  # the server read its tenants file when it started: no key stays on disk, whatever kills the replica
+            shutil.rmtree(folder, ignore_errors=True)
         self._session: aiohttp.ClientSession | None = None
         log.info("radixserve replica %s: server %s (pid %s)", self.id, self.server.url, self.server.pid)
 
@@ -114,12 +117,10 @@ class RadixServeReplica:
 
     def __del__(self) -> None:
         """Serve's graceful shutdown: the server drains (what runs already finished: Serve waits
-        for ongoing requests first), then its folder goes."""
+        for ongoing requests first)."""
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()
-        if getattr(self, "_folder", None):
-            shutil.rmtree(self._folder, ignore_errors=True)
         session = getattr(self, "_session", None)
         if session is not None and not session.closed:
             try:

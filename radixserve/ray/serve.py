@@ -3,8 +3,9 @@
 
 Cluster: RAY_ADDRESS if set, else the cluster `ray start` left its address for on this machine
 (/tmp/ray/ray_current_cluster, as ray.init() looks it up), else a new local one, which with a
-loopback --host binds 127.0.0.1 only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: a one-machine
-cluster, no dashboard, no usage stats). HTTP is Ray's proxy on --host/--port. On SIGINT/SIGTERM
+loopback --host is a one-machine cluster on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; no
+dashboard, no usage stats; Ray Serve 2.60 still binds each replica's inter-deployment gRPC
+server to [::], with no option to change it). HTTP is Ray's proxy on --host/--port. On SIGINT/SIGTERM
 the application is deleted (replicas drain), and a cluster started here is shut down.
 """
 
