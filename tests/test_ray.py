@@ -168,11 +168,12 @@ def test_serve_options_become_radixserve_serve_flags(tmp_path: Path):
             to_argv(bad)
     (tmp_path / "t.toml").write_text(TENANTS)
     spec = ReplicaSpec.from_options({"tenants": str(tmp_path / "t.toml"), "kv_cache_tokens": 8192})
-    folder = tmp_path / "replica"
-    folder.mkdir()
-    argv = spec.replica_argv(str(folder))  # the file travels as bytes, written where the replica runs
-    assert argv[-2:] == ["--tenants", str(folder / "tenants.toml")] and (folder / "tenants.toml").stat().st_mode & 0o777 == 0o600
-    assert spec.admin_key(argv) == ACME
+    assert "--tenants" not in spec.argv and json.loads(spec.tenants)["tenants"][1]["id"] == "globex"  # travels as JSON
+    assert spec.admin_key() == ACME
+    (tmp_path / "bad.toml").write_text("[[tenants]]\nid = 'x'\n")
+    with pytest.raises(ValueError, match="api_key"):  # refused where the app is built, not in each replica
+        ReplicaSpec.from_options({"tenants": str(tmp_path / "bad.toml")})
+    assert ReplicaSpec.from_options({"api_key": "k"}).admin_key() == "k" and ReplicaSpec.from_options({}).admin_key() is None
 
 
 class FakeReplica:
@@ -332,7 +333,6 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
                         RunTarget(app_builder(app_args(tiny_llama, tenants, router_policy="round_robin")), "rr", "/rr")])
         wide = [title for addr, title in listeners(os.getpid()) if addr not in ("127.0.0.1", "::ffff:127.0.0.1")]
         assert len(wide) == 6 and all(t.startswith("ray::ServeReplica:") for t in wide), wide  # see the CLI test
-        assert not list(Path(tempfile.gettempdir()).glob("radixserve-replica-*"))  # each tenants file went once read
         yield Cluster(f"http://127.0.0.1:{port}")
     finally:
         serve.shutdown()

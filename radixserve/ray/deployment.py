@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,13 +41,8 @@ REPLICA_HEADER = "x-radixserve-replica"
 class RadixServeReplica:
     def __init__(self, spec: ReplicaSpec, start_timeout: float = 600.0) -> None:
         self.id = serve.get_replica_context().replica_id.unique_id
-        folder = tempfile.mkdtemp(prefix="radixserve-replica-")
-        try:
-            argv = spec.replica_argv(folder)
-            self._admin_key = spec.admin_key(argv)
-            self.server = LocalServer(argv, start_timeout)
-        finally:  # the server read its tenants file when it started: no key stays on disk, whatever kills the replica
-            shutil.rmtree(folder, ignore_errors=True)
+        self._admin_key = spec.admin_key()
+        self.server = LocalServer(list(spec.argv), start_timeout, spec.tenants)
         self._session: aiohttp.ClientSession | None = None
         log.info("radixserve replica %s: server %s (pid %s)", self.id, self.server.url, self.server.pid)
 

@@ -22,10 +22,11 @@ TAIL_LINES = 40
 
 
 class LocalServer:
-    def __init__(self, argv: list[str], start_timeout: float = 600.0) -> None:
+    def __init__(self, argv: list[str], start_timeout: float = 600.0, tenants: bytes | None = None) -> None:
         """Start `radixserve serve ARGV` and wait until it listens (RuntimeError, with the
-        server's last output, if it exits or times out first)."""
-        self.argv = argv
+        server's last output, if it exits or times out first). `tenants` (a tenants file's
+        JSON) reaches the server through a pipe, as --tenants /dev/fd/N: never on disk."""
+        self.argv, self._tenants = argv, tenants
         self.url: str | None = None
         self.exit_code: int | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -62,14 +63,22 @@ class LocalServer:
     def _keep(self) -> None:
         cmd = [sys.executable, "-m", "radixserve.ray.child", str(os.getpid()), "--log-level", "info", "serve", *self.argv,
                "--host", "127.0.0.1", "--port", "0"]
+        read, write = os.pipe() if self._tenants is not None else (-1, -1)
+        if self._tenants is not None:
+            cmd += ["--tenants", f"/dev/fd/{read}"]  # not .toml: read as JSON
         try:
             proc = self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.STDOUT)
+                                                 stderr=subprocess.STDOUT, pass_fds=[read] if read >= 0 else [])
         except OSError as e:
             self.tail.append(f"cannot start {cmd[0]}: {e}")
             self.exit_code = -1
             self._started.set()
             return
+        finally:
+            if read >= 0:
+                os.close(read)
+        if write >= 0:
+            threading.Thread(target=_feed, args=(write, self._tenants), name="radixserve-replica-tenants", daemon=True).start()
         assert proc.stdout is not None
         for raw in proc.stdout:  # until the server exits (and closes its output)
             line = raw.decode("utf-8", "replace").rstrip()
@@ -80,3 +89,13 @@ class LocalServer:
                 self._started.set()
         self.exit_code = proc.wait()
         self._started.set()
+
+
+def _feed(fd: int, data: bytes) -> None:
+    """Write `data` into the pipe the server reads its tenants from (it may be larger than the
+    pipe's buffer: the server reads it while it starts)."""
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError:  # the server exited first: its output says why
+        pass

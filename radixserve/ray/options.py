@@ -3,17 +3,16 @@ underscores) and back to argv, checked by the real `radixserve serve` parser, so
 exactly the server the same flags would start, and a bad option fails in the driver, not in
 every replica.
 
-`ReplicaSpec` is what each replica is built from. A --tenants file travels in it as bytes (a
-replica may run on another node) and is written to the replica's own folder (mode 0600).
+`ReplicaSpec` is what each replica is built from. A --tenants file is read where the app is
+built and travels in it as JSON (a replica may run on another node); the replica hands it to its
+server through a pipe (local_server.py), so no API key is written to a replica's disk.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 RAY_ONLY = frozenset({"ray", "replicas", "host", "port"})  # the Ray proxy's, not a replica server's
@@ -71,30 +70,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
 @dataclass(frozen=True)
 class ReplicaSpec:
     argv: tuple[str, ...]  # `radixserve serve` flags, --tenants left out
-    tenants: tuple[str, bytes] | None = None  # (file suffix, its bytes)
+    tenants: bytes | None = None  # the --tenants file's tenants, as JSON
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> ReplicaSpec:
-        opts = dict(options)
-        path = opts.pop("tenants", None)
-        tenants = (Path(path).suffix, Path(path).read_bytes()) if path else None
-        return cls(tuple(to_argv(opts)), tenants)
+        """ValueError for a bad option or tenants file (read here, where the app is built)."""
+        import msgspec
 
-    def replica_argv(self, folder: str) -> list[str]:
-        """The flags for a replica whose private files go in `folder`."""
-        if self.tenants is None:
-            return list(self.argv)
-        path = os.path.join(folder, "tenants" + self.tenants[0])
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.tenants[1])
-        return [*self.argv, "--tenants", path]
-
-    def admin_key(self, argv: list[str]) -> str | None:
-        """A key /server_info shows an admin's view to (the KV stats): --api-key's, or the first
-        admin tenant's; None with no keys (everyone is admin then) or no admin tenant."""
         from radixserve.server.auth import Auth
 
-        args = parse(argv)
-        auth = Auth.from_options(args.api_key, args.tenants)
+        opts = dict(options)
+        path = opts.pop("tenants", None)
+        argv = tuple(to_argv(opts))
+        auth = Auth.from_options(parse(list(argv)).api_key, path)
+        tenants = msgspec.json.encode({"tenants": auth.tenants}) if path else None
+        return cls(argv, tenants)
+
+    def admin_key(self) -> str | None:
+        """A key /server_info shows an admin's view to (the KV stats): --api-key's, or the first
+        admin tenant's; None with no keys (everyone is admin then) or no admin tenant."""
+        import msgspec
+
+        from radixserve.server.auth import Auth, Tenant
+
+        tenants = msgspec.json.decode(self.tenants, type=dict[str, list[Tenant]])["tenants"] if self.tenants else None
+        auth = Auth(tenants) if tenants else Auth.from_options(parse(list(self.argv)).api_key, None)
         return next((t.api_key for t in auth.tenants if t.admin), None)

@@ -41,15 +41,13 @@ def build_app(options: Mapping[str, Any] | None = None, replicas: int = 2, *, ra
     from radixserve.ray.deployment import RadixServeReplica
     from radixserve.ray.ingress import RadixServeIngress
     from radixserve.ray.router import PrefixAwareRequestRouter
-    from radixserve.server.auth import Auth
     from radixserve.server.serve import router_config
 
     opts = dict(options or {})
     if replicas < 1:
         raise ValueError(f"replicas: must be a positive integer, got {replicas}")
-    spec = ReplicaSpec.from_options(opts)
+    spec = ReplicaSpec.from_options(opts)  # a bad option or tenants file fails here, not in each replica
     args = parse(list(spec.argv))
-    Auth.from_options(args.api_key, opts.get("tenants"))  # a bad tenants file fails here, not in each replica
     router = router_config(args)
     per_replica = args.max_queued_requests + args.max_running_requests * args.data_parallel  # its server refuses first
     engine = RadixServeReplica.options(
