@@ -190,10 +190,10 @@ class DataParallelEngine(RequestFront):
         try:
             async with aclosing(engine.submit(req, max_backlog=max_backlog)) as deltas:
                 async for d in deltas:
-                    if first and d.finished and engine.dead is not None and d.output is not None and d.output.error:
-                        yield None  # its death failed the request: nothing of it reached the caller
-                        return
                     if d.finished and engine.dead is not None and d.output is not None and d.output.error:
+                        if first:  # its death failed the request: nothing of it reached the caller
+                            yield None
+                            return
                         d.output.error = f"data-parallel replica {i}: {d.output.error}"
                     first = False
                     yield d

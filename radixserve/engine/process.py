@@ -419,7 +419,7 @@ def _child_main(fd: int, spec: str) -> None:
     logging.basicConfig(level=os.environ.get("RADIXSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     args = json.loads(spec)
-    _die_with_parent(args["parent"])
+    die_with_parent(args["parent"])
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <engine pid>` prints every thread's stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles ^C and tells us to stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
@@ -446,11 +446,12 @@ def _child_main(fd: int, spec: str) -> None:
         conn.close()
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Exit as soon as the server process is gone (the socket's EOF covers a clean close).
 
     NOTE: not PR_SET_PDEATHSIG: that fires when the *thread* that spawned us exits, and data-
-    parallel replicas are started and restarted from short-lived threads."""
+    parallel replicas are started and restarted from short-lived threads. Also what a Ray
+    replica's server process runs (radixserve.ray.child)."""
 
     def watch() -> None:
         while os.getppid() == parent:

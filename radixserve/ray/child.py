@@ -1,29 +1,17 @@
 """`python -m radixserve.ray.child PARENT_PID radixserve-args...`: a replica's `radixserve serve`,
-killed when the replica process dies (Linux PR_SET_PDEATHSIG; the server's engine process dies
-with the server in turn). PARENT_PID closes the race with a parent that died before prctl."""
+which exits when the replica process (PARENT_PID) is gone, as an engine process exits with its
+server (engine.process.die_with_parent); the server's engine process dies with it in turn."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 
 
-def die_with_parent(parent_pid: int) -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the replica stops its server on shutdown only
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def main(argv: list[str]) -> int:
-    die_with_parent(int(argv[0]))
+    from radixserve.engine.process import die_with_parent
     from radixserve.server.cli import main as cli_main
 
+    die_with_parent(int(argv[0]))
     return cli_main(argv[1:])
 
 

@@ -1,10 +1,9 @@
 """A replica's own `radixserve serve` on 127.0.0.1 (an ephemeral port), as a child process.
 
-The child is started, and watched, from a thread of its own that lives exactly as long as the
-child: PR_SET_PDEATHSIG fires when the thread that forked a process ends, so the server (and
-its engine process, which dies with the server) is killed when the replica process dies, even
-by SIGKILL (`ray.kill`). Its output goes to the replica's stderr (Ray's replica log); the last
-lines are kept for the error a failed start raises.
+The child exits when the replica process is gone, even by SIGKILL (`ray.kill`): it watches its
+parent's pid (radixserve.ray.child), and its engine process dies with it. It is started and
+watched from a thread of its own; its output goes to the replica's stderr (Ray's replica log),
+and the last lines are kept for the error a failed start raises.
 """
 
 from __future__ import annotations

@@ -101,6 +101,13 @@ def gateway_gauges(s: EngineStats) -> dict[str, tuple[str, float]]:
     }
 
 
+PER_REPLICA = {  # name -> (help, the gateway gauge it is of one replica)
+    "radixserve_replica_waiting_requests": ("one data-parallel replica's num_requests_waiting", "num_requests_waiting"),
+    "radixserve_replica_running_requests": ("one data-parallel replica's num_requests_running", "num_requests_running"),
+    "radixserve_replica_kv_cache_usage_perc": ("one data-parallel replica's kv_cache_usage_perc", "kv_cache_usage_perc"),
+}
+
+
 class _GatewayCollector(Collector):
     """The gateway gauges of the pod (from the aggregate snapshot: the healthy replicas' sum),
     under each namespace asked for, and each data-parallel replica's, labelled by its index."""
@@ -112,15 +119,10 @@ class _GatewayCollector(Collector):
         for name, (doc, value) in gateway_gauges(self.snapshot()).items():
             for ns in self.namespaces:
                 yield GaugeMetricFamily(f"{ns}:{name}", doc, value=value)
-        per_replica = {
-            "radixserve_replica_waiting_requests": ("one data-parallel replica's num_requests_waiting", "num_requests_waiting"),
-            "radixserve_replica_running_requests": ("one data-parallel replica's num_requests_running", "num_requests_running"),
-            "radixserve_replica_kv_cache_usage_perc": ("one data-parallel replica's kv_cache_usage_perc", "kv_cache_usage_perc"),
-        }
-        families = {name: GaugeMetricFamily(name, doc, labels=["replica"]) for name, (doc, _) in per_replica.items()}
+        families = {name: GaugeMetricFamily(name, doc, labels=["replica"]) for name, (doc, _) in PER_REPLICA.items()}
         for i, s in enumerate(self.replicas()):
             gauges = gateway_gauges(s)
-            for name, (_, key) in per_replica.items():
+            for name, (_, key) in PER_REPLICA.items():
                 families[name].add_metric([str(i)], gauges[key][1])
         yield from families.values()
 
