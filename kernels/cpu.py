@@ -1,28 +1,28 @@
-"""radixserve's native CPU kernels (csrc/cpu_ops.cpp), built on first use and cached.
+"""radixserve's native CPU kernels (csrc/), one build per instruction set, the best one chosen at
+run time.
 
-The ops, each with the torch reference it is tested against (tests/test_cpu_kernels.py):
+The sources are one file per op family over one vector layer (csrc/vec.h):
 
-    decode_attention(q, k_pool, v_pool, out, lse, q_rows, table, seq_lens, scale)
-                                        kernels.decode_attention.decode_attention_ref
-    rms_norm(x, residual, weight, eps)  F.rms_norm (after x + residual)
-    rope_(q, k, cos, sin)               radixserve.models.layers.apply_rope
-    silu_and_mul(x)                     F.silu(x[..., :n]) * x[..., n:]
-    store_kv(k_pool, v_pool, slots, k, v)
-                                        kernels.store_kv.store_kv_ref
-    decode_attention_quant(q, k_pool, v_pool, k_scale, v_scale, out, lse, q_rows, table, seq_lens, scale)
-                                        decode_attention_ref (given the scales)
-    store_kv_quant(k_pool, v_pool, k_scale, v_scale, slots, k, v)
-                                        kernels.store_kv.store_kv_quant_ref
-    pack_linear(w), linear(x, packed, n, bias, float_out), linear_supports(w)
-                                        F.linear
-    decode_layers(...)                  the same ops called layer by layer
-                                        (radixserve.models.llama.FusedDecode)
+    attention.cpp      decode_attention, decode_attention_quant      kernels.decode_attention.decode_attention_ref
+    kv_store.cpp       store_kv, store_kv_quant                      kernels.store_kv.store_kv_ref / store_kv_quant_ref
+    norm_rope_act.cpp  rms_norm, rope_, silu_and_mul                 F.rms_norm, models.layers.apply_rope, F.silu * up
+    linear.cpp         pack_linear, linear, linear_supports          F.linear
+    quant_linear.cpp   pack_quant, dequant_quant, qlinear            gguf-py, kernels.quant_matmul.dequant_ref
+    kquant_linear.cpp  (the same, for Q5_0/Q5_1/Q4_K/Q5_K/Q6_K)     gguf-py, tests/test_quant.py reference_qlinear
+    decode_step.cpp    decode_layers                                 the same ops layer by layer (models.llama.FusedDecode)
+    ops.cpp            the module (and `isa()`, the build's name)
 
-`ops()` returns the built module, or None where it cannot be had: not on a CPU with a C++
-compiler, or RADIXSERVE_CPU_KERNELS=0 (then callers use the torch ops). The build (about
-half a minute on two cores) happens once per source, flags, torch, Python and CPU, into
-~/.cache/radixserve/kernels or $RADIXSERVE_KERNEL_CACHE; `-march=native`, since it is built
-on the machine that runs it.
+Instruction sets (`ISAS`, best first): `avx512` (AVX-512 F/BW/DQ/VL, plus VNNI and BF16 where the
+CPU has them), `avx2` (AVX2 + FMA + F16C: every x86-64 CPU of the last decade), `generic`
+(portable C++, any CPU). `ops()` loads the best one this CPU runs, or the one named by
+RADIXSERVE_CPU_ISA (`avx2` on an AVX-512 machine measures the AVX2 kernels there); a log line
+names it. `ops_for(isa)` loads any other one this CPU runs (the tests compare them).
+
+Builds are made by `python -m kernels.cpu` at install time (scripts/setup.sh builds every
+variant this CPU runs, about a minute each on two cores) into ~/.cache/radixserve/kernels or
+$RADIXSERVE_KERNEL_CACHE, keyed by the sources, the flags, torch and Python; a missing build is
+made at first use instead (with a log line saying so). `ops()` is None where no build can be
+had (no C++ compiler) or with RADIXSERVE_CPU_KERNELS=0: callers then use the torch ops.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -41,27 +41,90 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+CSRC = Path(__file__).with_name("csrc")
+BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+ISAS = ("avx512", "avx2", "generic")  # best first
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 _enabled = os.environ.get("RADIXSERVE_CPU_KERNELS", "1") not in ("0", "false", "no")
+_isa: str | None = None  # set_isa's choice, over RADIXSERVE_CPU_ISA
 
 
 def enabled() -> bool:
     return _enabled
 
 
+def set_enabled(on: bool) -> None:
+    """Switch the kernels on or off for this process (`--disable-cpu-kernels`)."""
+    global _enabled
+    _enabled = on
+
+
+def set_isa(isa: str | None) -> None:
+    """Use this build for the rest of the process (None: back to RADIXSERVE_CPU_ISA / the best)."""
+    global _isa
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
+    _isa = isa
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def runnable_isas(flags: set[str] | None = None) -> list[str]:
+    """The builds this CPU can run, best first."""
+    flags = cpu_flags() if flags is None else flags
+    out = []
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"} <= flags:
+        out.append("avx512")
+    if {"avx2", "fma", "f16c"} <= flags:
+        out.append("avx2")
+    return out + ["generic"]
+
+
+def isa_flags(isa: str, flags: set[str] | None = None) -> list[str]:
+    """The compiler flags of one build: the instruction set, and for avx512 the extensions
+    (VNNI, BF16) this CPU has."""
+    flags = cpu_flags() if flags is None else flags
+    if isa == "avx2":
+        return _AVX2
+    if isa == "avx512":
+        extra = [f for f, name in (("-mavx512vnni", "avx512_vnni"), ("-mavx512bf16", "avx512_bf16")) if name in flags]
+        return _AVX2 + _AVX512 + extra
+    if isa == "generic":
+        return []
+    raise ValueError(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
+
+
+def chosen_isa() -> str:
+    """set_isa's or RADIXSERVE_CPU_ISA's build if this CPU runs it (else a warning), otherwise
+    the best it runs."""
+    runnable = runnable_isas()
+    want = _isa or os.environ.get("RADIXSERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    if want == "auto":
+        return runnable[0]
+    if want not in ISAS:
+        log.warning("RADIXSERVE_CPU_ISA=%s is not one of auto, %s; using %s", want, ", ".join(ISAS), runnable[0])
+        return runnable[0]
+    if want not in runnable:
+        log.warning("RADIXSERVE_CPU_ISA=%s: this CPU cannot run it; using %s", want, runnable[0])
+        return runnable[0]
+    return want
+
+
 def ops() -> ModuleType | None:
-    """The built kernels, or None (see the module docstring). Builds on the first call."""
+    """The built kernels for `chosen_isa()`, or None (see the module docstring)."""
     if not enabled():
         return None
-    if "mod" not in _state:
-        with _lock:
-            if "mod" not in _state:
-                _state["mod"] = _build()
-    return _state["mod"]
+    return ops_for(chosen_isa())
 
 
 def native_for(x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
@@ -74,41 +137,73 @@ def native_for(x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
     return ops()
 
 
-def set_enabled(on: bool) -> None:
-    """Switch the kernels on or off for this process (`--disable-cpu-kernels`)."""
-    global _enabled
-    _enabled = on
+def ops_for(isa: str) -> ModuleType | None:
+    """One build (made now if it is not cached), or None if it cannot be had."""
+    if isa not in _state:
+        with _lock:
+            if isa not in _state:
+                _state[isa] = _build(isa)
+    return _state[isa]
 
 
-def build_dir() -> Path:
-    """One build per source, flags, torch, Python and CPU (-march=native code is the CPU's)."""
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), sys.version.encode(), _cpu_id()]
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def build_dir(isa: str) -> Path:
+    """One build per sources, flags, torch and Python (the flags say which instructions it uses)."""
+    files = sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])
+    parts = [p.name.encode() + b"\0" + p.read_bytes() for p in files]
+    parts += [" ".join(BASE_FLAGS + isa_flags(isa)).encode(), torch.__version__.encode(), sys.version.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("RADIXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "radixserve" / "kernels")
-    return root / key
+    return root / f"{isa}-{key}"
 
 
-def _cpu_id() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return b"".join(line for line in f if line.startswith((b"model name", b"flags")))
-    except OSError:
-        return platform.processor().encode()
-
-
-def _build() -> ModuleType | None:
+def _build(isa: str) -> ModuleType | None:
+    if isa not in runnable_isas():
+        log.warning("radixserve's %s CPU kernels cannot run on this CPU", isa)
+        return None
     try:
         from torch.utils import cpp_extension
 
         scripts = str(Path(sys.executable).parent)  # a venv's ninja, when the venv is not activated
         if shutil.which("ninja") is None and scripts not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        where = build_dir()
+        where = build_dir(isa)
         where.mkdir(parents=True, exist_ok=True)
-        if not any(where.glob("*.so")):
-            log.info("building radixserve's CPU kernels into %s (once; about half a minute)", where)
-        return cpp_extension.load(name="radixserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+        cold = not any(where.glob("*.so"))
+        if cold:
+            log.info("building radixserve's %s CPU kernels into %s (once; `python -m kernels.cpu` does it at install)", isa, where)
+        t0 = time.perf_counter()
+        mod = cpp_extension.load(name=f"radixserve_cpu_ops_{isa}", sources=[str(s) for s in sources()],
+                                 extra_cflags=BASE_FLAGS + isa_flags(isa), extra_include_paths=[str(CSRC)],
+                                 extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+        log.info("radixserve CPU kernels: %s (%s)%s", mod.isa(), "built in %.0f s" % (time.perf_counter() - t0) if cold else "cached",
+                 "" if isa == runnable_isas()[0] else f"; this CPU also runs {runnable_isas()[0]}")
+        return mod
     except Exception as e:  # no compiler, no ninja, a failed build: the torch ops still work
-        log.warning("radixserve's CPU kernels are not available (%s); using torch ops", str(e).splitlines()[0] if str(e) else repr(e))
+        log.warning("radixserve's %s CPU kernels are not available (%s); using torch ops", isa,
+                    str(e).splitlines()[0] if str(e) else repr(e))
         return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kernels.cpu [ISA ...]`: build the kernels (by default every variant this CPU
+    runs, best first) so that no server start pays for it."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kernels.cpu", description=main.__doc__)
+    p.add_argument("isas", nargs="*", help=f"which builds (default: every one this CPU runs; of {', '.join(ISAS)})")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    failed = 0
+    for isa in args.isas or runnable_isas():
+        mod = ops_for(isa)
+        print(f"{isa}: {mod.isa() if mod else 'FAILED'} in {build_dir(isa)}")
+        failed += mod is None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

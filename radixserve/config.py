@@ -42,10 +42,11 @@ class ModelConfig:
                                 "else float32 (float32 for quantized weights on a CPU)", DTYPES)
     device: str = option("auto", "device to run on: auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     context_length: int | None = option(None, "cap on the context window, below the model's own; unset: the model's")
-    # auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights as they are (the default model: Q4_1), a folder as it is |
-    # none: every weight in --dtype | int8 | int4: float weights quantized at load (models/loader.py)
-    quantization: str = option("auto", "weight quantization; auto: as stored (GGUF Q4_0/Q4_1/Q8_0 kept), none: every "
-                                       "weight in --dtype, int8/int4: float weights quantized at load", QUANTIZATIONS)
+    # auto: a GGUF file's quantized weights as they are (the default model: Q4_1; models.quant.FORMATS), a folder as
+    # it is | none: every weight in --dtype | int8 | int4: float weights quantized at load (models/loader.py)
+    quantization: str = option("auto", "weight quantization; auto: as stored (GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
+                                       "kept), none: every weight in --dtype, int8/int4: float weights quantized at load",
+                               QUANTIZATIONS)
     disable_packed_linears: bool = option(False, "CPU: keep plain torch linears (no oneDNN-packed copy of the weights)")
     disable_cpu_kernels: bool = option(False, "CPU: use torch ops instead of radixserve's native kernels (kernels/cpu.py)")
 

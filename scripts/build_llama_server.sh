@@ -5,8 +5,19 @@
 #
 #   bash scripts/build_llama_server.sh [CACHE_DIR]   # default ~/.cache/radixserve/peer
 #
-# About 10 minutes on 2 idle cores.  AMX is off on purpose: with native flags
-# llama.cpp's AMX Q4_1 kernel dies with an illegal instruction on these machines.
+# About 10 minutes on 2 idle cores.  The build is native (-DGGML_NATIVE=ON, i.e.
+# -march=native), so it is only valid on the CPU class it was built on: an
+# explicit -DGGML_AVX512=ON build, for instance, dies with an illegal instruction
+# on an AVX2-only CPU.  So each build lives in its own directory keyed by the
+# CPU's flags (build-<first 12 hex of sha256 of /proc/cpuinfo's 'flags' line>,
+# i.e. `grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12`);
+# a cache carried to another CPU class builds afresh instead of crashing, and
+# $CACHE/llama-server and $CACHE/llama-bench point at this CPU's build.
+# AMX is off on purpose: llama.cpp's AMX Q4_1 kernel dies with an illegal
+# instruction on these machines.  With GGML_NATIVE=ON llama.cpp ignores the
+# GGML_AMX_* options (-march=native turns AMX on wherever the CPU reports it), so
+# AMX is also switched off with -mno-amx-* compiler flags, which gcc (12, checked)
+# applies after its -march=native expansion.
 set -euo pipefail
 CACHE="${1:-$HOME/.cache/radixserve/peer}"
 VERSION=0.3.36
@@ -18,19 +29,28 @@ if [ ! -d "llama_cpp_python-$VERSION" ]; then
   tar xzf "llama_cpp_python-$VERSION.tar.gz"
 fi
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
-if [ ! -x "$SRC/build/bin/llama-server" ] || [ ! -x "$SRC/build/bin/llama-quantize" ]; then
-  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+CPU_FLAGS="$(grep -m1 '^flags' /proc/cpuinfo || true)"
+[ -n "$CPU_FLAGS" ] || CPU_FLAGS="$(uname -m) $(grep -m1 '^Features' /proc/cpuinfo || true)"
+CPU_KEY="$(echo "$CPU_FLAGS" | sha256sum | cut -c1-12)"
+BUILD="$SRC/build-$CPU_KEY"
+NO_AMX=""
+[ "$(uname -m)" != x86_64 ] || NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-quantize" ] \
+    || [ ! -x "$BUILD/bin/llama-bench" ]; then
+  echo "building llama.cpp natively for this CPU in $BUILD"
+  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-  cmake --build "$SRC/build" -j "$(nproc)" --target llama-server llama-quantize llama-bench
+  cmake --build "$BUILD" -j "$(nproc)" --target llama-server llama-quantize llama-bench
 fi
-ln -sf "$SRC/build/bin/llama-server" "$CACHE/llama-server"
-ln -sf "$SRC/build/bin/llama-bench" "$CACHE/llama-bench"
+ln -sfn "$BUILD/bin/llama-server" "$CACHE/llama-server"
+ln -sfn "$BUILD/bin/llama-bench" "$CACHE/llama-bench"
+"$CACHE/llama-server" --version
 GGUF="$("$PY" -c 'from radixserve.models.gguf import default_gguf; print(default_gguf())')"
 for T in F32 BF16; do
   OUT="$CACHE/SmolLM2-135M-Instruct.$T.gguf"
-  [ -f "$OUT" ] || "$SRC/build/bin/llama-quantize" --allow-requantize "$GGUF" "$OUT" "$T"
+  [ -f "$OUT" ] || "$BUILD/bin/llama-quantize" --allow-requantize "$GGUF" "$OUT" "$T"
 done
 echo "llama-server: $CACHE/llama-server"
 ls -la "$CACHE"/*.gguf

@@ -1,8 +1,13 @@
-"""Greedy agreement of the default model served from its own Q4_1 weights (`--quantization
+"""Greedy agreement of a GGUF model served from its own quantized blocks (`--quantization
 auto`) against the same file dequantized to fp32 (`--quantization none --dtype float32`): 32
 chat prompts x 64 tokens; and the resident memory the quantized weights take, against the file.
 
-    .venv/bin/python scripts/quant_check.py [--tokens 64] [--dtype auto] [--quantization auto] [--against none]
+    .venv/bin/python scripts/quant_check.py [--model FILE.gguf] [--tokens 64] [--dtype auto] [--quantization auto]
+        [--against none]
+
+--model: the default model (SmolLM2's Q4_1 file) unless given, e.g. the Qwen2.5-Coder-1.5B Q4_K_M
+file of scripts/fetch_real_model.sh. (The reference converts the file once to fp32 safetensors
+in the radixserve cache: 4 bytes a weight on disk.)
 
 (`--quantization none --dtype bfloat16` measures what bf16 activations alone change.)
 
@@ -50,7 +55,7 @@ def rss_mib() -> tuple[float, float]:
     return out["RssAnon"], out["RssFile"]
 
 
-def weight_rss(quantization: str) -> tuple[float, float]:
+def weight_rss(model: str | None, quantization: str) -> tuple[float, float]:
     """The resident memory one load of the default model's weights adds to this process (MiB):
     anonymous (the weights themselves) and file-backed (library code paged in by the load's first
     torch calls; the GGUF file is not mapped once loaded). The tokenizer, kernels and
@@ -63,10 +68,10 @@ def weight_rss(quantization: str) -> tuple[float, float]:
     from radixserve.models.loader import load_model, load_tokenizer, model_dir
 
     cpu.ops()
-    load_tokenizer(model_dir(None, quantization))
+    load_tokenizer(model_dir(model, quantization))
     gc.collect()
     before = rss_mib()
-    loaded = load_model(None, torch.float32, torch.device("cpu"), quantization)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)
     gc.collect()
     after = rss_mib()
     del loaded
@@ -75,22 +80,25 @@ def weight_rss(quantization: str) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a .gguf file (default: the default model's)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--dtype", default="auto", help="the candidate's activation dtype (auto: fp32 for quantized weights)")
     p.add_argument("--quantization", default="auto", help="the candidate's --quantization (auto: the file's Q4_1)")
     p.add_argument("--against", default="none", help="the reference's --quantization (none: dequantized fp32)")
     args = p.parse_args()
     if args.quantization == "auto":
+        from pathlib import Path
+
         from radixserve.models.gguf import default_gguf
 
-        size = default_gguf().stat().st_size / 2**20
-        anon, code = weight_rss("auto")
+        size = Path(args.model or default_gguf()).stat().st_size / 2**20
+        anon, code = weight_rss(args.model, "auto")
         print(f"weights' resident memory: {anon:.1f} MiB for a {size:.1f} MiB GGUF file ({anon / size:.2f}x); "
               f"library code paged in by the load: {code:.1f} MiB more")
     runs = {}
     for name, kw in (("candidate", dict(quantization=args.quantization, dtype=args.dtype)),
                      ("reference", dict(quantization=args.against, dtype="float32"))):
-        with Engine(None, kv_cache_tokens=len(PROMPTS) * (args.tokens + 64) + 512, **kw) as engine:
+        with Engine(args.model, kv_cache_tokens=len(PROMPTS) * (args.tokens + 64) + 512, **kw) as engine:
             runs[name] = greedy(engine, args.tokens)
             print(f"{name}: {kw}, weights {weight_bytes(engine.runner.model) / 2**20:.1f} MiB ({engine.quantization})")
     agree = []

@@ -33,21 +33,34 @@ _import_triton_for_the_interpreter()
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
-    """radixserve's CPU kernels are built once, before any test (a cold build takes ~30 s:
-    paid here, not inside a server start that a test waits for)."""
+    """radixserve's CPU kernels are built before any test (scripts/setup.sh builds them at
+    install; a cold build is paid here, not inside a server start that a test waits for)."""
     from kernels import cpu
 
-    cpu.ops()
+    for isa in cpu.runnable_isas():
+        cpu.ops_for(isa)
 
 
-@pytest.fixture(scope="session")
-def ops():
-    """The built CPU kernels; a failed build fails the tests that need them (never a skip)."""
+def _isas() -> tuple[str, ...]:
     from kernels import cpu
 
-    mod = cpu.ops()
-    assert mod is not None, "the CPU kernels did not build (see the warning logged by kernels.cpu)"
-    return mod
+    return cpu.ISAS
+
+
+@pytest.fixture(params=_isas())
+def ops(request):
+    """Each build of the CPU kernels this CPU runs (avx512, avx2, generic), chosen for the test's
+    duration so the dispatchers (kernels.decode_attention, models.layers...) use it too; a
+    build this CPU cannot run is skipped with the reason, a failed build fails the test."""
+    from kernels import cpu
+
+    if request.param not in cpu.runnable_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    mod = cpu.ops_for(request.param)
+    assert mod is not None, f"the {request.param} CPU kernels did not build (see the warning logged by kernels.cpu)"
+    cpu.set_isa(request.param)
+    yield mod
+    cpu.set_isa(None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -49,7 +49,7 @@ def test_tied_and_untied_heads_load(tiny_models):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_linears_compute_what_plain_linears_compute_at_every_row_count(dtype):
+def test_packed_linears_compute_what_plain_linears_compute_at_every_row_count(ops, dtype):
     """Decode rows take the oneDNN-packed weights, bf16 prefill chunks fp32 on the fly: each
     path against F.linear in fp32 on fresh random inputs, with and without a bias."""
     from torch import nn
@@ -84,7 +84,7 @@ def test_the_engine_packs_its_linears_unless_told_not_to(tiny_llama):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama, page_size):
+def test_the_native_cpu_kernels_generate_what_torch_ops_do(ops, tiny_llama, page_size):
     """fp32 greedy, token for token, with radixserve's CPU kernels and with torch's ops; the two
     branches off the cached prompt decode as a fork group (its shared-prefix pass); slots
     handed out one by one or in pages of 4."""
@@ -107,7 +107,7 @@ def test_the_native_cpu_kernels_generate_what_torch_ops_do(tiny_llama, page_size
 
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "fp8_e4m3"),
                                       ("float32", "fp8_e4m3")])
-def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(tiny_llama, dtype, kv):
+def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(ops, tiny_llama, dtype, kv):
     """The same kernels in one native call or called layer by layer from Python: the same
     tokens and logprobs, in both dtypes, over float and int8 / fp8 pools (a batch of three
     unrelated prompts: a fork group's steps take the per-layer path either way)."""

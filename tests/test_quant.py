@@ -1,6 +1,7 @@
-"""Quantized weights (models/quant.py, kernels/csrc/cpu_ops.cpp pack_quant / dequant_quant /
-qlinear): every kernel against a torch reference on fresh random inputs, the GGUF reader
-against gguf-py, and the served models against their dequantized selves."""
+"""Quantized weights (models/quant.py; kernels/csrc/quant_linear.cpp and kquant_linear.cpp:
+pack_quant / dequant_quant / qlinear): every kernel of every kind on every build this CPU runs
+against a torch reference on fresh random inputs, the GGUF reader against gguf-py, and the
+served models against their dequantized selves."""
 
 from __future__ import annotations
 
@@ -16,15 +17,40 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
 
-QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
+QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}  # also on CUDA (kernels/quant_matmul.py)
+KINDS = {**QTYPES, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
 SHAPES = [(1, 32), (37, 64), (100, 96), (16, 576), (33, 160)]  # odd output counts: partial panels
+K_SHAPES = [(1, 256), (37, 512), (16, 768), (33, 256)]  # super-blocks of 256
+
+
+KIND_SHAPES = [(kind, n, k) for kind in KINDS for n, k in (K_SHAPES if kind.endswith("_k") else SHAPES)]
+
+
+# where each kind keeps its fp16 scales, in bytes of its block: random blocks get sane ones
+_FP16_AT = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def random_blocks(qt: QT, n: int, k: int, rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
+    """Valid blocks of a type gguf-py cannot quantize to (the K-quants): random values and
+    sub-block scales, fp16 super-block scales near `scale`."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+    for at in _FP16_AT[qt]:
+        d = (scale * (0.5 + rng.random((n, k // block)))).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
 
 
 def gguf_blocks(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random weights quantized by gguf-py: (raw blocks, gguf-py's dequantized fp32)."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    raw = quants.quantize(w, QTYPES[kind])
-    return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, QTYPES[kind]).reshape(n, k).copy())
+    """Random weights in GGUF blocks of `kind` (quantized by gguf-py where it can, else random
+    valid blocks): (raw blocks, gguf-py's dequantized fp32)."""
+    rng = np.random.default_rng(seed)
+    qt = KINDS[kind]
+    if qt in _FP16_AT:
+        raw = random_blocks(qt, n, k, rng)
+    else:
+        raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qt)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, qt).reshape(n, k).copy())
 
 
 def reference_qlinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -37,19 +63,21 @@ def reference_qlinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return xq.view(m, -1)[:, :k] @ w.double().T
 
 
-@pytest.mark.parametrize("kind", list(QTYPES))
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind,n,k", KIND_SHAPES)
 def test_pack_then_dequantize_reproduces_gguf_py_bit_for_bit(ops, kind, n, k):
     raw, ref = gguf_blocks(kind, n, k, seed=n * 1000 + k)
     packed = ops.pack_quant(raw, kind, n, k)
+    assert packed.shape == quant.packed_shape(kind, n, k)
     assert torch.equal(ops.dequant_quant(packed, n, k, None), ref)
-    assert torch.equal(quant.dequant_ref(packed, n, k), ref)  # the torch path, for devices without the kernels
+    if kind in QTYPES:
+        assert torch.equal(quant.dequant_ref(packed, n, k), ref)  # the torch path, for devices without the kernels
     rows = torch.tensor([n - 1, 0, n // 2, n - 1])
     assert torch.equal(ops.dequant_quant(packed, n, k, rows), ref[rows])
+    file_bytes = raw.numel()
+    assert file_bytes <= packed.numel() <= 1.03 * file_bytes + 16 * 2368 * k // 32  # the file's size (+ a ragged panel)
 
 
-@pytest.mark.parametrize("kind", list(QTYPES))
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind,n,k", KIND_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64])
 def test_qlinear_is_the_dot_product_with_16_bit_activations(ops, kind, n, k, m):
     raw, w = gguf_blocks(kind, n, k, seed=m + n + k)
@@ -57,7 +85,7 @@ def test_qlinear_is_the_dot_product_with_16_bit_activations(ops, kind, n, k, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * n))
     ref = reference_qlinear(x, w)
     scale = ref.abs().max().item() + 1e-6
-    for generic in (False, True):  # the AVX512-VNNI path and the portable one
+    for generic in (False, True):  # the build's vector path and the portable one
         y = ops.qlinear(x, packed, n, None, False, generic)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert (y.double() - ref).abs().max().item() <= 2e-5 * scale
@@ -65,9 +93,29 @@ def test_qlinear_is_the_dot_product_with_16_bit_activations(ops, kind, n, k, m):
     assert (y.double() - exact).abs().max().item() <= 1e-3 * scale
 
 
-@pytest.mark.parametrize("kind", list(QTYPES))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(kind):
+    """The AVX-512 VNNI tile (vpdpbusd) and the AVX2 one (vpmaddubsw + vpmaddwd) sum the same
+    integers and combine them in the same order: the same output bit for bit (and for the 5/6-bit
+    and K-quant kinds, the portable path too: it does the same fused multiply-adds)."""
+    from kernels import cpu
+
+    builds = [cpu.ops_for(isa) for isa in cpu.runnable_isas() if isa != "generic"]
+    if len(builds) < 2:
+        pytest.skip(f"this CPU runs one vector build only ({cpu.runnable_isas()[0]})")
+    n, k = 70, 256 * 3
+    raw, _ = gguf_blocks(kind, n, k, seed=11)
+    for m in (1, 3, 4, 9):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ys = [b.qlinear(x, b.pack_quant(raw, kind, n, k), n, None, True, False) for b in builds]
+        if kind not in QTYPES:
+            ys.append(builds[0].qlinear(x, builds[0].pack_quant(raw, kind, n, k), n, None, True, True))
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), m
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_qlinear_takes_bf16_a_bias_and_returns_fp32_logits_when_asked(ops, kind):
-    n, k, m = 50, 96, 3
+    n, k, m = 50, 256 if kind.endswith("_k") else 96, 3
     raw, w = gguf_blocks(kind, n, k, seed=7)
     packed = ops.pack_quant(raw, kind, n, k)
     x = torch.randn(m, k).bfloat16()
@@ -81,8 +129,10 @@ def test_qlinear_takes_bf16_a_bias_and_returns_fp32_logits_when_asked(ops, kind)
 
 def test_the_kernels_refuse_what_they_cannot_run(ops):
     raw, _ = gguf_blocks("q4_1", 16, 64, seed=1)
-    with pytest.raises(RuntimeError, match="kind must be q4_0, q4_1 or q8_0"):
-        ops.pack_quant(raw, "q5_0", 16, 64)
+    with pytest.raises(RuntimeError, match="kind must be q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k or q6_k"):
+        ops.pack_quant(raw, "q2_k", 16, 64)
+    with pytest.raises(RuntimeError, match="multiple of 256 for q4_k"):
+        ops.pack_quant(raw, "q4_k", 16, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.pack_quant(raw, "q4_1", 16, 48)
     with pytest.raises(RuntimeError, match="rows of 2 q4_1 blocks"):
@@ -137,8 +187,9 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _write_tiny_gguf(path, folder, kinds: dict[str, str]) -> dict[str, torch.Tensor]:
     """The tiny Llama's weights as a GGUF file: linears in the given GGUF types (q/k rows
-    permuted as llama.cpp stores them), the rest F32. Returns the weights it stands for (the
-    dequantized values, under Hugging Face names)."""
+    permuted as llama.cpp stores them; the K-quants random blocks, not the folder's weights),
+    the rest F32. Returns the weights it stands for (the dequantized values, under Hugging Face
+    names)."""
     import json
 
     from safetensors.torch import load_file
@@ -157,8 +208,12 @@ def _write_tiny_gguf(path, folder, kinds: dict[str, str]) -> dict[str, torch.Ten
             meant[hf] = torch.from_numpy(arr)
             w.add_tensor(name, arr)
             continue
-        raw = quants.quantize(arr, getattr(QT, kind.upper()))
-        meant[hf] = torch.from_numpy(quants.dequantize(raw, getattr(QT, kind.upper())).reshape(arr.shape).copy())
+        qt = getattr(QT, kind.upper())
+        if qt in _FP16_AT:  # no quantizer in gguf-py: random blocks of about the weight's size
+            raw = random_blocks(qt, *arr.shape, np.random.default_rng(len(meant)), scale=5e-4)
+        else:
+            raw = quants.quantize(arr, qt)
+        meant[hf] = torch.from_numpy(quants.dequantize(raw, qt).reshape(arr.shape).copy())
         if ".attn_q." in name or ".attn_k." in name:
             heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             raw = _llama_permute(raw, heads)
@@ -194,17 +249,17 @@ def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(op
 
     path = tmp_path / "tiny.gguf"
     kinds = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": "q4_0", "ffn_gate": "q8_0",
-             "ffn_up": "q8_0", "ffn_down": "q5_0", "token_embd": embed_kind}  # q5_0: not native, dequantized
+             "ffn_up": "q8_0", "ffn_down": "mxfp4", "token_embd": embed_kind}  # mxfp4: not native, dequantized
     meant = _write_tiny_gguf(path, tiny_llama, kinds)
     cfg = json.loads((tiny_llama / "config.json").read_text())
     arch = ArchConfig.from_hf(cfg)
     model = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg)).eval()
-    assert "Q5_0 tensors are dequantized to float" in caplog.text
-    expected = {"q4_1": 2, "q4_0": 2, "q8_0": 2}  # per layer: qkv, o, gate_up (down is the q5_0 one)
+    assert "MXFP4 tensors are dequantized to float" in caplog.text
+    expected = {"q4_1": 2, "q4_0": 2, "q8_0": 2}  # per layer: qkv, o, gate_up (down is the mxfp4 one)
     expected[embed_kind] += 2  # the embedding, and the head tied to it
     assert quant.describe(model) == expected
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, quant.QuantLinear)
-    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the q5_0 one
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the mxfp4 one
     assert model.lm_head.packed is model.model.embed_tokens.packed  # tied: one copy of the blocks
     ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
     long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
@@ -212,6 +267,59 @@ def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(op
     short = long_prompt[:9]
     err = (_logits(model, short) - _logits(ref, short)).abs().max().item()
     assert err < 1e-3  # few rows: the integer kernel
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tiny_llama, tmp_path_factory):
+    """The tiny Llama's tokenizer on a model 256 wide (K-quant rows are super-blocks of 256)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("wide")
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    (d / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(d)), dtype=torch.float32).save_pretrained(str(d))
+    (d / "config.json").write_text(json.dumps(cfg))
+    for f in tiny_llama.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (d / f.name).write_bytes(f.read_bytes())
+    return d
+
+
+def test_a_gguf_file_of_k_quants_is_served_from_its_blocks_as_its_dequantized_weights_are(ops, wide_llama, tmp_path):
+    """Every kind of a Q4_K_M / Q5_K_M file at once: q and k in Q4_K beside v in Q6_K (a fused
+    q/k/v of mixed kinds: each part on its own blocks), Q5_K, Q5_0 / Q5_1 and a Q6_K embedding
+    tied to the head; held at the file's size, prefill exactly the dequantized model's numbers."""
+    import json
+
+    from radixserve.models.config import ArchConfig
+    from radixserve.models.gguf import read_tensors
+    from radixserve.models.loader import _build
+
+    path = tmp_path / "wide.gguf"
+    kinds = {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q6_k", "attn_output": "q5_k", "ffn_gate": "q5_0",
+             "ffn_up": "q5_0", "ffn_down": "q5_1", "token_embd": "q6_k"}
+    meant = _write_tiny_gguf(path, wide_llama, kinds)
+    cfg = json.loads((wide_llama / "config.json").read_text())
+    arch = ArchConfig.from_hf(cfg)
+    model = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg)).eval()
+    layers = cfg["num_hidden_layers"]
+    assert quant.describe(model) == {"q4_k": 2 * layers, "q6_k": layers + 2, "q5_k": layers, "q5_0": layers, "q5_1": layers}
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, quant.SplitQuantLinear)
+    assert model.lm_head.packed is model.model.embed_tokens.packed
+    reader = gguf.GGUFReader(str(path))
+    quantized_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name != "F32")
+    packed_bytes = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
+    assert quantized_bytes <= packed_bytes <= 1.03 * quantized_bytes  # the file's size, not fp32's 7x
+    ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
+    long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
+    assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))  # prefill: exactly the same numbers
+    short = long_prompt[:9]
+    theirs = _logits(ref, short)
+    assert (_logits(model, short) - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()  # few rows: integers
 
 
 def test_quantization_int8_and_int4_serve_a_float_checkpoint_as_its_quantized_values(ops, tiny_llama):

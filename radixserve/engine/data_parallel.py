@@ -90,7 +90,8 @@ class DataParallelEngine(RequestFront):
         self.replicas = [Replica(i, e) for i, e in enumerate(started)]
         first = started[0]
         for name in ("model_name", "model_path", "context_len", "vocab_size", "model_vocab_size", "eos_ids",
-                     "num_slots", "dtype", "device", "quantization", "weight_bytes", "default_max_new_tokens"):
+                     "num_slots", "dtype", "device", "quantization", "weight_bytes", "default_max_new_tokens",
+                     "load_seconds", "load_peak_rss", "cpu_kernels"):
             setattr(self, name, getattr(first, name))
         self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet
         self._running: dict[str, int] = {}  # rid -> replica, submitted

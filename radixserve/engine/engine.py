@@ -61,6 +61,7 @@ class Engine(RequestFront):
         cpu_kernels.ops()  # built now (once per machine, cached), not in the first request; quantized weights are packed by it
         self.dtype = _dtype(cfg.model.dtype, self.device, quantized_weights(cfg.model.path, cfg.model.quantization))
         self.kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
+        t0 = time.monotonic()
         loaded = load_model(cfg.model.path, self.dtype, self.device, cfg.model.quantization)
         self.quantization = loaded.quantization
         if not cfg.model.disable_packed_linears:
@@ -71,6 +72,9 @@ class Engine(RequestFront):
                     "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
+        self.load_seconds, self.load_peak_rss = time.monotonic() - t0, _peak_rss()
+        kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
+        self.cpu_kernels = kernels.isa() if kernels is not None else ""
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
         self.tokenizer = loaded.tokenizer
         self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)
@@ -339,9 +343,18 @@ def _rss_bytes() -> int:
     return int(_rss_seen[1])
 
 
+def _peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def cpu_has_bf16() -> bool:
     """AMX or AVX512-BF16: bf16 matmuls run natively, at twice fp32's rate and half its weight
     traffic (SGLang's and vLLM's CPU backends default to bf16 there too)."""
+    if not cpu_kernels.chosen_isa().startswith("avx512"):  # RADIXSERVE_CPU_ISA=avx2 stands in for an AVX2-only CPU
+        return False
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
 

@@ -97,6 +97,7 @@ class EngineProcess(RequestFront):
         self.eos_ids, self.num_slots = set(info.eos_ids), info.num_slots
         self.dtype, self.device, self.pid = info.dtype, info.device, info.pid
         self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
+        self.load_seconds, self.load_peak_rss, self.cpu_kernels = info.load_seconds, info.load_peak_rss, info.cpu_kernels
         self.default_max_new_tokens = self.config.default_max_new_tokens
         self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots, kv_dtype=info.kv_dtype,
                                      kv_bytes_per_token=info.kv_bytes_per_token)
@@ -298,7 +299,8 @@ class _Core:
         self.send(EngineInfo(e.model_name, str(e.model_path), e.context_len, e.vocab_size, e.model_vocab_size,
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid(),
                              e.quantization, e.weight_bytes,
-                             str(e.kv_dtype).removeprefix("torch."), e.pool.bytes_per_token))
+                             str(e.kv_dtype).removeprefix("torch."), e.pool.bytes_per_token, e.load_seconds,
+                             e.load_peak_rss, e.cpu_kernels))
         self._flush()  # the first stats, before any step
 
     def send(self, msg: Any) -> None:

@@ -145,6 +145,9 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     weight_bytes: int
     kv_dtype: str
     kv_bytes_per_token: int
+    load_seconds: float = 0.0  # the model's load (weights read and packed), and the process's peak RSS then
+    load_peak_rss: int = 0
+    cpu_kernels: str = ""  # the native CPU kernels' build (kernels.cpu: avx512+vnni+bf16, avx2, ...), or ""
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):
@@ -214,6 +217,10 @@ class EngineClient(Protocol):
     vocab_size: int
     tokenizer: Any
     pid: int  # the engine core's process
+    weight_bytes: int
+    load_seconds: float  # the model's load, and the engine process's peak RSS by its end
+    load_peak_rss: int
+    cpu_kernels: str  # kernels.cpu's build in use ("" on a GPU or without them)
 
     def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                  priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,

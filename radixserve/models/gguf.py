@@ -2,8 +2,9 @@
 
 - Native (`--quantization auto`, the default): `ensure_meta` caches the file's config.json and
   tokenizer once (no weights), and `read_tensors` yields its tensors under Hugging Face names,
-  Q4_0 / Q4_1 / Q8_0 as `QuantTensor`s of GGUF's own blocks (models/quant.py runs them); other
-  quantized types are dequantized to float, with a warning naming them.
+  Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K as `QuantTensor`s of GGUF's own blocks
+  (models/quant.py runs them), read from the file's memory map without a copy; other quantized
+  types (IQ*, Q2_K, Q3_K, ...) are dequantized to float, with a warning naming them.
 - Converted (`--quantization none | int8 | int4`): `ensure_converted` dequantizes the file
   once, through transformers' GGUF reader, into safetensors + config.json + tokenizer files.
 
@@ -134,7 +135,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_NATIVE = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+_NATIVE = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 _FLOAT = ("F32", "F16", "BF16")
 
 
@@ -153,8 +154,11 @@ def hf_name(gguf_name: str) -> str:
 def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """The file's tensors under Hugging Face names: torch tensors for float ones (and for
     quantized types radixserve does not run natively: dequantized, with a warning naming
-    them), `QuantTensor`s of the raw blocks for Q4_0 / Q4_1 / Q8_0. Llama-family q/k rows are
-    un-permuted as transformers does (GGUF stores them in llama.cpp's rope order)."""
+    them), `QuantTensor`s of the raw blocks for the native kinds (models.quant.FORMATS): views
+    of the file's read-only memory map, no copy (packing reads them once). Llama-family q/k rows
+    are un-permuted as transformers does (GGUF stores them in llama.cpp's rope order)."""
+    import warnings
+
     import numpy as np
     import torch
     from gguf import GGUFReader, quants
@@ -178,7 +182,9 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             rows = _rope_rows(shape[0], heads if ".q_proj." in name else kv_heads)
         kind = t.tensor_type.name
         if kind in _NATIVE and len(shape) == 2:
-            raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1).copy())
+            with warnings.catch_warnings():  # the map is read-only; nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1))
             q = QuantTensor(_NATIVE[kind], raw, shape[0], shape[1])
             yield name, q if rows is None else q.rows(rows)
             continue
@@ -192,8 +198,8 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             value = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).reshape(shape).copy())
         yield name, value if rows is None else value.index_select(0, rows)
     for kind, count in fallback.items():
-        log.warning("%s: %d %s tensors are dequantized to float (radixserve runs Q4_0, Q4_1 and Q8_0 natively)",
-                    gguf_path.name, count, kind)
+        log.warning("%s: %d %s tensors are dequantized to float (radixserve runs %s natively)",
+                    gguf_path.name, count, kind, ", ".join(_NATIVE))
 
 
 def _rope_rows(n: int, heads: int) -> Any:

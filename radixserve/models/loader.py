@@ -1,7 +1,7 @@
 """Load a model: the default SmolLM2, a local Hugging Face folder, or a .gguf file.
 
 `quantization` (the `--quantization` flag):
-    auto        a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are served as they are (models/quant.py),
+    auto        a GGUF file's quantized tensors are served as they are (models/quant.py FORMATS),
                 its float tensors in --dtype; a Hugging Face folder as it is
     none        every weight in --dtype (a GGUF file is dequantized once, into a cached folder)
     int8 | int4 the float weights quantized at load time: per-channel int8 / group-wise int4
@@ -162,6 +162,8 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     floats: list[tuple[str, torch.Tensor]] = []
     shards: dict[str, list[Any]] = {}  # our module -> its quantized shards, in order
     for name, t in weights:
+        if isinstance(t, quant.QuantTensor) and device.type != "cpu" and t.kind not in quant.TRITON_KINDS:
+            t = t.dequantize()  # no GPU kernel for this kind: float weights there
         if not isinstance(t, quant.QuantTensor):
             floats.append((name, t))
             continue
@@ -170,14 +172,22 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
             raise ModelLoadError(f"quantized tensor {name!r} has no quantized place in {arch.architecture}")
         module, shard, count = target
         shards.setdefault(module, [None] * count)[shard] = t
-    for module, parts in list(shards.items()):  # a fused group mixing kinds, or partly float, runs in float
-        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+    split: dict[str, list[Any]] = {}  # a fused group mixing kinds: each part on its own blocks
+    for module, parts in list(shards.items()):  # a fused group partly float runs in float
+        if any(p is None for p in parts):
             log.warning("%s: shards of kinds %s are dequantized to float", module, sorted({p.kind for p in parts if p}))
             floats += [(n, p.dequantize()) for n, p in _shard_names(module, parts)]
             del shards[module]
+        elif len({p.kind for p in parts}) > 1 or len({p.k for p in parts}) > 1:
+            split[module] = shards.pop(module)
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
         placed = {m: quant.cat_rows(parts) for m, parts in shards.items()}
+        for module, qs in split.items():
+            parent, _, leaf = module.rpartition(".")
+            owner = model.get_submodule(parent)
+            parts = [quant.QuantLinear(q.n, q.k, q.kind, False) for q in qs]
+            setattr(owner, leaf, quant.SplitQuantLinear(parts, getattr(getattr(owner, leaf), "bias", None) is not None))
         for module, q in placed.items():
             parent, _, leaf = module.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
@@ -190,6 +200,9 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     model = model.to(dtype=dtype).to_empty(device=device)
     for module, q in placed.items():
         model.get_submodule(module).packed.copy_(quant.pack(q))
+    for module, qs in split.items():
+        for part, q in zip(model.get_submodule(module).parts, qs):
+            part.packed.copy_(quant.pack(q))
     embed = model.model.embed_tokens
     if arch.tie_word_embeddings:
         if isinstance(embed, quant.QuantEmbedding):  # the head reads the embedding's blocks

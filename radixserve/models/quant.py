@@ -1,28 +1,32 @@
-"""Quantized weights: GGUF's Q4_0 / Q4_1 / Q8_0 blocks served as they are, and int8 / int4
-quantization of float checkpoints at load time.
+"""Quantized weights: GGUF's quantized blocks served as they are (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K), and int8 / int4 quantization of float checkpoints at load time.
 
-A weight stays in blocks of 32 along its input dimension, each block with fp16 scales (GGUF's
-own layout, repacked once by `kernels.cpu` pack_quant into panels of 16 outputs):
+A weight stays in its file's blocks, repacked once by `kernels.cpu` pack_quant into panels of
+16 outputs (one record per panel and GGUF block, at the file's size or within 3 % of it):
 
     q4_1   w = d*q + m, q in 0..15          GGUF Q4_1; `--quantization int4` (min/max per block)
     q4_0   w = d*(q - 8)                    GGUF Q4_0 (stored as q4_1 with m = -8d, exactly)
     q8_0   w = d*q, q in -127..127          GGUF Q8_0; `--quantization int8` (one d per output
                                             row: per-channel, held in every block of the row)
+    q5_0   w = d*(q - 16), q in 0..31       GGUF Q5_0 (blocks of 32)
+    q5_1   w = d*q + m, q in 0..31          GGUF Q5_1
+    q4_k   w = (d*sc)*q - dmin*mn           GGUF Q4_K: super-blocks of 256, 6-bit sc/mn per 32
+    q5_k   the same, q in 0..31             GGUF Q5_K
+    q6_k   w = (d*sc)*(q - 32), q in 0..63  GGUF Q6_K: an int8 sc per 16 weights
 
-The repack keeps GGUF's bits, so dequantizing reproduces gguf-py's float weights bit for bit.
-How a `QuantLinear` computes, by the rows it gets:
+The repack keeps the file's bits, so dequantizing reproduces gguf-py's float weights bit for
+bit (tests/test_quant.py, every kind). How a `QuantLinear` computes, by the rows it gets:
 
     few rows (decode, <= 64)  the native kernel quantizes each row's activations to 16 bits per
-                              block of 32 and sums u8 x s8 products in integers (vpdpbusd), as
-                              llama.cpp does on CPU with 8 bits: not bit for bit the float path's
-                              numbers, but close enough that the default model's greedy output
-                              equals the dequantized fp32 model's (scripts/quant_check.py), and
-                              ~4-5x faster than bf16 weights at one row
+                              block of 32 and sums u8 x s8 products in integers (vpdpbusd with
+                              AVX512-VNNI, vpmaddubsw + vpmaddwd with AVX2: the same sums, so
+                              the same numbers), as llama.cpp does on CPU with 8 bits: not bit
+                              for bit the float path's numbers, but close enough that greedy
+                              output equals the dequantized fp32 model's (scripts/quant_check.py)
     many rows (prefill)       the weight is dequantized once per call and multiplied in fp32:
                               exactly the dequantized model's numbers
     on CUDA                   kernels/quant_matmul.py: a Triton kernel dequantizing in registers
-                              (tested under TRITON_INTERPRET=1 against its torch reference; not
-                              timed: no GPU was lent)
+                              (Q4_0 / Q4_1 / Q8_0; the other kinds load dequantized on a GPU)
     no kernels at all         (RADIXSERVE_CPU_KERNELS=0) dequantized in torch (`dequant_ref`)
                               per call: correct, not fast
 
@@ -49,6 +53,10 @@ from kernels.quant_matmul import dequant_ref, quant_matmul_triton
 BLOCK = 32
 PANEL = 16
 MAX_NATIVE_ROWS = 64  # more rows: dequantize and run fp32 GEMM (see the module docstring)
+# kind -> (weights per GGUF block, bytes per packed record: one panel of 16 outputs x one block)
+FORMATS = {"q4_0": (32, 320), "q4_1": (32, 320), "q8_0": (32, 544), "q5_0": (32, 352), "q5_1": (32, 384),
+           "q4_k": (256, 2368), "q5_k": (256, 2880), "q6_k": (256, 3360)}
+TRITON_KINDS = ("q4_0", "q4_1", "q8_0")  # what kernels/quant_matmul.py runs on a GPU
 
 
 @dataclass
@@ -79,8 +87,10 @@ def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
     return QuantTensor(parts[0].kind, torch.cat([p.raw for p in parts]), sum(p.n for p in parts), parts[0].k)
 
 
-def packed_bytes(kind: str) -> int:
-    return 544 if kind == "q8_0" else 320
+def packed_shape(kind: str, n: int, k: int) -> tuple[int, int, int]:
+    """The shape pack_quant gives an (n, k) weight of this kind: (panels, blocks, record bytes)."""
+    block, record = FORMATS[kind]
+    return (n + PANEL - 1) // PANEL, (k + block - 1) // block, record
 
 
 def pack(q: QuantTensor) -> torch.Tensor:
@@ -136,7 +146,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.kind = k, n, kind
         self.float_out = float_out
         if packed is None:
-            packed = torch.empty((n + PANEL - 1) // PANEL, (k + BLOCK - 1) // BLOCK, packed_bytes(kind), dtype=torch.uint8)
+            packed = torch.empty(packed_shape(kind, n, k), dtype=torch.uint8)
         self.register_buffer("packed", packed)
         self.bias = nn.Parameter(torch.empty(n)) if bias else None
         self.native = None  # the kernels, once `finish` found them for this device
@@ -170,14 +180,32 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
+class SplitQuantLinear(nn.Module):
+    """A fused linear (q/k/v, gate/up) whose parts are quantized in different kinds (a Q4_K_M file
+    keeps v in Q6_K beside q and k in Q4_K): each part runs on its own blocks, the outputs are
+    concatenated. (No fused decode step for these: models.llama.FusedDecode needs one weight.)"""
+
+    def __init__(self, parts: list[QuantLinear], bias: bool) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kinds={[p.kind for p in self.parts]}"
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table kept quantized: a lookup dequantizes only the rows it reads."""
 
     def __init__(self, num: int, dim: int, kind: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.kind, self.dtype = num, dim, kind, dtype
-        self.register_buffer("packed", torch.empty((num + PANEL - 1) // PANEL, (dim + BLOCK - 1) // BLOCK,
-                                                   packed_bytes(kind), dtype=torch.uint8))
+        self.register_buffer("packed", torch.empty(packed_shape(kind, num, dim), dtype=torch.uint8))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = dequantize_packed(self.packed, self.num_embeddings, self.embedding_dim, ids.reshape(-1).long())

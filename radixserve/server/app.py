@@ -129,6 +129,8 @@ async def server_info(request: web.Request) -> web.Response:
         "dtype": str(e.dtype).removeprefix("torch."),
         "quantization": e.quantization,
         "weight_bytes": e.weight_bytes,
+        "load": {"seconds": round(e.load_seconds, 3), "peak_rss_bytes": e.load_peak_rss},
+        "cpu_kernels": e.cpu_kernels or None,
         "max_queued_requests": c.max_queued_requests,
         "max_request_bytes": c.max_request_bytes,
         "max_connections_per_client": c.max_connections_per_client,

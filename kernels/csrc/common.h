@@ -1,0 +1,129 @@
+// What every op file shares: ATen (only the headers the ops need: torch/extension.h, the
+// module's, costs a file ~4x the compile time), the vector layer, dtype dispatch, and the declarations of
+// the ops one file calls from another (decode_step.cpp runs them all; ops.cpp registers them).
+//
+// Types: fp32 and bf16 tensors; bf16 is read as raw uint16 and widened to fp32, and every
+// sum is accumulated in fp32. A quantized KV pool is int8 or fp8 e4m3 (raw uint8) rows with
+// fp32 scales. Threads: at::parallel_for, torch's own OpenMP pool.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "vec.h"
+
+namespace rs {
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// Runs body with scalar = float or uint16_t (bf16) by the tensor's dtype.
+#define DISPATCH_FLOAT_BF16(t, name, ...)                                        \
+  do {                                                                           \
+    if ((t).scalar_type() == at::kFloat) {                                    \
+      using scalar = float;                                                      \
+      __VA_ARGS__();                                                             \
+    } else if ((t).scalar_type() == at::kBFloat16) {                          \
+      using scalar = uint16_t;                                                   \
+      __VA_ARGS__();                                                             \
+    } else {                                                                     \
+      TORCH_CHECK(false, name ": float32 or bfloat16 tensors only, got ", (t).scalar_type()); \
+    }                                                                            \
+  } while (0)
+
+// Runs body with qtype = int8_t (an int8 pool) or uint8_t (the bytes of an fp8 e4m3 pool).
+#define DISPATCH_KV_QUANT(t, name, ...)                                                     \
+  do {                                                                                       \
+    if ((t).scalar_type() == at::kChar) {                                                 \
+      using qtype = int8_t;                                                                  \
+      __VA_ARGS__();                                                                         \
+    } else if ((t).scalar_type() == c10::ScalarType::Float8_e4m3fn) {                        \
+      using qtype = uint8_t;                                                                 \
+      __VA_ARGS__();                                                                         \
+    } else {                                                                                 \
+      TORCH_CHECK(false, name ": an int8 or float8_e4m3fn pool only, got ", (t).scalar_type()); \
+    }                                                                                        \
+  } while (0)
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+  else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) u = sign;
+  else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while (!(m & 0x400));
+    u = sign | ((112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// --- attention.cpp ----------------------------------------------------------------------
+void check_table(const at::Tensor& rows, const at::Tensor& table, const at::Tensor& lens, int64_t q_rows_bound,
+                 int64_t pool_slots);
+void check_scales(const at::Tensor& pool, const at::Tensor& scales, const char* name);
+void run_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                float* lse, const at::Tensor& rows, const at::Tensor& table, const at::Tensor& lens, double scale);
+void run_decode_quant(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                      const at::Tensor& k_scale, const at::Tensor& v_scale, at::Tensor& out, float* lse,
+                      const at::Tensor& rows, const at::Tensor& table, const at::Tensor& lens, double scale);
+void decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor out,
+                      c10::optional<at::Tensor> lse, at::Tensor q_rows, at::Tensor table, at::Tensor seq_lens,
+                      double scale);
+void decode_attention_quant(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
+                            at::Tensor v_scale, at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q_rows,
+                            at::Tensor table, at::Tensor seq_lens, double scale);
+
+// --- kv_store.cpp -------------------------------------------------------------------------
+void check_slots(const at::Tensor& slots, int64_t pool_slots);
+void run_store(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& k,
+               const at::Tensor& v);
+void run_store_quant(at::Tensor& k_pool, at::Tensor& v_pool, at::Tensor& k_scale, at::Tensor& v_scale,
+                     const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v);
+void store_kv(at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots, at::Tensor k, at::Tensor v);
+void store_kv_quant(at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale,
+                    at::Tensor slots, at::Tensor k, at::Tensor v);
+
+// --- norm_rope_act.cpp --------------------------------------------------------------------
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+void rope_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor x);
+
+// --- linear.cpp -----------------------------------------------------------------------------
+bool linear_supports(at::ScalarType t);
+at::Tensor pack_linear(at::Tensor w);
+at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out);
+
+// --- quant_linear.cpp ---------------------------------------------------------------------
+at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_t k);
+at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<at::Tensor> rows);
+at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
+                      bool generic);
+
+// --- decode_step.cpp ----------------------------------------------------------------------
+std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
+                                         std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows,
+                                         at::Tensor table, at::Tensor lens, std::vector<at::Tensor> in_norm,
+                                         std::vector<at::Tensor> qkv, std::vector<at::Tensor> o_proj,
+                                         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up,
+                                         std::vector<at::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                         int64_t inter, double eps, double scale, std::vector<at::Tensor> k_scales,
+                                         std::vector<at::Tensor> v_scales);
+
+}  // namespace rs

@@ -1,0 +1,538 @@
+// Quantized linears of the 5- and 6-bit family and GGUF's K-quants: Q5_0, Q5_1 (blocks of 32)
+// and Q4_K, Q5_K, Q6_K (super-blocks of 256 in sub-blocks of 32 or 16), kept at the file's size
+// and repacked once into panels of 16 outputs. Torch references: gguf-py's dequantize (the
+// values, bit for bit) and tests/test_quant.py's reference_qlinear (the 16-bit-activation dot).
+//
+// Every format is the same shape underneath: per sub-block of 32 weights, unsigned values q of
+// 4 to 6 bits, and per output a scale (and an offset) of the sub-block:
+//   q5_0  w = d * (q - 16)                    q5_1  w = d * q + m
+//   q4_k  w = (d * sc) * q - (dmin * mn)      q5_k  the same, q of 5 bits
+//   q6_k  w = (d * sc16) * (q - 32)           (a scale per 16 weights: two per sub-block)
+// so one record layout and one kernel serve them all. Per (panel, GGUF block): a header (the
+// super-block's fp16 d [and dmin], 16 outputs each), then per sub-block of 32 weights:
+//   [0, 256)        q's low 4 bits: byte 64c + 4n + r holds output n's weight 4c + r (low
+//                   nibble) and 16 + 4c + r (high nibble), as the Q4 panels of quant_linear.cpp
+//   [256, +64*hb)   q's bit 4 (and 5): for each bit t, half p (weights 16p..16p+15) and chunk
+//                   c, a 64-bit mask whose bit 4n + r is that bit of output n's weight
+//                   16p + 4c + r: OR-ed into the nibble bytes by a masked move
+//   then            the sub-block's per-output scales (fp16 d [, m]; or u8 sc, mn; or i8 sc x2)
+// A few rows (decode) work in integers as the Q4/Q8 kernels do; the per-half integer sums S0,
+// S1 are scaled in the same order on every ISA, so the AVX-512, AVX2 and portable paths give
+// the same numbers bit for bit. Many rows (prefill): dequant_kfamily, then fp32 GEMM.
+#include "quant.h"
+
+namespace rs {
+namespace {
+
+struct Fmt {
+  const char* name;
+  int64_t block, src_bytes, header, hbits, scale;  // weights and bytes per GGUF block; record parts
+  constexpr int64_t sub() const { return 256 + 64 * hbits + scale; }
+  constexpr int64_t subs() const { return block / 32; }
+  constexpr int64_t rec() const { return header + subs() * sub(); }
+};
+enum : int { Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, NFMT };
+constexpr Fmt FMTS[NFMT] = {
+    {"q5_0", 32, 22, 0, 1, 32},   {"q5_1", 32, 24, 0, 1, 64},   {"q4_k", 256, 144, 64, 0, 32},
+    {"q5_k", 256, 176, 64, 1, 32}, {"q6_k", 256, 210, 32, 2, 32},
+};
+
+// One GGUF block of one row, unpacked: its values q and its scales as the file has them.
+struct Block {
+  uint8_t q[256];
+  uint16_t d = 0, m = 0;  // fp16 bits: d; q5_1's m; the K-quants' dmin in m
+  uint8_t sc[16] = {}, mn[8] = {};  // K-quants: 6-bit sc, mn per sub-block; q6_k: int8 sc per 16
+};
+
+inline uint16_t u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+void unpack(int f, const uint8_t* s, Block& u) {
+  if (f == Q5_0 || f == Q5_1) {
+    u.d = u16(s);
+    const int off = f == Q5_1 ? 4 : 2;
+    if (f == Q5_1) u.m = u16(s + 2);
+    uint32_t qh;
+    std::memcpy(&qh, s + off, 4);
+    const uint8_t* qs = s + off + 4;
+    for (int j = 0; j < 16; ++j) {
+      u.q[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+      u.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+    return;
+  }
+  if (f == Q6_K) {  // ql[128], qh[64], int8 scales[16], d
+    const uint8_t *ql = s, *qh = s + 128;
+    std::memcpy(u.sc, s + 192, 16);
+    u.d = u16(s + 208);
+    for (int w = 0; w < 256; ++w) {
+      const int h = w / 128, r = w % 128;
+      const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15, high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+      u.q[w] = uint8_t(low | (high << 4));
+    }
+    return;
+  }
+  // Q4_K / Q5_K: d, dmin, scales[12] (6-bit sc and mn of 8 sub-blocks), [qh[32]], qs[128]
+  u.d = u16(s);
+  u.m = u16(s + 2);
+  const uint8_t* sp = s + 4;
+  for (int i = 0; i < 4; ++i) {
+    u.sc[i] = sp[i] & 63;
+    u.mn[i] = sp[i + 4] & 63;
+    u.sc[i + 4] = (sp[i + 8] & 15) | ((sp[i] >> 6) << 4);
+    u.mn[i + 4] = (sp[i + 8] >> 4) | ((sp[i + 4] >> 6) << 4);
+  }
+  const uint8_t* qh = f == Q5_K ? s + 16 : nullptr;
+  const uint8_t* qs = s + (f == Q5_K ? 48 : 16);
+  for (int w = 0; w < 256; ++w) {
+    const int g = w / 64, j = w % 32, hi = (w / 32) % 2;
+    int q = (qs[32 * g + j] >> (4 * hi)) & 15;
+    if (qh) q |= ((qh[j] >> (w / 32)) & 1) << 4;
+    u.q[w] = uint8_t(q);
+  }
+}
+
+inline uint64_t mask_at(const uint8_t* sub, int t, int p, int c) {
+  uint64_t v;
+  std::memcpy(&v, sub + 256 + ((t * 2 + p) * 4 + c) * 8, 8);
+  return v;
+}
+
+// Output `lane`'s weights of one GGUF block into its panel record.
+void write_record(int f, const Block& u, int64_t lane, uint8_t* rec) {
+  const Fmt& F = FMTS[f];
+  if (F.header) {
+    std::memcpy(rec + 2 * lane, &u.d, 2);
+    if (f != Q6_K) std::memcpy(rec + 32 + 2 * lane, &u.m, 2);
+  }
+  for (int64_t i = 0; i < F.subs(); ++i) {
+    uint8_t* sub = rec + F.header + i * F.sub();
+    const uint8_t* q = u.q + 32 * i;
+    for (int c = 0; c < 4; ++c)
+      for (int r = 0; r < 4; ++r) sub[64 * c + 4 * lane + r] = uint8_t((q[4 * c + r] & 15) | ((q[16 + 4 * c + r] & 15) << 4));
+    for (int t = 0; t < F.hbits; ++t)
+      for (int p = 0; p < 2; ++p)
+        for (int c = 0; c < 4; ++c) {
+          uint64_t v = mask_at(sub, t, p, c);
+          for (int r = 0; r < 4; ++r)
+            if ((q[16 * p + 4 * c + r] >> (4 + t)) & 1) v |= uint64_t(1) << (4 * lane + r);
+          std::memcpy(sub + 256 + ((t * 2 + p) * 4 + c) * 8, &v, 8);
+        }
+    uint8_t* sc = sub + 256 + 64 * F.hbits;
+    if (f == Q5_0 || f == Q5_1) {
+      std::memcpy(sc + 2 * lane, &u.d, 2);
+      if (f == Q5_1) std::memcpy(sc + 32 + 2 * lane, &u.m, 2);
+    } else if (f == Q6_K) {
+      sc[lane] = u.sc[2 * i];
+      sc[16 + lane] = u.sc[2 * i + 1];
+    } else {
+      sc[lane] = u.sc[i];
+      sc[16 + lane] = u.mn[i];
+    }
+  }
+}
+
+// A sub-block's values, all 16 outputs: q[n][j] for weight j of output n.
+inline void unpack_sub(const uint8_t* sub, int64_t hbits, uint8_t (*q)[32]) {
+  for (int c = 0; c < 4; ++c)
+    for (int n = 0; n < 16; ++n)
+      for (int r = 0; r < 4; ++r) {
+        const uint8_t byte = sub[64 * c + 4 * n + r];
+        q[n][4 * c + r] = byte & 15;
+        q[n][16 + 4 * c + r] = byte >> 4;
+      }
+  for (int t = 0; t < hbits; ++t)
+    for (int p = 0; p < 2; ++p)
+      for (int c = 0; c < 4; ++c)
+        for (uint64_t m = mask_at(sub, t, p, c); m; m &= m - 1) {
+          const int bit = __builtin_ctzll(m);
+          q[bit / 4][16 * p + 4 * c + bit % 4] |= uint8_t(16 << t);
+        }
+}
+
+// One output's sub-block: w = a_p * (q - z) + off for the half p its weight is in (a float
+// scale per half, z an integer zero point, off a float offset), with a_p made from the file's
+// numbers in gguf-py's order so that dequantizing reproduces it bit for bit.
+struct Lane {
+  float a0, a1, off;
+  int z;
+};
+
+inline Lane lane_scales(int f, const uint8_t* rec, const uint8_t* sub, int64_t lane) {
+  const Fmt& F = FMTS[f];
+  const uint8_t* sc = sub + 256 + 64 * F.hbits;
+  if (f == Q5_0) {
+    const float d = half_to_float(u16(sc + 2 * lane));
+    return {d, d, 0.f, 16};
+  }
+  if (f == Q5_1) {
+    const float d = half_to_float(u16(sc + 2 * lane));
+    return {d, d, half_to_float(u16(sc + 32 + 2 * lane)), 0};
+  }
+  const float d = half_to_float(u16(rec + 2 * lane));
+  if (f == Q6_K) return {d * float(int8_t(sc[lane])), d * float(int8_t(sc[16 + lane])), 0.f, 32};
+  const float s = d * float(sc[lane]), dm = half_to_float(u16(rec + 32 + 2 * lane)) * float(sc[16 + lane]);
+  return {s, s, -dm, 0};
+}
+
+template <int F>
+void pack_impl(const uint8_t* src, int64_t n, int64_t nb, uint8_t* dst) {
+  const Fmt& fm = FMTS[F];
+  const int64_t panels = (n + QPANEL - 1) / QPANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    Block u;
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r = p * QPANEL; r < std::min(n, (p + 1) * QPANEL); ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          unpack(F, src + (r * nb + b) * fm.src_bytes, u);
+          write_record(F, u, r % QPANEL, dst + (p * nb + b) * fm.rec());
+        }
+  });
+}
+
+// --- the few-rows kernel ----------------------------------------------------------------
+// The float combination of one sub-block, the same on every path: S0/S1 the integer sums of the
+// halves, sq/sq0 the activation block's sums (whole, first half), dx/sx its scale and dx*sq.
+//   q5_0, q6_k (z != 0): acc += (S0 - z*sq0) * (a0*dx); acc += (S1 - z*(sq - sq0)) * (a1*dx)
+//   q5_1, K-quants:      acc += (S0 + S1) * (a0*dx);     acc += off * sx
+// (z != 0 formats have no offset, and q5_1 / K-quants have a0 == a1).
+
+template <int F, typename O>
+void ktile_generic(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy,
+                   int64_t n0, int64_t n) {
+  const Fmt& fm = FMTS[F];
+  const int64_t kb = nb * fm.subs();
+  std::vector<float> acc(m * QPANEL, 0.f);
+  uint8_t q[QPANEL][32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = panel + b * fm.rec();
+    for (int64_t i = 0; i < fm.subs(); ++i) {
+      const uint8_t* sub = rec + fm.header + i * fm.sub();
+      unpack_sub(sub, fm.hbits, q);
+      for (int64_t lane = 0; lane < QPANEL; ++lane) {
+        const Lane l = lane_scales(F, rec, sub, lane);
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t at = r * kb + b * fm.subs() + i;
+          const int8_t* hi = xr.hi.data() + at * QBLOCK;
+          const int8_t* lo = xr.lo.data() + at * QBLOCK;
+          const float dx = xr.dx[at];
+          int32_t s[2] = {0, 0};
+          for (int j = 0; j < 32; ++j) s[j / 16] += int32_t(q[lane][j]) * (256 * hi[j] + lo[j]);
+          float& a = acc[r * QPANEL + lane];
+          if (l.z) {
+            a = std::fma(float(s[0] - l.z * xr.sq0[at]), l.a0 * dx, a);
+            a = std::fma(float(s[1] - l.z * (xr.sq[at] - xr.sq0[at])), l.a1 * dx, a);
+          } else {
+            a = std::fma(float(s[0] + s[1]), l.a0 * dx, a);
+            a = std::fma(l.off, xr.sx[at], a);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) store_row16(y + r * ldy, n0, n, acc.data() + r * QPANEL, bias);
+}
+
+#if defined(RS_AVX512) && defined(__AVX512VNNI__)
+constexpr int64_t KMR = 4;
+
+// The 16 outputs' a0, a1, off as vectors (lane_scales, 16 at a time).
+template <int F>
+inline void scales16(const uint8_t* rec, const uint8_t* sub, __m512& a0, __m512& a1, __m512& off) {
+  const uint8_t* sc = sub + 256 + 64 * FMTS[F].hbits;
+  off = _mm512_setzero_ps();
+  if constexpr (F == Q5_0 || F == Q5_1) {
+    a0 = a1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
+    if constexpr (F == Q5_1) off = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32)));
+    return;
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
+  if constexpr (F == Q6_K) {
+    a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc))));
+    a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16)))));
+    return;
+  }
+  a0 = a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)sc))));
+  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
+  const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16)))));
+  off = _mm512_sub_ps(_mm512_setzero_ps(), dm);
+}
+
+template <int F, int MR, typename O>
+void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
+           int64_t n) {
+  constexpr Fmt fm = FMTS[F];
+  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+  const int64_t kb = nb * fm.subs();
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = panel + b * fm.rec();
+    for (int64_t i = 0; i < fm.subs(); ++i) {
+      const uint8_t* sub = rec + fm.header + i * fm.sub();
+      prefetch_row(sub + 4 * fm.sub(), fm.sub());
+      __m512i w[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(sub + 64 * c);
+        w[c] = _mm512_and_si512(v, low);
+        w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int t = 0; t < fm.hbits; ++t) {
+          w[c] = _mm512_or_si512(w[c], _mm512_maskz_mov_epi8(mask_at(sub, t, 0, c), _mm512_set1_epi8(char(16 << t))));
+          w[4 + c] = _mm512_or_si512(w[4 + c], _mm512_maskz_mov_epi8(mask_at(sub, t, 1, c), _mm512_set1_epi8(char(16 << t))));
+        }
+      }
+      __m512 a0, a1, off;
+      scales16<F>(rec, sub, a0, a1, off);
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
+        const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
+        const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+        for (int c = 0; c < 4; ++c) {
+          h0 = _mm512_dpbusd_epi32(h0, w[c], _mm512_set1_epi32(hi[c]));
+          h1 = _mm512_dpbusd_epi32(h1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
+          l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
+          l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+        }
+        const __m512i s0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0), s1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
+        const __m512 dx = _mm512_set1_ps(xr.dx[at]);
+        if constexpr (Z != 0) {
+          const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, z0)), _mm512_mul_ps(a0, dx), acc[m]);
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, z1)), _mm512_mul_ps(a1, dx), acc[m]);
+        } else {
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(a0, dx), acc[m]);
+          acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sx[at]), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float v[QPANEL];
+    _mm512_store_ps(v, acc[m]);
+    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
+  }
+}
+constexpr bool HAS_VEC_KTILE = true;
+#elif defined(__AVX2__)
+constexpr int64_t KMR = 2;
+
+// 32 mask bits -> 32 bytes, each 0xff where its bit is set.
+inline __m256i bytes_from_bits(uint32_t x) {
+  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// As quant_linear.cpp's AVX2 tile: vpmaddubsw + vpmaddwd with a power-of-two weight, so the
+// integer sums are exactly the VNNI path's (q <= 63: a pair is at most 2 * 63 * 128 = 16128).
+inline __m256i dot_q(__m256i w, int32_t x4, __m256i scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), scale);
+}
+
+template <int F>
+inline void scales8(const uint8_t* rec, const uint8_t* sub, int h, __m256& a0, __m256& a1, __m256& off) {
+  const uint8_t* sc = sub + 256 + 64 * FMTS[F].hbits;
+  off = _mm256_setzero_ps();
+  auto f16 = [&](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h))); };
+  auto u8 = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)))); };
+  auto i8 = [&](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)))); };
+  if constexpr (F == Q5_0 || F == Q5_1) {
+    a0 = a1 = f16(sc);
+    if constexpr (F == Q5_1) off = f16(sc + 32);
+    return;
+  }
+  const __m256 d = f16(rec);
+  if constexpr (F == Q6_K) {
+    a0 = _mm256_mul_ps(d, i8(sc));
+    a1 = _mm256_mul_ps(d, i8(sc + 16));
+    return;
+  }
+  a0 = a1 = _mm256_mul_ps(d, u8(sc));
+  off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f16(rec + 32), u8(sc + 16)));
+}
+
+template <int F, int MR, typename O>
+void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
+           int64_t n) {
+  constexpr Fmt fm = FMTS[F];
+  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+  const int64_t kb = nb * fm.subs();
+  __m256 acc[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), x1 = _mm256_set1_epi16(1), x256 = _mm256_set1_epi16(256);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = panel + b * fm.rec();
+    for (int64_t i = 0; i < fm.subs(); ++i) {
+      const uint8_t* sub = rec + fm.header + i * fm.sub();
+      prefetch_row(sub + 4 * fm.sub(), fm.sub());
+      for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7
+        __m256i w[8];
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(sub + 64 * c + 32 * h));
+          w[c] = _mm256_and_si256(v, low);
+          w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int t = 0; t < fm.hbits; ++t) {
+            const __m256i bit = _mm256_set1_epi8(char(16 << t));
+            w[c] = _mm256_or_si256(w[c], _mm256_and_si256(bytes_from_bits(uint32_t(mask_at(sub, t, 0, c) >> (32 * h))), bit));
+            w[4 + c] = _mm256_or_si256(w[4 + c], _mm256_and_si256(bytes_from_bits(uint32_t(mask_at(sub, t, 1, c) >> (32 * h))), bit));
+          }
+        }
+        __m256 a0, a1, off;
+        scales8<F>(rec, sub, h, a0, a1, off);
+        for (int m = 0; m < MR; ++m) {
+          const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
+          const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
+          const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+          __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+          for (int c = 0; c < 4; ++c) {
+            s0 = _mm256_add_epi32(s0, _mm256_add_epi32(dot_q(w[c], hi[c], x256), dot_q(w[c], lo[c], x1)));
+            s1 = _mm256_add_epi32(s1, _mm256_add_epi32(dot_q(w[4 + c], hi[4 + c], x256), dot_q(w[4 + c], lo[4 + c], x1)));
+          }
+          const __m256 dx = _mm256_set1_ps(xr.dx[at]);
+          if constexpr (Z != 0) {
+            const __m256i z0 = _mm256_set1_epi32(Z * xr.sq0[at]), z1 = _mm256_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
+            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s0, z0)), _mm256_mul_ps(a0, dx), acc[h][m]);
+            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1, z1)), _mm256_mul_ps(a1, dx), acc[h][m]);
+          } else {
+            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(a0, dx), acc[h][m]);
+            acc[h][m] = _mm256_fmadd_ps(off, _mm256_set1_ps(xr.sx[at]), acc[h][m]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float v[QPANEL];
+    _mm256_store_ps(v, acc[0][m]);
+    _mm256_store_ps(v + 8, acc[1][m]);
+    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
+  }
+}
+constexpr bool HAS_VEC_KTILE = true;
+#else
+constexpr bool HAS_VEC_KTILE = false;
+#endif
+
+template <int F, typename O>
+void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n,
+            bool vector) {
+#if defined(RS_AVX512) && defined(__AVX512VNNI__) || defined(__AVX2__)
+  if (vector) {
+    for (int64_t m0 = 0; m0 < m; m0 += KMR) {
+      switch (std::min<int64_t>(KMR, m - m0)) {
+        case 1: ktile<F, 1>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+        case 2: ktile<F, 2>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+        case 3: ktile<F, 3>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+        default: ktile<F, KMR>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+      }
+    }
+    return;
+  }
+#endif
+  ktile_generic<F>(panel, nb, xr, m, bias, y, n, n0, n);
+}
+
+template <typename O>
+void kfamily_impl(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
+  const int64_t nb = packed.size(1), bytes = packed.size(2), panels = (n + QPANEL - 1) / QPANEL;
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = pd + p * nb * bytes;
+      switch (f) {
+        case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+        case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+        case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+        case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+        default: kpanel<Q6_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+int kfamily_of_kind(const std::string& kind) {
+  for (int f = 0; f < NFMT; ++f)
+    if (kind == FMTS[f].name) return f;
+  return -1;
+}
+
+int kfamily_of_record(int64_t bytes) {
+  for (int f = 0; f < NFMT; ++f)
+    if (bytes == FMTS[f].rec()) return f;
+  return -1;
+}
+
+int64_t kfamily_block(int f) { return FMTS[f].block; }
+
+// GGUF blocks (n, k/block * block bytes) -> panels (ceil(n/16), k/block, record bytes).
+at::Tensor pack_kfamily(const at::Tensor& raw, int f, int64_t n, int64_t k) {
+  const Fmt& fm = FMTS[f];
+  TORCH_CHECK(k % fm.block == 0, "pack_quant: k must be a multiple of ", fm.block, " for ", fm.name, ", got ", k);
+  const int64_t nb = k / fm.block;
+  auto rc = raw.contiguous();
+  TORCH_CHECK(rc.scalar_type() == at::kByte && rc.numel() == n * nb * fm.src_bytes, "pack_quant: ", n, " rows of ", nb, " ",
+              fm.name, " blocks (", n * nb * fm.src_bytes, " bytes), got ", rc.numel());
+  auto out = at::zeros({(n + QPANEL - 1) / QPANEL, nb, fm.rec()}, rc.options());
+  const uint8_t* src = rc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  switch (f) {
+    case Q5_0: pack_impl<Q5_0>(src, n, nb, dst); break;
+    case Q5_1: pack_impl<Q5_1>(src, n, nb, dst); break;
+    case Q4_K: pack_impl<Q4_K>(src, n, nb, dst); break;
+    case Q5_K: pack_impl<Q5_K>(src, n, nb, dst); break;
+    default: pack_impl<Q6_K>(src, n, nb, dst); break;
+  }
+  return out;
+}
+
+// The fp32 rows `ip` of a packed weight, bit for bit gguf-py's dequantization. Every row in
+// order (a prefill's whole weight) goes panel by panel, each sub-block's values unpacked once
+// for its 16 outputs; a few rows (an embedding lookup) go one by one.
+void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* ip, int64_t count, float* od) {
+  const Fmt& fm = FMTS[f];
+  const int64_t nb = packed.size(1);
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  bool all = true;
+  for (int64_t i = 0; i < count && all; ++i) all = ip[i] == i;
+  auto one_sub = [&](const uint8_t* rec, const uint8_t* sub, const uint8_t (*q)[32], int64_t lane, float* o) {
+    const Lane l = lane_scales(f, rec, sub, lane);
+    for (int j = 0; j < 32; ++j)  // d*q exact, then one rounding (as gguf-py)
+      o[j] = l.z ? (j < 16 ? l.a0 : l.a1) * float(int(q[lane][j]) - l.z) : l.a0 * float(q[lane][j]) + l.off;
+  };
+  const int64_t items = all ? (count + QPANEL - 1) / QPANEL : count;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    uint8_t q[QPANEL][32];
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t p = all ? it : ip[it] / QPANEL;
+      const int64_t lane0 = all ? 0 : ip[it] % QPANEL, lanes = all ? std::min<int64_t>(QPANEL, count - p * QPANEL) : 1;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = pd + (p * nb + b) * fm.rec();
+        for (int64_t s = 0; s < fm.subs(); ++s) {
+          const uint8_t* sub = rec + fm.header + s * fm.sub();
+          unpack_sub(sub, fm.hbits, q);
+          for (int64_t l = 0; l < lanes; ++l)
+            one_sub(rec, sub, q, lane0 + l, od + ((all ? p * QPANEL + l : it) * k) + b * fm.block + 32 * s);
+        }
+      }
+    }
+  });
+}
+
+// y (M, n) = the quantized rows xr times a packed weight of format f, plus bias.
+void qlinear_kfamily(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, at::Tensor& y, int64_t n,
+                     bool generic) {
+  const bool vector = HAS_VEC_KTILE && !generic;
+  if (y.scalar_type() == at::kFloat) kfamily_impl(f, packed, xr, m, bias, y.data_ptr<float>(), n, vector);
+  else kfamily_impl(f, packed, xr, m, bias, ptr<uint16_t>(y), n, vector);
+}
+
+}  // namespace rs

@@ -1,0 +1,40 @@
+// The module: every op of the other files, registered once. kernels/cpu.py builds these sources
+// once per instruction set (vec.h) and loads the best this CPU runs; `isa()` names the build.
+#include <torch/extension.h>
+
+#include "common.h"
+
+namespace {
+
+std::string isa() {
+  std::string s = rs::ISA;
+#if defined(RS_AVX512) && defined(__AVX512VNNI__)
+  s += "+vnni";
+#endif
+#if defined(RS_AVX512) && defined(__AVX512BF16__)
+  s += "+bf16";
+#endif
+  return s;
+}
+
+bool linear_supports_dtype(torch::Tensor w) { return rs::linear_supports(w.scalar_type()); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction set these kernels were built for (avx512[+vnni][+bf16], avx2, generic)");
+  m.def("decode_attention", &rs::decode_attention, "paged decode attention, in place on the pool");
+  m.def("decode_attention_quant", &rs::decode_attention_quant, "paged decode attention over an int8/fp8 pool, in place");
+  m.def("rms_norm", &rs::rms_norm, "RMSNorm with an optional fused residual add");
+  m.def("rope_", &rs::rope_, "neox rotary embedding of q and k, in place");
+  m.def("silu_and_mul", &rs::silu_and_mul, "SwiGLU activation");
+  m.def("store_kv", &rs::store_kv, "write K/V rows into the pool");
+  m.def("store_kv_quant", &rs::store_kv_quant, "quantize K/V rows into an int8/fp8 pool and its scales");
+  m.def("linear_supports", &linear_supports_dtype, "whether `linear` is built for this weight's dtype");
+  m.def("pack_linear", &rs::pack_linear, "pack a weight (N, K) for `linear`");
+  m.def("linear", &rs::linear, "a linear of a few rows over a packed weight (x, packed, n, bias, float_out)");
+  m.def("pack_quant", &rs::pack_quant, "repack GGUF blocks (raw, kind, n, k) of q4_0/q4_1/q8_0/q5_0/q5_1/q4_k/q5_k/q6_k for qlinear");
+  m.def("dequant_quant", &rs::dequant_quant, "fp32 rows of a pack_quant weight (packed, n, k, rows)");
+  m.def("qlinear", &rs::qlinear, "a linear of a few rows over a pack_quant weight (x, packed, n, bias, float_out, generic)");
+  m.def("decode_layers", &rs::decode_layers, "every decoder layer of a decode-only batch, in one call");
+}

@@ -1,0 +1,57 @@
+// What the quantized-linear families share: the activations of a few rows quantized per block
+// of 32 to 16 bits (QuantRows, made once per call by quantize_rows), and the panel of 16
+// outputs every packed quantized weight is cut into.
+#pragma once
+
+#include "common.h"
+
+namespace rs {
+
+constexpr int64_t QPANEL = 16, QBLOCK = 32;
+
+// Activations of `m` rows, quantized per block of 32 to 16 bits: xi = round(x / dx) with
+// dx = amax / 32639, held as two int8 halves xi = 256*hi + lo (hi in -127..127, lo in
+// -128..127), so u8 x s8 products make each block's exact integer sum in two passes.
+// 16 bits, not llama.cpp's 8: the activations' rounding error (~1.5e-5 of a block's largest)
+// stays far below bf16's, and on SmolLM2 greedy output then agrees with the dequantized fp32
+// model as closely as fp32 kernels agree with each other (scripts/quant_check.py).
+// sq: the sum of a block's xi (sq0: of its first 16); sx = dx * sq, the sum of the values they
+// stand for (a format's offset term multiplies it: the result is then the exact dot product of
+// the weights with the quantized activations).
+constexpr float QSTEPS = 32639.f;  // 127 * 256 + 127: hi = (xi + 128) >> 8 stays in -127..127
+
+struct QuantRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> sq, sq0;
+};
+
+// One block of row r: xi, its halves, and the block's scale and sums (see QuantRows).
+inline void finish_block(QuantRows& out, int64_t at, float d, int32_t sq, int32_t sq0) {
+  out.dx[at] = d;
+  out.sx[at] = d * float(sq);
+  out.sq[at] = sq;
+  out.sq0[at] = sq0;
+}
+
+
+// x (m, k) rows with stride ldx, into kb blocks of 32 each (the last one zero-padded).
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, QuantRows& out);
+
+// One panel's 16 sums v into row y's outputs n0.. (n0 + 16 <= n or fewer), plus the bias.
+template <typename O>
+inline void store_row16(O* y, int64_t n0, int64_t n, const float* v, const float* bias) {
+  for (int64_t i = 0; i < QPANEL && n0 + i < n; ++i) st(y, n0 + i, v[i] + (bias ? bias[n0 + i] : 0.f));
+}
+
+// --- kquant_linear.cpp: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K -------------------------------------
+int kfamily_of_kind(const std::string& kind);  // -1: not one of them
+int kfamily_of_record(int64_t bytes);          // the format whose packed record is this many bytes, or -1
+int64_t kfamily_block(int f);                  // weights per GGUF block (32 or 256)
+at::Tensor pack_kfamily(const at::Tensor& raw, int f, int64_t n, int64_t k);
+void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* rows, int64_t count, float* out);
+void qlinear_kfamily(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, at::Tensor& y, int64_t n,
+                     bool generic);
+
+}  // namespace rs

@@ -1,0 +1,480 @@
+// Quantized linears: GGUF Q4_0 / Q4_1 / Q8_0 (and radixserve's own int4 / int8) weights kept
+// in their blocks, repacked once into panels of 16 outputs. Torch references:
+// kernels.quant_matmul.dequant_ref (the packed layout), gguf-py's dequantize (the values), and
+// tests/test_quant.py's reference_qlinear (the 16-bit-activation dot product).
+#include "quant.h"
+
+namespace rs {
+namespace {
+
+// --- quantized linears (GGUF Q4_0 / Q4_1 / Q8_0, and radixserve's own int4 / int8) ---------
+// Weights stay in their blocks of 32 along k, each with fp16 scales, repacked once
+// (pack_quant) into panels of 16 outputs so one 64-byte load feeds 16 outputs:
+//   4-bit, 320 bytes per (panel, block): 256 bytes of nibbles, then 16 fp16 d, then 16 fp16 m.
+//           Byte 64c + 4n + r holds output n's weight 4c + r (low nibble) and 16 + 4c + r
+//           (high nibble), q in [0, 15]: w = d*q + m (Q4_0 becomes m = -8d, exactly).
+//   8-bit, 544 bytes: 512 bytes q + 128 (byte 64c + 4n + r: weight 4c + r), then 16 fp16 d:
+//           w = d*q.
+// The block bytes are GGUF's own, so the repack is exact and dequant_quant reproduces
+// gguf-py's dequantization bit for bit (d*q is exact in fp32, then one rounding for + m).
+// A linear of few rows (qlinear) works in integers, as llama.cpp does on CPU: each row's
+// activations are quantized per block of 32 (to 16 bits, see QuantRows), and every block's dot
+// product is an integer sum of u8 x s8 products (vpdpbusd), scaled by d * dx. Many rows (prefill) dequantize the weight once per call instead
+// and run fp32 GEMM: exactly the dequantized model's numbers.
+constexpr int64_t Q4_BYTES = 320, Q8_BYTES = 544;
+
+inline uint16_t float_to_half_exact(float f) {  // only for values fp16 holds exactly (-8 * an fp16 d)
+  return at::Half(f).x;
+}
+
+int64_t quant_bits(const std::string& kind) {
+  if (kind == "q4_0" || kind == "q4_1") return 4;
+  if (kind == "q8_0") return 8;
+  TORCH_CHECK(false, "pack_quant: kind must be q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k or q6_k, got ", kind);
+}
+
+}  // namespace
+
+// GGUF blocks (n, k/32 * block bytes) -> panels (ceil(n/16), k/32, 320 or 544).
+at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_t k) {
+  if (const int f = kfamily_of_kind(kind); f >= 0) return pack_kfamily(raw, f, n, k);
+  const int64_t bits = quant_bits(kind);
+  TORCH_CHECK(k % QBLOCK == 0, "pack_quant: k must be a multiple of 32, got ", k);
+  const int64_t kb = k / QBLOCK, src_block = kind == "q4_0" ? 18 : kind == "q4_1" ? 20 : 34;
+  auto rc = raw.contiguous();
+  TORCH_CHECK(rc.scalar_type() == at::kByte && rc.numel() == n * kb * src_block,
+              "pack_quant: ", n, " rows of ", kb, " ", kind, " blocks (", n * kb * src_block, " bytes), got ", rc.numel());
+  const int64_t panels = (n + QPANEL - 1) / QPANEL, bytes = bits == 4 ? Q4_BYTES : Q8_BYTES;
+  auto out = at::zeros({panels, kb, bytes}, rc.options());
+  const uint8_t* src = rc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  if (bits == 8) {  // padding rows: q + 128 = 128 (and d = 0)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t b = 0; b < kb; ++b) std::memset(dst + (p * kb + b) * bytes, 128, 512);
+  }
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = r / QPANEL, lane = r % QPANEL;
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* s = src + (r * kb + b) * src_block;
+        uint8_t* o = dst + (p * kb + b) * bytes;
+        uint16_t d;
+        std::memcpy(&d, s, 2);
+        if (bits == 8) {
+          for (int j = 0; j < 32; ++j) o[(j / 4) * 64 + lane * 4 + j % 4] = uint8_t(int(int8_t(s[2 + j])) + 128);
+          std::memcpy(o + 512 + 2 * lane, &d, 2);
+          continue;
+        }
+        uint16_t m;
+        const uint8_t* qs = s + (kind == "q4_1" ? 4 : 2);
+        if (kind == "q4_1") std::memcpy(&m, s + 2, 2);
+        else m = float_to_half_exact(-8.f * half_to_float(d));
+        for (int j = 0; j < 16; ++j)  // qs[j]: weight j (low nibble) and j + 16 (high)
+          o[(j / 4) * 64 + lane * 4 + j % 4] = qs[j];
+        std::memcpy(o + 256 + 2 * lane, &d, 2);
+        std::memcpy(o + 288 + 2 * lane, &m, 2);
+      }
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// The packed weight's format: -1 for Q4/Q8 panels (quant_linear.cpp), else a kfamily format.
+int check_quant(const at::Tensor& packed, int64_t n, int64_t k) {
+  const bool shaped = packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3;
+  const int f = shaped ? kfamily_of_record(packed.size(2)) : -1;
+  const int64_t block = f >= 0 ? kfamily_block(f) : QBLOCK;
+  TORCH_CHECK(shaped && (f >= 0 || packed.size(2) == Q4_BYTES || packed.size(2) == Q8_BYTES) && packed.size(0) * QPANEL >= n &&
+                  packed.size(1) * block >= k && (packed.size(1) - 1) * block < k && (f < 0 || k % block == 0),
+              "a weight packed by pack_quant for this n and k");
+  return f;
+}
+
+}  // namespace
+
+// The fp32 weight rows `rows` (all when empty) of a packed weight: gguf-py's numbers.
+at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<at::Tensor> rows) {
+  const int f = check_quant(packed, n, k);
+  const int64_t kb = packed.size(1), bytes = packed.size(2);
+  at::Tensor idx = rows.has_value() ? rows->contiguous() : at::arange(n, at::kLong);
+  TORCH_CHECK(idx.scalar_type() == at::kLong, "dequant_quant: int64 rows");
+  const int64_t count = idx.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "dequant_quant: row ", ip[i], " out of range");
+  auto out = at::empty({count, k}, at::kFloat);
+  float* od = out.data_ptr<float>();
+  if (f >= 0) {
+    dequant_kfamily(packed, f, k, ip, count, od);
+    return out;
+  }
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = ip[i], p = r / QPANEL, lane = r % QPANEL;
+      float* orow = od + i * k;
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* blk = pd + (p * kb + b) * bytes;
+        uint16_t dh;
+        std::memcpy(&dh, blk + (bytes == Q4_BYTES ? 256 : 512) + 2 * lane, 2);
+        const float d = half_to_float(dh);
+        const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK);
+#if defined(RS_AVX512)
+        // the scalar loops below, 16 weights at a time: row `lane`'s 4 bytes of each 64-byte
+        // chunk are its next 4 weights (and, in the high nibbles, the 4 after the first 16)
+        const __mmask16 m0 = lim >= 16 ? __mmask16(0xffff) : __mmask16((1u << lim) - 1);
+        const __mmask16 m1 = lim >= 32 ? __mmask16(0xffff) : lim > 16 ? __mmask16((1u << (lim - 16)) - 1) : __mmask16(0);
+        auto quads = [&](int c0) {  // the 16 bytes at 64c + 4*lane, c = c0 .. c0 + 3
+          int32_t q[4];
+          for (int c = 0; c < 4; ++c) std::memcpy(&q[c], blk + 64 * (c0 + c) + 4 * lane, 4);
+          return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+        };
+        const __m512 dv = _mm512_set1_ps(d);
+        if (bytes == Q8_BYTES) {
+          for (int half = 0; half < 2; ++half) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(quads(4 * half), _mm512_set1_epi32(128)));
+            _mm512_mask_storeu_ps(orow + b * QBLOCK + 16 * half, half ? m1 : m0, _mm512_mul_ps(dv, q));
+          }
+          continue;
+        }
+        uint16_t mbits;
+        std::memcpy(&mbits, blk + 288 + 2 * lane, 2);
+        const __m512 mv = _mm512_set1_ps(half_to_float(mbits));
+        const __m512i bytes16 = quads(0);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes16, _mm512_set1_epi32(0xf)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes16, 4));
+        _mm512_mask_storeu_ps(orow + b * QBLOCK, m0, _mm512_add_ps(_mm512_mul_ps(dv, lo), mv));  // d*q exact, then one rounding
+        _mm512_mask_storeu_ps(orow + b * QBLOCK + 16, m1, _mm512_add_ps(_mm512_mul_ps(dv, hi), mv));
+        continue;
+#endif
+        if (bytes == Q8_BYTES) {
+          for (int64_t j = 0; j < lim; ++j) orow[b * QBLOCK + j] = d * float(int(blk[(j / 4) * 64 + lane * 4 + j % 4]) - 128);
+          continue;
+        }
+        uint16_t mh;
+        std::memcpy(&mh, blk + 288 + 2 * lane, 2);
+        const float m = half_to_float(mh);
+        for (int64_t j = 0; j < lim; ++j) {
+          const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4];
+          const float q = float(j < 16 ? byte & 0xf : byte >> 4);
+          const float dq = d * q;  // exact; then one rounding, as gguf-py's (d * q) + m
+          orow[b * QBLOCK + j] = dq + m;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// Activations of `m` rows, quantized per block of 32 to 16 bits: xi = round(x / dx) with
+// dx = amax / 32639, held as two int8 halves xi = 256*hi + lo (hi in -127..127, lo in
+// -128..127), so u8 x s8 products (vpdpbusd) make each block's exact integer sum in two passes.
+// 16 bits, not llama.cpp's 8: the activations' rounding error (~1.5e-5 of a block's largest)
+// stays far below bf16's, and on SmolLM2 greedy output then agrees with the dequantized fp32
+// model as closely as fp32 kernels agree with each other (scripts/quant_check.py).
+// sq: the sum of a block's xi; sx = dx * sq, the sum of the values they stand for (Q4's m term
+// multiplies it: the result is then the exact dot product of the weights with the quantized
+// activations).
+#if defined(RS_AVX512)
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
+}  // namespace
+
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, QuantRows& out) {
+  out.hi.assign(m * kb * QBLOCK, 0);
+  out.lo.assign(m * kb * QBLOCK, 0);
+  out.dx.resize(m * kb);
+  out.sx.resize(m * kb);
+  out.sq.resize(m * kb);
+  out.sq0.resize(m * kb);
+  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < kb; ++b) {
+        const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK), at = r * kb + b;
+        const T* xr = x + r * ldx + b * QBLOCK;
+#if defined(RS_AVX512)
+        // the scalar loop below, 32 lanes at a time (the same roundings, so the same numbers)
+        const __mmask16 m0 = lim >= 16 ? __mmask16(0xffff) : __mmask16((1u << lim) - 1);
+        const __mmask16 m1 = lim >= 32 ? __mmask16(0xffff) : lim > 16 ? __mmask16((1u << (lim - 16)) - 1) : __mmask16(0);
+        const __m512 v0 = load16_masked(xr, m0), v1 = load16_masked(xr + 16, m1);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? QSTEPS / amax : 0.f), hi_q = _mm512_set1_ps(QSTEPS), lo_q = _mm512_set1_ps(-QSTEPS);
+        const __m512i x0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, inv), lo_q), hi_q));
+        const __m512i x1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, inv), lo_q), hi_q));
+        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(x0, _mm512_set1_epi32(128)), 8);
+        const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(x1, _mm512_set1_epi32(128)), 8);
+        int8_t* hp = out.hi.data() + at * QBLOCK;
+        int8_t* lp = out.lo.data() + at * QBLOCK;
+        _mm_storeu_si128((__m128i*)hp, _mm512_cvtepi32_epi8(h0));
+        _mm_storeu_si128((__m128i*)(hp + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128((__m128i*)lp, _mm512_cvtepi32_epi8(_mm512_sub_epi32(x0, _mm512_slli_epi32(h0, 8))));
+        _mm_storeu_si128((__m128i*)(lp + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x1, _mm512_slli_epi32(h1, 8))));
+        const int32_t s0 = _mm512_reduce_add_epi32(x0);
+        finish_block(out, at, amax / QSTEPS, s0 + _mm512_reduce_add_epi32(x1), s0);
+#else
+        float v[QBLOCK];
+        float amax = 0.f;
+        for (int64_t j = 0; j < QBLOCK; ++j) {
+          v[j] = j < lim ? ld(xr, j) : 0.f;
+          amax = std::max(amax, std::fabs(v[j]));
+        }
+        const float inv = amax > 0.f ? QSTEPS / amax : 0.f;
+        int32_t sq = 0, sq0 = 0;
+        for (int64_t j = 0; j < QBLOCK; ++j) {
+          const int32_t xi = int32_t(std::nearbyint(std::clamp(v[j] * inv, -QSTEPS, QSTEPS)));
+          const int32_t h = (xi + 128) >> 8;
+          out.hi[at * QBLOCK + j] = int8_t(h);
+          out.lo[at * QBLOCK + j] = int8_t(xi - 256 * h);
+          sq += xi;
+          if (j == 15) sq0 = sq;
+        }
+        finish_block(out, at, amax / QSTEPS, sq, sq0);
+#endif
+      }
+  });
+}
+
+template void quantize_rows<float>(const float*, int64_t, int64_t, int64_t, int64_t, QuantRows&);
+template void quantize_rows<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t, QuantRows&);
+
+namespace {
+
+
+// One panel's outputs for rows [m0, m0 + mr): the portable path (and the reference the AVX-512
+// path is checked against in tests, through qlinear on machines without VNNI).
+template <typename O>
+void qtile_generic(const uint8_t* panel, int64_t kb, int64_t bytes, const QuantRows& xr, int64_t m0, int64_t mr, const float* bias,
+                   O* y, int64_t ldy, int64_t n0, int64_t n) {
+  for (int64_t r = m0; r < m0 + mr; ++r) {
+    float acc[QPANEL] = {0};
+    for (int64_t b = 0; b < kb; ++b) {
+      const uint8_t* blk = panel + b * bytes;
+      const int8_t* hi = xr.hi.data() + (r * kb + b) * QBLOCK;
+      const int8_t* lo = xr.lo.data() + (r * kb + b) * QBLOCK;
+      int32_t q[QBLOCK];
+      for (int j = 0; j < QBLOCK; ++j) q[j] = 256 * hi[j] + lo[j];
+      const float dx = xr.dx[r * kb + b], sx = xr.sx[r * kb + b];
+      for (int64_t lane = 0; lane < QPANEL; ++lane) {
+        int32_t isum = 0;
+        uint16_t dh;
+        if (bytes == Q8_BYTES) {
+          for (int j = 0; j < 32; ++j) isum += int32_t(blk[(j / 4) * 64 + lane * 4 + j % 4]) * q[j];
+          isum -= 128 * xr.sq[r * kb + b];
+          std::memcpy(&dh, blk + 512 + 2 * lane, 2);
+          acc[lane] += float(isum) * (half_to_float(dh) * dx);
+        } else {
+          for (int j = 0; j < 32; ++j) {
+            const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4];
+            isum += int32_t(j < 16 ? byte & 0xf : byte >> 4) * q[j];
+          }
+          uint16_t mh;
+          std::memcpy(&dh, blk + 256 + 2 * lane, 2);
+          std::memcpy(&mh, blk + 288 + 2 * lane, 2);
+          acc[lane] += float(isum) * (half_to_float(dh) * dx) + half_to_float(mh) * sx;
+        }
+      }
+    }
+    store_row16(y + r * ldy, n0, n, acc, bias);
+  }
+}
+
+#if defined(RS_AVX512) && defined(__AVX512VNNI__)
+constexpr int64_t QMR = 4;  // rows per tile: 8 weight registers + 2 per row
+
+template <int MR, int BITS, typename O>
+void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
+           int64_t n) {
+  constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+    prefetch_row(blk + 12 * bytes, bytes);  // ~4 KB ahead: DRAM's latency (at 3-4 rows too: without it a 4-row tile waited on memory, 1.7x slower)
+    __m512i w[8];
+    __m512 d, mv = _mm512_setzero_ps();
+    if constexpr (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        w[c] = _mm512_and_si512(v, low);
+        w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 256)));
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288)));
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(blk + 64 * c);
+      d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 512)));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * kb + b;
+      const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
+      const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      for (int c = 0; c < 4; ++c) {  // four chains, so the sums overlap
+        h0 = _mm512_dpbusd_epi32(h0, w[c], _mm512_set1_epi32(hi[c]));
+        h1 = _mm512_dpbusd_epi32(h1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
+        l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
+        l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+      }
+      __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+      if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xr.sq[at]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xr.dx[at])), acc[m]);
+      if constexpr (BITS == 4) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xr.sx[at]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float v[QPANEL];
+    _mm512_store_ps(v, acc[m]);
+    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
+  }
+}
+
+constexpr bool HAS_VEC_QTILE = true;
+#elif defined(__AVX2__)
+constexpr int64_t QMR = 4;
+
+// One 8-output half of a panel, AVX2 (and AVX-512 without VNNI): u8 x s8 products by
+// vpmaddubsw into int16 pairs, widened by vpmaddwd with a power-of-two weight, so every part
+// lands in one int32 sum per output without saturating: the nibbles are at most 15, so a pair
+// is at most 2 * 15 * 128 = 3840 before vpmaddwd. 4-bit: the low and high nibbles are two
+// weights; 8-bit (q + 128 in a byte): the high nibble is worth 16. The activation's halves hi
+// (worth 256) and lo fold in the same way, so the integer sums are exactly the VNNI path's.
+inline __m256i dot_nib(__m256i w, int32_t x4, __m256i scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), scale);
+}
+
+template <int MR, int BITS, typename O>
+void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
+           int64_t n) {
+  constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
+  __m256 acc[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), x1 = _mm256_set1_epi16(1), x16 = _mm256_set1_epi16(16),
+                x256 = _mm256_set1_epi16(256), x4096 = _mm256_set1_epi16(4096);
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+    prefetch_row(blk + 12 * bytes, bytes);
+    for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7: bytes 32h .. 32h + 31 of each 64
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + (BITS == 4 ? 256 : 512) + 16 * h)));
+      __m256i s[MR];
+      for (int m = 0; m < MR; ++m) s[m] = _mm256_setzero_si256();
+      if constexpr (BITS == 4) {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * c + 32 * h));
+          const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int m = 0; m < MR; ++m) {
+            const int64_t at = (m0 + m) * kb + b;
+            const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
+            const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, hi[c], x256), dot_nib(wh, hi[4 + c], x256)));
+            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, lo[c], x1), dot_nib(wh, lo[4 + c], x1)));
+          }
+        }
+      } else {
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * c + 32 * h));
+          const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int m = 0; m < MR; ++m) {
+            const int64_t at = (m0 + m) * kb + b;
+            const int32_t hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK)[c];
+            const int32_t lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK)[c];
+            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, hi, x4096), dot_nib(wl, hi, x256)));
+            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, lo, x16), dot_nib(wl, lo, x1)));
+          }
+        }
+      }
+      const __m256 mv = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 288 + 16 * h))) : _mm256_setzero_ps();
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (m0 + m) * kb + b;
+        __m256i si = s[m];
+        if constexpr (BITS == 8) si = _mm256_sub_epi32(si, _mm256_set1_epi32(128 * xr.sq[at]));
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(xr.dx[at])), acc[h][m]);
+        if constexpr (BITS == 4) acc[h][m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xr.sx[at]), acc[h][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float v[QPANEL];
+    _mm256_store_ps(v, acc[0][m]);
+    _mm256_store_ps(v + 8, acc[1][m]);
+    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
+  }
+}
+constexpr bool HAS_VEC_QTILE = true;
+#else
+constexpr bool HAS_VEC_QTILE = false;
+#endif
+
+#if defined(RS_AVX512) && defined(__AVX512VNNI__) || defined(__AVX2__)
+template <int BITS, typename O>
+void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+  for (int64_t m0 = 0; m0 < m; m0 += QMR) {
+    switch (std::min<int64_t>(QMR, m - m0)) {
+      case 1: qtile<1, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 2: qtile<2, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 3: qtile<3, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      default: qtile<4, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+    }
+  }
+}
+#endif
+
+
+template <typename O>
+void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
+  const int64_t kb = packed.size(1), bytes = packed.size(2), panels = (n + QPANEL - 1) / QPANEL;
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = pd + p * kb * bytes;
+#if defined(RS_AVX512) && defined(__AVX512VNNI__) || defined(__AVX2__)
+      if (vector) {
+        if (bytes == Q4_BYTES) qpanel<4>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+        else qpanel<8>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+        continue;
+      }
+#endif
+      qtile_generic(panel, kb, bytes, xr, 0, m, bias, y, n, p * QPANEL, n);
+    }
+  });
+}
+
+}  // namespace
+
+// y (M, n) = x (M, k) W^T + bias over a pack_quant weight; y is x's dtype, or fp32.
+// generic: the portable C++ path even where AVX512-VNNI is built (tests compare the two).
+at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
+                      bool generic) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qlinear: 2-d float32 or bfloat16 x, rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int f = check_quant(packed, n, k);
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "qlinear: a contiguous float32 bias of n");
+  const float* bd = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto y = at::empty({m, n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  if (m == 0) return y;
+  QuantRows xr;
+  const int64_t kb = f >= 0 ? k / QBLOCK : packed.size(1);
+  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, xr); });
+  if (f >= 0) {
+    qlinear_kfamily(packed, f, xr, m, bd, y, n, generic);
+    return y;
+  }
+  const bool vector = HAS_VEC_QTILE && !generic;
+  if (float_out) qlinear_impl(packed, xr, m, bd, y.data_ptr<float>(), n, vector);
+  else DISPATCH_FLOAT_BF16(y, "qlinear", [&] { qlinear_impl(packed, xr, m, bd, ptr<scalar>(y), n, vector); });
+  return y;
+}
+
+}  // namespace rs
