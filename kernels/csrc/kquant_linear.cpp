@@ -64,14 +64,17 @@ void unpack(int f, const uint8_t* s, Block& u) {
     }
     return;
   }
-  if (f == Q6_K) {  // ql[128], qh[64], int8 scales[16], d
+  if (f == Q6_K) {  // ql[128], qh[64], int8 scales[16], d; weight 128h + 64s + j: ql[64h + j] >> 4s, 128h + 32t + j: qh >> 2t
     const uint8_t *ql = s, *qh = s + 128;
     std::memcpy(u.sc, s + 192, 16);
     u.d = u16(s + 208);
-    for (int w = 0; w < 256; ++w) {
-      const int h = w / 128, r = w % 128;
-      const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15, high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-      u.q[w] = uint8_t(low | (high << 4));
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 64; ++j) {
+        u.q[128 * h + j] = ql[64 * h + j] & 15;
+        u.q[128 * h + 64 + j] = ql[64 * h + j] >> 4;
+      }
+      for (int t = 0; t < 4; ++t)
+        for (int j = 0; j < 32; ++j) u.q[128 * h + 32 * t + j] |= ((qh[32 * h + j] >> (2 * t)) & 3) << 4;
     }
     return;
   }
@@ -87,12 +90,14 @@ void unpack(int f, const uint8_t* s, Block& u) {
   }
   const uint8_t* qh = f == Q5_K ? s + 16 : nullptr;
   const uint8_t* qs = s + (f == Q5_K ? 48 : 16);
-  for (int w = 0; w < 256; ++w) {
-    const int g = w / 64, j = w % 32, hi = (w / 32) % 2;
-    int q = (qs[32 * g + j] >> (4 * hi)) & 15;
-    if (qh) q |= ((qh[j] >> (w / 32)) & 1) << 4;
-    u.q[w] = uint8_t(q);
-  }
+  for (int g = 0; g < 4; ++g)  // weight 64g + j: qs[32g + j] & 15; 64g + 32 + j: qs[32g + j] >> 4
+    for (int j = 0; j < 32; ++j) {
+      u.q[64 * g + j] = qs[32 * g + j] & 15;
+      u.q[64 * g + 32 + j] = qs[32 * g + j] >> 4;
+    }
+  if (qh)  // weight 32t + j: bit t of qh[j]
+    for (int t = 0; t < 8; ++t)
+      for (int j = 0; j < 32; ++j) u.q[32 * t + j] |= ((qh[j] >> t) & 1) << 4;
 }
 
 inline uint64_t mask_at(const uint8_t* sub, int t, int p, int c) {
@@ -101,37 +106,42 @@ inline uint64_t mask_at(const uint8_t* sub, int t, int p, int c) {
   return v;
 }
 
-// Output `lane`'s weights of one GGUF block into its panel record.
-void write_record(int f, const Block& u, int64_t lane, uint8_t* rec) {
+// The outputs `u[0, lanes)` of one panel's GGUF block into its record (zeroed beforehand).
+void write_record(int f, const Block* u, int64_t lanes, uint8_t* rec) {
   const Fmt& F = FMTS[f];
-  if (F.header) {
-    std::memcpy(rec + 2 * lane, &u.d, 2);
-    if (f != Q6_K) std::memcpy(rec + 32 + 2 * lane, &u.m, 2);
+  for (int64_t lane = 0; lane < lanes && F.header; ++lane) {
+    std::memcpy(rec + 2 * lane, &u[lane].d, 2);
+    if (f != Q6_K) std::memcpy(rec + 32 + 2 * lane, &u[lane].m, 2);
   }
   for (int64_t i = 0; i < F.subs(); ++i) {
     uint8_t* sub = rec + F.header + i * F.sub();
-    const uint8_t* q = u.q + 32 * i;
-    for (int c = 0; c < 4; ++c)
-      for (int r = 0; r < 4; ++r) sub[64 * c + 4 * lane + r] = uint8_t((q[4 * c + r] & 15) | ((q[16 + 4 * c + r] & 15) << 4));
+    uint8_t* sc = sub + 256 + 64 * F.hbits;
+    uint64_t masks[2][2][4] = {};
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const uint8_t* q = u[lane].q + 32 * i;
+      for (int c = 0; c < 4; ++c)
+        for (int r = 0; r < 4; ++r) {
+          const uint8_t lo = q[4 * c + r], hi = q[16 + 4 * c + r];
+          sub[64 * c + 4 * lane + r] = uint8_t((lo & 15) | ((hi & 15) << 4));
+          for (int t = 0; t < F.hbits; ++t) {
+            masks[t][0][c] |= uint64_t((lo >> (4 + t)) & 1) << (4 * lane + r);
+            masks[t][1][c] |= uint64_t((hi >> (4 + t)) & 1) << (4 * lane + r);
+          }
+        }
+      if (f == Q5_0 || f == Q5_1) {
+        std::memcpy(sc + 2 * lane, &u[lane].d, 2);
+        if (f == Q5_1) std::memcpy(sc + 32 + 2 * lane, &u[lane].m, 2);
+      } else if (f == Q6_K) {
+        sc[lane] = u[lane].sc[2 * i];
+        sc[16 + lane] = u[lane].sc[2 * i + 1];
+      } else {
+        sc[lane] = u[lane].sc[i];
+        sc[16 + lane] = u[lane].mn[i];
+      }
+    }
     for (int t = 0; t < F.hbits; ++t)
       for (int p = 0; p < 2; ++p)
-        for (int c = 0; c < 4; ++c) {
-          uint64_t v = mask_at(sub, t, p, c);
-          for (int r = 0; r < 4; ++r)
-            if ((q[16 * p + 4 * c + r] >> (4 + t)) & 1) v |= uint64_t(1) << (4 * lane + r);
-          std::memcpy(sub + 256 + ((t * 2 + p) * 4 + c) * 8, &v, 8);
-        }
-    uint8_t* sc = sub + 256 + 64 * F.hbits;
-    if (f == Q5_0 || f == Q5_1) {
-      std::memcpy(sc + 2 * lane, &u.d, 2);
-      if (f == Q5_1) std::memcpy(sc + 32 + 2 * lane, &u.m, 2);
-    } else if (f == Q6_K) {
-      sc[lane] = u.sc[2 * i];
-      sc[16 + lane] = u.sc[2 * i + 1];
-    } else {
-      sc[lane] = u.sc[i];
-      sc[16 + lane] = u.mn[i];
-    }
+        for (int c = 0; c < 4; ++c) std::memcpy(sub + 256 + ((t * 2 + p) * 4 + c) * 8, &masks[t][p][c], 8);
   }
 }
 
@@ -183,13 +193,14 @@ void pack_impl(const uint8_t* src, int64_t n, int64_t nb, uint8_t* dst) {
   const Fmt& fm = FMTS[F];
   const int64_t panels = (n + QPANEL - 1) / QPANEL;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    Block u;
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r = p * QPANEL; r < std::min(n, (p + 1) * QPANEL); ++r)
-        for (int64_t b = 0; b < nb; ++b) {
-          unpack(F, src + (r * nb + b) * fm.src_bytes, u);
-          write_record(F, u, r % QPANEL, dst + (p * nb + b) * fm.rec());
-        }
+    std::vector<Block> u(QPANEL);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t lanes = std::min<int64_t>(QPANEL, n - p * QPANEL);
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t l = 0; l < lanes; ++l) unpack(F, src + ((p * QPANEL + l) * nb + b) * fm.src_bytes, u[l]);
+        write_record(F, u.data(), lanes, dst + (p * nb + b) * fm.rec());
+      }
+    }
   });
 }
 

@@ -155,51 +155,53 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     """The file's tensors under Hugging Face names: torch tensors for float ones (and for
     quantized types radixserve does not run natively: dequantized, with a warning naming
     them), `QuantTensor`s of the raw blocks for the native kinds (models.quant.FORMATS): views
-    of the file's read-only memory map, no copy (packing reads them once). Llama-family q/k rows
-    are un-permuted as transformers does (GGUF stores them in llama.cpp's rope order)."""
+    of the file's read-only memory map, no copy (packing reads them once, then releases their
+    pages). Llama-family q/k rows are un-permuted as transformers does (GGUF stores them in
+    llama.cpp's rope order)."""
     import warnings
 
     import numpy as np
     import torch
-    from gguf import GGUFReader, quants
+    from gguf import quants
 
+    from radixserve.models.gguf_file import GGUFFormatError, GGUFTensors
     from radixserve.models.quant import QuantTensor
 
     try:
-        reader = GGUFReader(str(gguf_path))
-    except Exception as e:  # a truncated or foreign file
-        size = gguf_path.stat().st_size
-        hint = " (the file looks truncated: its tensors do not fit in its " + f"{size:,} bytes)" if "reshape" in str(e) else ""
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}{hint}: {e}") from e
+        file = GGUFTensors(gguf_path)
+    except (GGUFFormatError, OSError, ValueError) as e:  # a truncated or foreign file
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     permute = cfg.get("model_type") in ("llama", "mistral")
     fallback: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in file.tensors:
         name = hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dimension first
+        shape = tuple(reversed(t.shape))  # GGUF lists the fastest dimension first
         rows = None
         if permute and (".q_proj." in name or ".k_proj." in name):
             rows = _rope_rows(shape[0], heads if ".q_proj." in name else kv_heads)
-        kind = t.tensor_type.name
+        kind, data = t.type.name, file.data(t)
         if kind in _NATIVE and len(shape) == 2:
             with warnings.catch_warnings():  # the map is read-only; nothing writes to it
                 warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(shape[0], -1))
-            q = QuantTensor(_NATIVE[kind], raw, shape[0], shape[1])
+                raw = torch.from_numpy(data.reshape(shape[0], -1))
+            q = QuantTensor(_NATIVE[kind], raw, shape[0], shape[1], release=lambda t=t: file.release(t))
             yield name, q if rows is None else q.rows(rows)
             continue
         if kind in _FLOAT:
-            arr = np.asarray(t.data).reshape(shape)
+            arr = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]).reshape(shape)
             value = torch.from_numpy(arr.astype(np.float32) if kind == "F16" else arr.copy())
             if kind == "BF16":
-                value = value.view(torch.int16).view(torch.bfloat16).float()
+                value = value.view(torch.bfloat16).float()
         else:
             fallback[kind] = fallback.get(kind, 0) + 1
-            value = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).reshape(shape).copy())
+            value = torch.from_numpy(quants.dequantize(data, t.type).reshape(shape).copy())
+        file.release(t)
         yield name, value if rows is None else value.index_select(0, rows)
     for kind, count in fallback.items():
         log.warning("%s: %d %s tensors are dequantized to float (radixserve runs %s natively)",
                     gguf_path.name, count, kind, ", ".join(_NATIVE))
+    file.close()  # the map itself stays until the last view of it (a QuantTensor not packed yet) is gone
 
 
 def _rope_rows(n: int, heads: int) -> Any:

@@ -182,27 +182,27 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
             split[module] = shards.pop(module)
     with torch.device("meta"):
         model = model_class(arch.architecture)(arch)
-        placed = {m: quant.cat_rows(parts) for m, parts in shards.items()}
         for module, qs in split.items():
             parent, _, leaf = module.rpartition(".")
             owner = model.get_submodule(parent)
             parts = [quant.QuantLinear(q.n, q.k, q.kind, False) for q in qs]
             setattr(owner, leaf, quant.SplitQuantLinear(parts, getattr(getattr(owner, leaf), "bias", None) is not None))
-        for module, q in placed.items():
+        for module, parts in shards.items():
             parent, _, leaf = module.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
+            n, k, kind = sum(p.n for p in parts), parts[0].k, parts[0].kind
             if leaf == "embed_tokens":
-                setattr(owner, leaf, quant.QuantEmbedding(q.n, q.k, q.kind, dtype))
+                setattr(owner, leaf, quant.QuantEmbedding(n, k, kind, dtype))
             else:
                 old = getattr(owner, leaf)
-                setattr(owner, leaf, quant.QuantLinear(q.n, q.k, q.kind, getattr(old, "bias", None) is not None,
-                                                       float_out=leaf == "lm_head"))
+                bias = getattr(old, "bias", None) is not None
+                setattr(owner, leaf, quant.QuantLinear(n, k, kind, bias, float_out=leaf == "lm_head"))
     model = model.to(dtype=dtype).to_empty(device=device)
-    for module, q in placed.items():
-        model.get_submodule(module).packed.copy_(quant.pack(q))
+    for module, parts in shards.items():  # one module at a time: its fused raw copy and its file pages go after it
+        _place(model.get_submodule(module), quant.cat_rows(parts) if len(parts) > 1 else parts[0])
     for module, qs in split.items():
         for part, q in zip(model.get_submodule(module).parts, qs):
-            part.packed.copy_(quant.pack(q))
+            _place(part, q)
     embed = model.model.embed_tokens
     if arch.tie_word_embeddings:
         if isinstance(embed, quant.QuantEmbedding):  # the head reads the embedding's blocks
@@ -221,6 +221,13 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
         if isinstance(m, quant.QuantLinear):
             m.finish()
     return model
+
+
+def _place(module: nn.Module, q: Any) -> None:
+    """Pack q's blocks into the module (its buffer replaced: the empty one was never touched)."""
+    packed = quant.pack(q)
+    module.packed = packed.to(module.packed.device) if module.packed.device != packed.device else packed
+    q.done()
 
 
 def _release_freed_memory() -> None:

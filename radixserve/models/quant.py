@@ -61,15 +61,22 @@ TRITON_KINDS = ("q4_0", "q4_1", "q8_0")  # what kernels/quant_matmul.py runs on 
 
 @dataclass
 class QuantTensor:
-    """A quantized 2-d weight (n, k) in GGUF blocks: `raw` is (n, k/32 * block bytes) uint8."""
+    """A quantized 2-d weight (n, k) in GGUF blocks: `raw` is (n, blocks * block bytes) uint8.
+    `release`, if given, hands the bytes `raw` views back (a file's mapped pages) once packed."""
 
     kind: str
     raw: torch.Tensor
     n: int
     k: int
+    release: Callable[[], None] | None = None
 
     def rows(self, index: torch.Tensor) -> QuantTensor:
-        return QuantTensor(self.kind, self.raw.index_select(0, index), self.n, self.k)
+        return QuantTensor(self.kind, self.raw.index_select(0, index), self.n, self.k, self.release)
+
+    def done(self) -> None:
+        """Packed: its source bytes may go."""
+        if self.release is not None:
+            self.release()
 
     def dequantize(self) -> torch.Tensor:
         """fp32 (n, k), by gguf-py (what dequant_quant reproduces)."""
@@ -84,7 +91,8 @@ def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
     kinds = {p.kind for p in parts}
     if len(kinds) != 1 or len({p.k for p in parts}) != 1:
         raise ValueError(f"cannot fuse quantized weights of kinds {sorted(kinds)}")
-    return QuantTensor(parts[0].kind, torch.cat([p.raw for p in parts]), sum(p.n for p in parts), parts[0].k)
+    return QuantTensor(parts[0].kind, torch.cat([p.raw for p in parts]), sum(p.n for p in parts), parts[0].k,
+                       lambda: [p.done() for p in parts])
 
 
 def packed_shape(kind: str, n: int, k: int) -> tuple[int, int, int]:
