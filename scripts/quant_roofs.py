@@ -1,0 +1,91 @@
+"""How close each quantized linear kernel gets to this machine's memory roof at one row (decode
+at batch 1 is bound by reading the weights), and its rate at 32 rows, per GGUF kind and per
+kernel build this CPU runs. The roof is measured here, STREAM-like: the read rate of a sum
+over a 1 GiB array, and the rate of a 1 GiB copy (read + write), on torch's threads.
+
+    .venv/bin/python scripts/quant_roofs.py [--mib 512] [--kinds q4_0,q4_k,...] [--isas avx512,avx2]
+
+Each kind is timed over Qwen2.5-1.5B-shaped weights (a layer's q/k/v, o, gate/up and down,
+repeated to --mib MiB of packed blocks, each weight distinct, so they stream from memory).
+Prints a table: kind, build, packed GB/s at one row (and its share of the read roof), ms per
+pass, and GMAC/s at 32 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels import cpu
+
+SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # Qwen2.5-1.5B: qkv, o, gate_up, down
+
+
+def best_of(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def roofs() -> tuple[float, float]:
+    a = torch.ones(2**28)  # 1 GiB of fp32
+    b = torch.empty_like(a)
+    read = a.numel() * 4 / best_of(lambda: a.sum()) / 1e9
+    copy = 2 * a.numel() * 4 / best_of(lambda: b.copy_(a)) / 1e9
+    return read, copy
+
+
+def weights(kind: str, mib: int, ops) -> list[tuple[torch.Tensor, int, int]]:
+    from tests.test_quant import gguf_blocks
+
+    out, total = [], 0
+    seed = 0
+    while total < mib * 2**20:
+        for n, k in SHAPES:
+            raw, _ = gguf_blocks(kind, 64, k, seed)  # 64 distinct rows, tiled: the values do not matter, the bytes do
+            seed += 1
+            p = ops.pack_quant(raw.repeat(n // 64, 1), kind, n, k)
+            out.append((p, n, k))
+            total += p.numel()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--kinds", default="q4_0,q4_1,q8_0,q5_0,q5_1,q4_k,q5_k,q6_k")
+    ap.add_argument("--isas", default=",".join(i for i in cpu.runnable_isas() if i != "generic"))
+    args = ap.parse_args()
+    read, copy = roofs()
+    print(f"memory roof: read {read:.1f} GB/s (sum of 1 GiB), copy {copy:.1f} GB/s (read + write of 1 GiB), "
+          f"{torch.get_num_threads()} threads")
+    print("| kind | build | 1 row: packed GB/s | share of the read roof | ms a pass | 32 rows: GMAC/s |")
+    print("|---|---|---:|---:|---:|---:|")
+    for kind in args.kinds.split(","):
+        for isa in args.isas.split(","):
+            ops = cpu.ops_for(isa)
+            ws = weights(kind, args.mib, ops)
+            nbytes = sum(p.numel() for p, _, _ in ws)
+            macs = sum(n * k for _, n, k in ws)
+            xs = {k: torch.randn(32, k) for _, k in SHAPES}
+
+            def run(rows: int, ws=ws, xs=xs, ops=ops) -> None:
+                for p, n, k in ws:
+                    ops.qlinear(xs[k][:rows], p, n, None, True, False)
+
+            t1 = best_of(lambda: run(1), 3)
+            t32 = best_of(lambda: run(32), 2)
+            gbs = nbytes / t1 / 1e9
+            print(f"| {kind} | {ops.isa()} | {gbs:.1f} | {gbs / read:.0%} | {t1 * 1e3:.1f} | {32 * macs / t32 / 1e9:.0f} |",
+                  flush=True)
+            del ws
+
+
+if __name__ == "__main__":
+    main()
