@@ -27,6 +27,7 @@ had (no C++ compiler) or with RADIXSERVE_CPU_KERNELS=0: callers then use the tor
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -71,15 +72,17 @@ def set_isa(isa: str | None) -> None:
     _isa = isa
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags, read once (ops() asks for its build on every kernel call)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), frozenset())
     except OSError:
-        return set()
+        return frozenset()
 
 
-def runnable_isas(flags: set[str] | None = None) -> list[str]:
+def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
     """The builds this CPU can run, best first."""
     flags = cpu_flags() if flags is None else flags
     out = []
@@ -90,7 +93,7 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
     return out + ["generic"]
 
 
-def isa_flags(isa: str, flags: set[str] | None = None) -> list[str]:
+def isa_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     """The compiler flags of one build: the instruction set, and for avx512 the extensions
     (VNNI, BF16) this CPU has."""
     flags = cpu_flags() if flags is None else flags

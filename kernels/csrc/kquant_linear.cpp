@@ -434,7 +434,7 @@ constexpr bool HAS_VEC_KTILE = false;
 template <int F, typename O>
 void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n,
             bool vector) {
-#if defined(RS_AVX512) && defined(__AVX512VNNI__) || defined(__AVX2__)
+#if defined(RS_INT_DOT)
   if (vector) {
     for (int64_t m0 = 0; m0 < m; m0 += KMR) {
       switch (std::min<int64_t>(KMR, m - m0)) {

@@ -9,6 +9,12 @@ namespace rs {
 
 constexpr int64_t QPANEL = 16, QBLOCK = 32;
 
+// The builds with a vector integer dot product for the quantized tiles: vpdpbusd (AVX512-VNNI)
+// or vpmaddubsw + vpmaddwd (AVX2, also AVX-512 without VNNI); elsewhere the portable tiles.
+#if (defined(RS_AVX512) && defined(__AVX512VNNI__)) || defined(__AVX2__)
+#define RS_INT_DOT 1
+#endif
+
 // Activations of `m` rows, quantized per block of 32 to 16 bits: xi = round(x / dx) with
 // dx = amax / 32639, held as two int8 halves xi = 256*hi + lo (hi in -127..127, lo in
 // -128..127), so u8 x s8 products make each block's exact integer sum in two passes.

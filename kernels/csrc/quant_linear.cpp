@@ -414,7 +414,7 @@ constexpr bool HAS_VEC_QTILE = true;
 constexpr bool HAS_VEC_QTILE = false;
 #endif
 
-#if defined(RS_AVX512) && defined(__AVX512VNNI__) || defined(__AVX2__)
+#if defined(RS_INT_DOT)
 template <int BITS, typename O>
 void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
   for (int64_t m0 = 0; m0 < m; m0 += QMR) {
@@ -436,7 +436,7 @@ void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, cons
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = pd + p * kb * bytes;
-#if defined(RS_AVX512) && defined(__AVX512VNNI__) || defined(__AVX2__)
+#if defined(RS_INT_DOT)
       if (vector) {
         if (bytes == Q4_BYTES) qpanel<4>(panel, kb, xr, m, bias, y, p * QPANEL, n);
         else qpanel<8>(panel, kb, xr, m, bias, y, p * QPANEL, n);
