@@ -32,22 +32,39 @@ class CompileCache:
     its start or `memory_mb` MiB over its worker's memory at its start."""
 
     def __init__(self, factory: BackendFactory, timeout_s: float = 10.0, workers: int = 2, tenant_compiles: int | None = None,
-                 memory_mb: int = 1024, max_entries: int = 4096) -> None:
+                 memory_mb: int = 1024, max_entries: int = 4096, warm: bool = True) -> None:
+        """warm=False: nothing starts until `warm()` or the first compile (the engine calls warm()
+        once it has been idle a moment, so start-up work never competes with its first requests)."""
         self.factory = factory
         self.timeout_s = timeout_s
         self.max_entries = max_entries
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar-load")
-        self._backend = self._loader.submit(factory)  # built in the background: importing xgrammar takes a while
+        self._backend: Future[Backend] | None = None
         per_tenant = max(1, workers // 2) if tenant_compiles is None else tenant_compiles
-        self._pool = CompilePool(factory, workers=workers, tenant_compiles=per_tenant, timeout_s=timeout_s, memory_mb=memory_mb)
+        self._pool = CompilePool(factory, workers=workers, tenant_compiles=per_tenant, timeout_s=timeout_s, memory_mb=memory_mb,
+                                 warm=False)
         self._entries: dict[tuple, Future[Compiled]] = {}  # (tenant, spec key) -> its compiled grammar
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        if warm:
+            self.warm()
+
+    def warm(self) -> None:
+        """Build this process's backend (importing xgrammar takes a while) and start a compile
+        worker, both in the background; idempotent."""
+        with self._lock:
+            if self._backend is None:
+                try:
+                    self._backend = self._loader.submit(self.factory)
+                except RuntimeError:  # shut down
+                    return
+        self._pool.warm()
 
     def submit(self, spec: GrammarSpec, tenant: Hashable = None) -> Future[Compiled]:
         """NOTE: entries are per tenant, like the prefix cache's namespaces: a hit on a grammar
         that another tenant compiled would tell, by its speed, that the other tenant used it."""
         key = (tenant, spec.key)
+        self.warm()
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -120,6 +137,7 @@ class CompileCache:
 
     def _parent_backend(self, spec: GrammarSpec) -> Backend:
         try:
+            assert self._backend is not None  # warm() ran before the job was submitted
             return self._backend.result()
         except Exception as e:
             raise errors.other(spec, f"the grammar backend could not be built: {e!r}") from None

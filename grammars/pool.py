@@ -12,7 +12,8 @@ Every compile runs in a worker process (grammars.worker), so a compile can be st
   message (time spent waiting for a worker that is still starting up does not count);
 - fairness: at most `tenant_compiles` jobs of one tenant run at once (grammars.fair).
 Dead workers are replaced on demand; one is kept started (warm) while the pool is open, and
-the first starts in the background when the pool is created.
+the first starts in the background when the pool is created (or, with warm=False, at `warm()`
+or the first job).
 
 One monitor thread owns the workers: it dispatches jobs, reads answers, and enforces the
 deadline and the memory cap. Job futures are resolved outside the pool's lock, and only
@@ -51,7 +52,7 @@ class Job(Waiting):
 
 class CompilePool:
     def __init__(self, factory: BackendFactory, *, workers: int, tenant_compiles: int, timeout_s: float, memory_mb: int,
-                 poll_s: float = 0.025, startup_timeout_s: float = 120.0) -> None:
+                 poll_s: float = 0.025, startup_timeout_s: float = 120.0, warm: bool = True) -> None:
         if workers < 1 or memory_mb < 1 or timeout_s <= 0:
             raise ValueError(f"grammar compile pool: need workers >= 1, memory_mb >= 1 and timeout_s > 0, got "
                              f"{workers}, {memory_mb}, {timeout_s}")
@@ -72,8 +73,8 @@ class CompilePool:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._monitor = threading.Thread(target=self._run, name="radixserve-grammar-pool", daemon=True)
-        with self._lock:
-            self._launch()  # warm the first worker in the background
+        if warm:
+            self.warm()
         self._monitor.start()
 
     # -- API (any thread) ----------------------------------------------------------------------
@@ -87,6 +88,13 @@ class CompilePool:
             self._queues.push(job, tenant)
             self._wake()
         return job
+
+    def warm(self) -> None:
+        """Start a worker in the background if none is started or starting (the first start,
+        with this process's forkserver, takes seconds of CPU)."""
+        with self._lock:
+            if not self._closed and not self._workers and not self._launching:
+                self._launch()
 
     def pids(self, busy: bool = False) -> list[int]:
         with self._lock:

@@ -21,8 +21,11 @@ names it. `ops_for(isa)` loads any other one this CPU runs (the tests compare th
 Builds are made by `python -m kernels.cpu` at install time (scripts/setup.sh builds every
 variant this CPU runs, about a minute each on two cores) into ~/.cache/radixserve/kernels or
 $RADIXSERVE_KERNEL_CACHE, keyed by the sources, the flags, torch and Python; a missing build is
-made at first use instead (with a log line saying so). `ops()` is None where no build can be
-had (no C++ compiler) or with RADIXSERVE_CPU_KERNELS=0: callers then use the torch ops.
+made at first use instead (with a log line saying so). A finished build (its `complete` marker is
+written after the link) is loaded as it is: ninja is not asked again whether it is current (a
+fresh checkout's newer file times, or another ninja version's build log, made it recompile
+everything at the next server start). `ops()` is None where no build can be had (no C++
+compiler) or with RADIXSERVE_CPU_KERNELS=0: callers then use the torch ops.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -167,28 +169,46 @@ def _build(isa: str) -> ModuleType | None:
     if isa not in runnable_isas():
         log.warning("radixserve's %s CPU kernels cannot run on this CPU", isa)
         return None
+    where = build_dir(isa)
+    name = f"radixserve_cpu_ops_{isa}"
     try:
+        if (where / _DONE).exists():  # the directory's key names its sources and flags: no rebuild check
+            return _loaded(name, where / f"{name}.so", isa, "cached")
         from torch.utils import cpp_extension
 
-        scripts = str(Path(sys.executable).parent)  # a venv's ninja, when the venv is not activated
-        if shutil.which("ninja") is None and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        # Always the venv's own ninja: two ninja versions (a system one and pip's) each discard the
+        # other's build log, and then every build recompiles everything.
+        scripts = str(Path(sys.executable).parent)
+        if (Path(scripts) / "ninja").exists() and not os.environ.get("PATH", "").startswith(scripts + os.pathsep):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        where = build_dir(isa)
         where.mkdir(parents=True, exist_ok=True)
-        cold = not any(where.glob("*.so"))
-        if cold:
-            log.info("building radixserve's %s CPU kernels into %s (once; `python -m kernels.cpu` does it at install)", isa, where)
+        log.info("building radixserve's %s CPU kernels into %s (once; `python -m kernels.cpu` does it at install)", isa, where)
         t0 = time.perf_counter()
-        mod = cpp_extension.load(name=f"radixserve_cpu_ops_{isa}", sources=[str(s) for s in sources()],
+        mod = cpp_extension.load(name=name, sources=[str(s) for s in sources()],
                                  extra_cflags=BASE_FLAGS + isa_flags(isa), extra_include_paths=[str(CSRC)],
                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
-        log.info("radixserve CPU kernels: %s (%s)%s", mod.isa(), "built in %.0f s" % (time.perf_counter() - t0) if cold else "cached",
-                 "" if isa == runnable_isas()[0] else f"; this CPU also runs {runnable_isas()[0]}")
-        return mod
+        (where / _DONE).write_text(mod.isa() + "\n")
+        return _loaded(name, None, isa, "built in %.0f s" % (time.perf_counter() - t0), mod)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("radixserve's %s CPU kernels are not available (%s); using torch ops", isa,
                     str(e).splitlines()[0] if str(e) else repr(e))
         return None
+
+
+_DONE = "complete"  # written once a build has linked: a directory without it is (re)built
+
+
+def _loaded(name: str, so: Path | None, isa: str, how: str, mod: ModuleType | None = None) -> ModuleType:
+    if mod is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, so)
+        assert spec is not None and spec.loader is not None, so
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    log.info("radixserve CPU kernels: %s (%s)%s", mod.isa(), how,
+             "" if isa == runnable_isas()[0] else f"; this CPU also runs {runnable_isas()[0]}")
+    return mod
 
 
 def main(argv: list[str] | None = None) -> int:

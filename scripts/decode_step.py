@@ -89,7 +89,7 @@ def _wrap_native(model: torch.nn.Module) -> None:
             return call
 
     named = Named()
-    cpu._state["mod"] = named
+    cpu._state[cpu.chosen_isa()] = named  # type: ignore[assignment]
     for m in model.modules():
         if getattr(m, "native", None) is not None:
             m.native = named

@@ -65,10 +65,11 @@ def weight_rss(model: str | None, quantization: str) -> tuple[float, float]:
     import torch
 
     from kernels import cpu
-    from radixserve.models.loader import load_model, load_tokenizer, model_dir
+    from radixserve.models.files import load_tokenizer, tokenizer_dir
+    from radixserve.models.loader import load_model
 
     cpu.ops()
-    load_tokenizer(model_dir(model, quantization))
+    load_tokenizer(tokenizer_dir(model))
     gc.collect()
     before = rss_mib()
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)

@@ -370,6 +370,49 @@ def test_bench_compare_runs_every_workload_on_each_server_and_prints_ratios(serv
     assert "| workload | a | b | a / b |" in table and table.count("x |") == 4
 
 
+def test_bench_compare_counts_structured_outputs_that_do_not_parse_instead_of_dying(capsys):
+    """A peer whose constrained output is cut off (llama-server at max_tokens) is a row with a
+    count of failures, not a crash of the whole comparison."""
+    import asyncio
+    import types
+
+    from aiohttp import web
+
+    from radixserve.bench import compare
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        digits = re.findall(r"\d+", body["messages"][0]["content"])
+        n = int(digits[0]) % 2 if digits else 0  # about half cut short (and the warm-up)
+        content = '{"name": "Ada", "age": 3' + ("}" if n else "")
+        return web.json_response({"choices": [{"message": {"content": content}}], "usage": {"completion_tokens": 7}})
+
+    async def completions(request: web.Request) -> web.Response:
+        return web.json_response({"usage": {"completion_tokens": 2}})
+
+    async def go() -> dict:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            args = types.SimpleNamespace(url=[url, url], name=["a", "b"], api_key=[], model="m", workloads="json",
+                                         seed=1, repeats=1, scale=0.05)
+            return await compare.compare(args)
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(go())
+    assert results["json"]["a"] > 0 and 0 < results["json"]["a unparsed"] < 16
+    compare.print_table(results)
+    table = capsys.readouterr().out
+    assert "did not parse" in table and "| json |" in table and table.count("x |") == 1
+
+
 def test_streamed_completion_logprobs_offsets_run_on_and_models_retrieve_works(server, client, model):
     kw = dict(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=1)
     whole = client.completions.create(**kw).choices[0].logprobs

@@ -185,3 +185,42 @@ def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_matmuls_and_fp32_for_quantize
     assert eng._dtype("auto", cpu, False) is torch.float32
     assert eng._dtype("auto", torch.device("cuda"), False) is torch.bfloat16
     assert eng._dtype("float32", cpu, False) is torch.float32
+
+
+def test_a_tokenizer_loads_as_autotokenizer_would_and_the_token_table_is_decode(tiny_models, tmp_path, monkeypatch):
+    """load_tokenizer remembers the class AutoTokenizer chose for a folder and loads it directly
+    the next time: the same class, ids, special tokens, chat template and decoding; the server's
+    token table (one batch decode) equals decoding each token alone."""
+    import asyncio
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from radixserve.models.files import load_tokenizer, tokenizer_dir
+    from radixserve.server.state import ServerState
+
+    folders = [tokenizer_dir(None)] + [p for p in tiny_models.values() if (p / "tokenizer.json").exists()]
+    texts = ["Hello, world! 123 4567 ünïcödé 日本語  spaces\n\nnew", "<|im_start|>user\nx<|im_end|>", " lead", "def f(x):\n\treturn x"]
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "Name a prime."}]
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    for folder in folders:
+        first, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+        ours = load_tokenizer(folder)  # the remembered class, without AutoTokenizer
+        assert type(first) is type(ours) is type(auto), folder
+        assert [ours(t).input_ids for t in texts] == [auto(t).input_ids for t in texts], folder
+        assert ours.all_special_tokens == auto.all_special_tokens and len(ours) == len(auto)
+        assert (ours.bos_token_id, ours.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
+        if auto.chat_template:
+            assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+        ids = auto(texts[0]).input_ids
+        assert ours.decode(ids) == auto.decode(ids)
+        n = min(len(auto), 4096)
+        state = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=ours, vocab_size=n), token_texts=None)
+        with ThreadPoolExecutor(1) as pool:
+            state.off_loop = lambda fn: asyncio.get_running_loop().run_in_executor(pool, fn)
+            asyncio.run(ServerState.build_token_table(state))
+        assert state.token_texts == [auto.decode([i]) for i in range(n)]
+    import json
+
+    assert len(json.loads((tmp_path / "tokenizer_classes.json").read_text())) == len(folders)

@@ -68,6 +68,7 @@ def _text(rng: random.Random, tokens: int) -> str:
 class Server:
     def __init__(self, session: Any, url: str, name: str, key: str | None, model: str) -> None:
         self.session, self.url, self.name, self.key, self.model = session, url.rstrip("/"), name, key or None, model
+        self.unparsed = 0  # structured outputs that did not parse (counted, shown beside the rate)
 
     async def flush(self) -> None:
         try:
@@ -93,8 +94,10 @@ class Server:
             if r.status != 200:
                 raise RuntimeError(f"{self.name}: {path} answered {r.status}: {str(data)[:300]}")
         if check_json:
-            text = data["choices"][0]["message"]["content"]
-            json.loads(text)  # structured output that does not parse is a failure, not a speed
+            try:  # structured output that does not parse is a failure, not a speed: counted and shown
+                json.loads(data["choices"][0]["message"]["content"] or "")
+            except ValueError:
+                self.unparsed += 1
         return int(data["usage"]["completion_tokens"])
 
 
@@ -165,13 +168,18 @@ async def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         servers = [Server(session, u, n, k, args.model) for u, n, k in zip(args.url, names, keys)]
-        for s in servers:  # a tiny warm-up each: first-request costs are not a workload
-            await s.complete("Hello", 2)
+        for s in servers:  # a tiny warm-up each, plain and schema-constrained: first-request costs
+            await s.complete("Hello", 2)  # (a server's grammar compiler starting up) are not a workload
+            await s.chat_json("Hello")
         for w in chosen:
             for s in servers:  # back to back, each on the same kind of fresh text
                 await s.flush()
+                s.unparsed = 0
                 results[w][s.name] = await RUNS[w](s, random.Random(f"{args.seed}-{w}"), args.repeats, Sizes(args.scale))
-                print(f"  {w:8s} {s.name:14s} {results[w][s.name]:10.1f} {UNITS[w]}", flush=True)
+                if s.unparsed:
+                    results[w][f"{s.name} unparsed"] = s.unparsed
+                print(f"  {w:8s} {s.name:14s} {results[w][s.name]:10.1f} {UNITS[w]}"
+                      + (f" ({s.unparsed} outputs did not parse)" if s.unparsed else ""), flush=True)
     return results
 
 
@@ -181,13 +189,14 @@ def ratio(workload: str, ours: float, theirs: float) -> float:
 
 
 def print_table(results: dict[str, dict[str, float]]) -> None:
-    names = list(next(iter(results.values())).keys())
+    names = [n for n in next(iter(results.values())) if not n.endswith(" unparsed")]
     first, others = names[0], names[1:]
     head = f"| workload | {' | '.join(names)} | " + " | ".join(f"{first} / {o}" for o in others) + " |"
     print("\n" + head)
     print("|" + "---|" * (1 + len(names) + len(others)))
     for w, row in results.items():
-        cells = [f"{row[n]:,.1f} {UNITS[w]}" for n in names]
+        cells = [f"{row[n]:,.1f} {UNITS[w]}" + (f" ({row[n + ' unparsed']:.0f} did not parse)" if n + " unparsed" in row else "")
+                 for n in names]
         ratios = [f"{ratio(w, row[first], row[o]):.2f}x" for o in others]
         print(f"| {w} | " + " | ".join(cells + ratios) + " |")
 

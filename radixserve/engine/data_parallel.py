@@ -72,9 +72,9 @@ class DataParallelEngine(RequestFront):
         self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, cfg.data_parallel)
         # NOTE: loaded here, once: the replicas start on threads, and transformers' lazy imports
         # are not thread-safe (two threads importing AutoTokenizer at once fail)
-        from radixserve.models.loader import load_tokenizer, model_dir
+        from radixserve.models.files import load_tokenizer, tokenizer_dir
 
-        self.tokenizer = load_tokenizer(model_dir(model, self.config.model.quantization))
+        self.tokenizer = load_tokenizer(tokenizer_dir(model))
         self._lock = threading.Lock()  # replicas and the router: the event loop, reader and restart threads
         self._closing = False
         self.dead: str | None = None

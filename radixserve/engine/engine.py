@@ -90,12 +90,13 @@ class Engine(RequestFront):
         self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache, self._proposer())
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
-        self._grammar_cache = self._new_grammar_cache()  # warms a compile worker in the background
+        self._grammar_cache = self._new_grammar_cache()  # nothing started yet: see on_idle below
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self.post = PostProcessor(self.tokenizer, self.sampler, self.eos_ids, self.context_len)
         self.post.jump_forward = not cfg.disable_jump_forward
         self._loop = EngineLoop(self.scheduler, self.runner, self.post)
+        self._loop.on_idle = self._grammar_cache.warm
         self._snapshot = self._stats()
         self.on_change: Callable[[], None] | None = None  # after each step or command, on the loop (the engine process sends there)
         self._loop.on_change = self._publish
@@ -154,7 +155,9 @@ class Engine(RequestFront):
         return self._grammar_cache
 
     def _new_grammar_cache(self) -> Any:
-        """Cheap here: xgrammar is imported, and the first compile worker started, in the background."""
+        """Cheap here: xgrammar is imported, and the first compile worker started, in the background
+        at the first compile or once the loop has been idle a moment (`EngineLoop.on_idle`): that
+        start-up takes seconds of CPU, which would otherwise slow the first requests after ready."""
         from grammars import check_backend_name, create_backend
         from grammars.cache import CompileCache
 
@@ -162,7 +165,7 @@ class Engine(RequestFront):
         check_backend_name(c.grammar_backend)
         factory = functools.partial(create_backend, c.grammar_backend, self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids))
         return CompileCache(factory, c.grammar_compile_timeout, c.grammar_compile_workers, c.grammar_tenant_compiles,
-                            c.grammar_compile_memory_mb)
+                            c.grammar_compile_memory_mb, warm=False)
 
     def compile_spec(self, spec: GrammarSpec) -> GrammarSpec:
         """The spec as compiled here (the server's whitespace cap applied)."""

