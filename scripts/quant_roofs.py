@@ -14,7 +14,9 @@ pass, and GMAC/s at 32 rows.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,6 +44,7 @@ def roofs() -> tuple[float, float]:
 
 
 def weights(kind: str, mib: int, ops) -> list[tuple[torch.Tensor, int, int]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/, run as a script
     from tests.test_quant import gguf_blocks
 
     out, total = [], 0

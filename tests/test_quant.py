@@ -165,16 +165,25 @@ def test_load_time_quantization_makes_valid_gguf_blocks_within_half_a_step(ops, 
     assert ((ours - w).abs() <= step * 0.5 + 1e-3 * step + 1e-6).all()
 
 
-def test_a_quant_linear_runs_many_rows_exactly_on_the_dequantized_weight(ops):
+def test_a_quant_linear_runs_many_rows_on_the_dequantized_weight_or_64_rows_a_native_call(ops, monkeypatch):
+    """Prefill (more than 64 rows): dequantize + fp32 GEMM gives exactly the dequantized model's
+    numbers; the native path (the default with VNNI) gives, row for row, what the kernel gives
+    those rows in calls of 64."""
     raw, w = gguf_blocks("q4_1", 70, 64, seed=3)
     mod = quant.QuantLinear(70, 64, "q4_1", bias=True)
     mod.packed.copy_(ops.pack_quant(raw, "q4_1", 70, 64))
     with torch.no_grad():
         mod.bias.copy_(torch.randn(70))
     mod.finish()
-    x = torch.randn(quant.MAX_NATIVE_ROWS + 1, 64)
+    mod.native = ops
+    x = torch.randn(2 * quant.MAX_NATIVE_ROWS + 5, 64)
     with torch.no_grad():
+        monkeypatch.setattr(quant, "NATIVE_PREFILL", False)
         assert torch.equal(mod(x), F.linear(x, w, mod.bias))  # prefill: the dequantized model's numbers
+        monkeypatch.setattr(quant, "NATIVE_PREFILL", True)
+        chunks = [ops.qlinear(x[i:i + 64].contiguous(), mod.packed, 70, mod.native_bias, False, False) for i in range(0, len(x), 64)]
+        assert torch.equal(mod(x), torch.cat(chunks))
+        assert (mod(x) - F.linear(x, w, mod.bias)).abs().max() < 1e-3
         few = mod(x[:3])
     assert (few - F.linear(x[:3], w, mod.bias)).abs().max() < 1e-3
 
@@ -240,7 +249,8 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("embed_kind", ["q8_0", "q4_0"])
-def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(ops, tiny_llama, tmp_path, caplog, embed_kind):
+def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(ops, tiny_llama, tmp_path, caplog, embed_kind,
+                                                                            monkeypatch):
     import json
 
     from radixserve.models.config import ArchConfig
@@ -263,7 +273,13 @@ def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(op
     assert model.lm_head.packed is model.model.embed_tokens.packed  # tied: one copy of the blocks
     ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
     long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
-    assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))  # prefill: exactly the same numbers
+    with monkeypatch.context() as m:
+        m.setattr(quant, "NATIVE_PREFILL", False)  # prefill dequantized: exactly the same numbers
+        assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))
+        m.setattr(quant, "NATIVE_PREFILL", True)  # prefill on the integer kernel: close (random weights
+        ours, theirs = _logits(model, long_prompt), _logits(ref, long_prompt)  # amplify its rounding)
+        assert (ours - theirs).abs().max().item() < 1e-2 * theirs.abs().max().item()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.95
     short = long_prompt[:9]
     err = (_logits(model, short) - _logits(ref, short)).abs().max().item()
     assert err < 1e-3  # few rows: the integer kernel
@@ -289,10 +305,11 @@ def wide_llama(tiny_llama, tmp_path_factory):
     return d
 
 
-def test_a_gguf_file_of_k_quants_is_served_from_its_blocks_as_its_dequantized_weights_are(ops, wide_llama, tmp_path):
+def test_a_gguf_file_of_k_quants_is_served_from_its_blocks_as_its_dequantized_weights_are(ops, wide_llama, tmp_path, monkeypatch):
     """Every kind of a Q4_K_M / Q5_K_M file at once: q and k in Q4_K beside v in Q6_K (a fused
     q/k/v of mixed kinds: each part on its own blocks), Q5_K, Q5_0 / Q5_1 and a Q6_K embedding
-    tied to the head; held at the file's size, prefill exactly the dequantized model's numbers."""
+    tied to the head; held at the file's size; prefill dequantized gives exactly the dequantized
+    model's numbers, prefill on the integer kernel (the default with VNNI) close to them."""
     import json
 
     from radixserve.models.config import ArchConfig
@@ -316,7 +333,13 @@ def test_a_gguf_file_of_k_quants_is_served_from_its_blocks_as_its_dequantized_we
     assert quantized_bytes <= packed_bytes <= 1.03 * quantized_bytes  # the file's size, not fp32's 7x
     ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
     long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
-    assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))  # prefill: exactly the same numbers
+    with monkeypatch.context() as m:
+        m.setattr(quant, "NATIVE_PREFILL", False)  # prefill dequantized: exactly the same numbers
+        assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))
+        m.setattr(quant, "NATIVE_PREFILL", True)  # prefill on the integer kernel: close (random weights
+        ours, theirs = _logits(model, long_prompt), _logits(ref, long_prompt)  # amplify its rounding)
+        assert (ours - theirs).abs().max().item() < 1e-2 * theirs.abs().max().item()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.95
     short = long_prompt[:9]
     theirs = _logits(ref, short)
     assert (_logits(model, short) - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()  # few rows: integers
