@@ -173,7 +173,7 @@ def _build(isa: str) -> ModuleType | None:
     name = f"radixserve_cpu_ops_{isa}"
     try:
         if (where / _DONE).exists():  # the directory's key names its sources and flags: no rebuild check
-            return _loaded(name, where / f"{name}.so", isa, "cached")
+            return _announce(_import_so(name, where / f"{name}.so"), isa, "cached")
         from torch.utils import cpp_extension
 
         # Always the venv's own ninja: two ninja versions (a system one and pip's) each discard the
@@ -188,7 +188,7 @@ def _build(isa: str) -> ModuleType | None:
                                  extra_cflags=BASE_FLAGS + isa_flags(isa), extra_include_paths=[str(CSRC)],
                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
         (where / _DONE).write_text(mod.isa() + "\n")
-        return _loaded(name, None, isa, "built in %.0f s" % (time.perf_counter() - t0), mod)
+        return _announce(mod, isa, "built in %.0f s" % (time.perf_counter() - t0))
     except Exception as e:  # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("radixserve's %s CPU kernels are not available (%s); using torch ops", isa,
                     str(e).splitlines()[0] if str(e) else repr(e))
@@ -198,14 +198,17 @@ def _build(isa: str) -> ModuleType | None:
 _DONE = "complete"  # written once a build has linked: a directory without it is (re)built
 
 
-def _loaded(name: str, so: Path | None, isa: str, how: str, mod: ModuleType | None = None) -> ModuleType:
-    if mod is None:
-        import importlib.util
+def _import_so(name: str, so: Path) -> ModuleType:
+    import importlib.util
 
-        spec = importlib.util.spec_from_file_location(name, so)
-        assert spec is not None and spec.loader is not None, so
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    spec = importlib.util.spec_from_file_location(name, so)
+    assert spec is not None and spec.loader is not None, so
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _announce(mod: ModuleType, isa: str, how: str) -> ModuleType:
     log.info("radixserve CPU kernels: %s (%s)%s", mod.isa(), how,
              "" if isa == runnable_isas()[0] else f"; this CPU also runs {runnable_isas()[0]}")
     return mod

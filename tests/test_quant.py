@@ -272,17 +272,25 @@ def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(op
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the mxfp4 one
     assert model.lm_head.packed is model.model.embed_tokens.packed  # tied: one copy of the blocks
     ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
-    long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
-    with monkeypatch.context() as m:
-        m.setattr(quant, "NATIVE_PREFILL", False)  # prefill dequantized: exactly the same numbers
-        assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))
-        m.setattr(quant, "NATIVE_PREFILL", True)  # prefill on the integer kernel: close (random weights
-        ours, theirs = _logits(model, long_prompt), _logits(ref, long_prompt)  # amplify its rounding)
-        assert (ours - theirs).abs().max().item() < 1e-2 * theirs.abs().max().item()
-        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.95
+    long_prompt = _check_prefill(model, ref, arch.vocab_size, monkeypatch)
     short = long_prompt[:9]
     err = (_logits(model, short) - _logits(ref, short)).abs().max().item()
     assert err < 1e-3  # few rows: the integer kernel
+
+
+def _check_prefill(model: torch.nn.Module, ref: torch.nn.Module, vocab: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A prompt past one native call's rows: prefill dequantized gives exactly the reference's
+    logits, prefill on the integer kernel close to them (random weights amplify its rounding).
+    Returns the prompt."""
+    prompt = [(i * 37) % (vocab - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
+    with monkeypatch.context() as m:
+        m.setattr(quant, "NATIVE_PREFILL", False)
+        assert torch.equal(_logits(model, prompt), _logits(ref, prompt))
+        m.setattr(quant, "NATIVE_PREFILL", True)
+        ours, theirs = _logits(model, prompt), _logits(ref, prompt)
+        assert (ours - theirs).abs().max().item() < 1e-2 * theirs.abs().max().item()
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.95
+    return prompt
 
 
 @pytest.fixture(scope="module")
@@ -332,14 +340,7 @@ def test_a_gguf_file_of_k_quants_is_served_from_its_blocks_as_its_dequantized_we
     packed_bytes = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
     assert quantized_bytes <= packed_bytes <= 1.03 * quantized_bytes  # the file's size, not fp32's 7x
     ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
-    long_prompt = [(i * 37) % (arch.vocab_size - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
-    with monkeypatch.context() as m:
-        m.setattr(quant, "NATIVE_PREFILL", False)  # prefill dequantized: exactly the same numbers
-        assert torch.equal(_logits(model, long_prompt), _logits(ref, long_prompt))
-        m.setattr(quant, "NATIVE_PREFILL", True)  # prefill on the integer kernel: close (random weights
-        ours, theirs = _logits(model, long_prompt), _logits(ref, long_prompt)  # amplify its rounding)
-        assert (ours - theirs).abs().max().item() < 1e-2 * theirs.abs().max().item()
-        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.95
+    long_prompt = _check_prefill(model, ref, arch.vocab_size, monkeypatch)
     short = long_prompt[:9]
     theirs = _logits(ref, short)
     assert (_logits(model, short) - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()  # few rows: integers

@@ -76,15 +76,7 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> bool:
         try:
-            if block and self.on_idle is not None:
-                try:
-                    cmd = self.inbox.get(timeout=IDLE_S)
-                except queue.Empty:
-                    idle, self.on_idle = self.on_idle, None
-                    idle()
-                    cmd = self.inbox.get()
-            else:
-                cmd = self.inbox.get() if block else self.inbox.get_nowait()
+            cmd = self._next(block)
         except queue.Empty:
             return True
         while True:
@@ -96,6 +88,19 @@ class EngineLoop:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _next(self, block: bool) -> tuple:
+        """The next command (queue.Empty if none and not `block`); a blocking wait runs `on_idle`
+        once it has waited IDLE_S."""
+        if not block:
+            return self.inbox.get_nowait()
+        if self.on_idle is not None:
+            try:
+                return self.inbox.get(timeout=IDLE_S)
+            except queue.Empty:
+                idle, self.on_idle = self.on_idle, None
+                idle()
+        return self.inbox.get()
 
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
