@@ -4,7 +4,7 @@ model, the head and an argmax; the median of several rounds. With --profile, tor
 op table over 10 steps (radixserve's native calls show as native::NAME).
 
     .venv/bin/python scripts/decode_step.py --dtype bfloat16 --batch 32 --context 200 [--kernels layers] [--profile]
-        [--quantization none] [--kv-cache-dtype int8]
+        [--quantization none] [--kv-cache-dtype int8] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from radixserve.batch import ForwardBatch, SeqView
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None, help="a model folder or .gguf file (default: the default model)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=150)
@@ -33,7 +34,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     b, ctx = args.batch, args.context
-    eng = Engine(None, loop_thread=False, dtype=args.dtype, kv_cache_tokens=b * (ctx + 8) + 64,
+    eng = Engine(args.model, loop_thread=False, dtype=args.dtype, kv_cache_tokens=b * (ctx + 8) + 64,
                  disable_cpu_kernels=args.kernels == "torch", quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     torch.set_flush_denormal(True)
     model, backend = eng.runner.model, eng.runner.backend

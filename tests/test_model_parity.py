@@ -105,17 +105,21 @@ def test_the_native_cpu_kernels_generate_what_torch_ops_do(ops, tiny_llama, page
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "fp8_e4m3"),
-                                      ("float32", "fp8_e4m3")])
-def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(ops, tiny_llama, dtype, kv):
+@pytest.mark.parametrize("arch,dtype,kv", [("LlamaForCausalLM", "float32", "auto"), ("LlamaForCausalLM", "bfloat16", "auto"),
+                                           ("LlamaForCausalLM", "float32", "int8"), ("LlamaForCausalLM", "bfloat16", "fp8_e4m3"),
+                                           ("LlamaForCausalLM", "float32", "fp8_e4m3"), ("Qwen2ForCausalLM", "float32", "auto"),
+                                           ("Qwen2ForCausalLM", "bfloat16", "int8"), ("Qwen3ForCausalLM", "float32", "auto"),
+                                           ("Qwen3ForCausalLM", "bfloat16", "auto")])
+def test_the_fused_decode_step_computes_what_the_layer_by_layer_path_does(ops, tiny_models, arch, dtype, kv):
     """The same kernels in one native call or called layer by layer from Python: the same
-    tokens and logprobs, in both dtypes, over float and int8 / fp8 pools (a batch of three
-    unrelated prompts: a fork group's steps take the per-layer path either way)."""
+    tokens and logprobs, in both dtypes, over float and int8 / fp8 pools, for Llama, Qwen2 (q/k/v
+    biases) and Qwen3 (q/k norms) (a batch of three unrelated prompts: a fork group's steps take
+    the per-layer path either way)."""
     from radixserve import Engine
 
     prompts = [[(5 * i) % 200 + 3 for i in range(40)], [(7 * i) % 190 + 11 for i in range(23)], [4, 5, 6]]
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, return_logprob=True)
-    with Engine(str(tiny_llama), kv_cache_tokens=1024, dtype=dtype, kv_cache_dtype=kv) as e:
+    with Engine(str(tiny_models[arch]), kv_cache_tokens=1024, dtype=dtype, kv_cache_dtype=kv) as e:
         model = e.runner.model.model
         fused = model.fused
         assert fused is not None

@@ -413,3 +413,63 @@ def test_a_quant_tensor_dequantizes_as_its_packed_form_does(ops, kind):
     q = quant.QuantTensor(kind, raw, 24, 64)
     assert torch.equal(q.dequantize(), ref)
     assert torch.equal(q.dequantize(), ops.dequant_quant(quant.pack(q), 24, 64, None))
+
+
+def test_the_fused_decode_step_runs_qwen2_biases_over_linears_of_mixed_kinds(ops, tiny_models):
+    """A Qwen2 as a Q4_K_M file holds it: q and k in Q4_K beside v in Q6_K (a split linear) with
+    q/k/v biases, other linears in other kinds: a decode step of three rows in one native call
+    gives exactly the logits of the same kernels called layer by layer (each part adds its slice
+    of the bias in its kernel, both ways)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from radixserve.attention import create_backend
+    from radixserve.batch import ForwardBatch, SeqView
+    from radixserve.cache.pool import KVPool
+    from radixserve.models.config import ArchConfig
+    from radixserve.models.loader import _build
+
+    cfg = json.loads((tiny_models["Qwen2ForCausalLM"] / "config.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+    kinds = {"q_proj": "q4_k", "k_proj": "q4_k", "v_proj": "q6_k", "o_proj": "q5_k", "gate_proj": "q4_0", "up_proj": "q4_0",
+             "down_proj": "q8_0"}
+    weights = []
+    for i, (name, t) in enumerate(hf.state_dict().items()):
+        kind = next((q for part, q in kinds.items() if f".{part}.weight" in name), None)
+        if kind is None:
+            weights.append((name, t.float() if not name.endswith(".bias") else torch.randn(t.shape) * 0.5))
+            continue
+        raw, _ = gguf_blocks(kind, *t.shape, seed=i)
+        weights.append((name, quant.QuantTensor(kind, raw, *t.shape)))
+    arch = ArchConfig.from_hf(cfg)
+    model = _build(arch, torch.float32, torch.device("cpu"), iter(weights)).eval()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, quant.SplitQuantLinear) and qkv.bias_in_parts
+    assert torch.equal(qkv.parts[2].bias, qkv.bias[-qkv.parts[2].out_features:])
+    assert model.fuse_decode()
+
+    lens = [5, 17, 30]
+    pool = KVPool(arch.num_layers, 128, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    start = [t.clone() for t in pool.k + pool.v]
+    backend = create_backend("torch", pool, torch.device("cpu"))
+    fused, calls, logits = model.model.fused, [], []
+    run = fused.run
+    fused.run = lambda *a: calls.append(1) or run(*a)
+    for on in (True, False):
+        model.model.fused = fused if on else None
+        for t, s in zip(pool.k + pool.v, start):
+            t.copy_(s)
+        seqs = [SeqView(i, 1, n, list(range(32 * i, 32 * i + n + 1))) for i, n in enumerate(lens)]
+        batch = ForwardBatch(torch.tensor([11, 12, 13]), torch.tensor(lens), torch.tensor([s.slots[-1] for s in seqs]), seqs,
+                             backend)
+        backend.prepare(batch)
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(batch)))
+    assert calls == [1]
+    assert torch.equal(logits[0], logits[1])

@@ -17,6 +17,8 @@
 #include <c10/util/Optional.h>
 
 #include <algorithm>
+#include <memory>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -117,13 +119,31 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
                       bool generic);
 
 // --- decode_step.cpp ----------------------------------------------------------------------
+// One linear of a layer in the fused step: its packed parts (one; or one per shard where a GGUF
+// file keeps q/k/v or gate/up in different kinds), each with its output width and an optional
+// fp32 bias added inside its kernel; the parts' outputs side by side.
+struct StepLinear {
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> widths;
+  std::vector<c10::optional<at::Tensor>> biases;
+};
+// Every decoder layer's weights, handed over once (models.llama.FusedDecode), not on every step.
+struct DecodeWeights {
+  std::vector<at::Tensor> in_norm, post_norm, q_norm, k_norm;  // q/k norms: none, or one per layer (Qwen3)
+  std::vector<StepLinear> qkv, o_proj, gate_up, down;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+  double eps = 0, scale = 0;
+};
+// A layer's linear as Python gives it: (packed, width, bias or None) per part.
+using LinearParts = std::vector<std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>>>;
+std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
+                                              std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm,
+                                              std::vector<LinearParts> qkv, std::vector<LinearParts> o_proj,
+                                              std::vector<LinearParts> gate_up, std::vector<LinearParts> down, int64_t heads,
+                                              int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale);
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
-                                         std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows,
-                                         at::Tensor table, at::Tensor lens, std::vector<at::Tensor> in_norm,
-                                         std::vector<at::Tensor> qkv, std::vector<at::Tensor> o_proj,
-                                         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up,
-                                         std::vector<at::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                         int64_t inter, double eps, double scale, std::vector<at::Tensor> k_scales,
-                                         std::vector<at::Tensor> v_scales);
+                                      std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows, at::Tensor table,
+                                      at::Tensor lens, const DecodeWeights& w, std::vector<at::Tensor> k_scales,
+                                      std::vector<at::Tensor> v_scales);
 
 }  // namespace rs

@@ -1,31 +1,86 @@
 // A whole decode step's layers in one call: for a batch of decode rows only (one token each,
-// no shared-prefix group), every decoder layer of a Llama-family model without biases or q/k
-// norms, run here instead of from Python: the same kernels as the per-op path (so the same
-// numbers), without the ~100 us of Python and dispatch per layer. Torch reference: the same ops
-// called layer by layer (radixserve.models.llama.FusedDecode).
+// no shared-prefix group), every decoder layer of a Llama-family model (Llama, Mistral; Qwen2's
+// q/k/v biases; Qwen3's q/k norms; linears of mixed GGUF kinds as their parts), run here
+// instead of from Python: the same kernels as the per-op path (so the same numbers), without the
+// ~100 us of Python and dispatch per layer. Torch reference: the same ops called layer by layer
+// (radixserve.models.llama.FusedDecode).
+#include <ATen/ops/cat.h>
+
 #include "common.h"
 
 namespace rs {
 namespace {
 
 // Either kind of packed weight: a float/bf16 panel (pack_linear) or a quantized one (pack_quant).
-at::Tensor any_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool float_out) {
-  if (w.scalar_type() == at::kByte) return qlinear(x, w, n, c10::nullopt, float_out, false);
-  return linear(x, w, n, c10::nullopt, float_out);
+at::Tensor part_linear(const at::Tensor& x, const StepLinear& l, size_t i) {
+  if (l.parts[i].scalar_type() == at::kByte) return qlinear(x, l.parts[i], l.widths[i], l.biases[i], false, false);
+  return linear(x, l.parts[i], l.widths[i], l.biases[i], false);
+}
+
+at::Tensor run_linear(const at::Tensor& x, const StepLinear& l) {
+  if (l.parts.size() == 1) return part_linear(x, l, 0);
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < l.parts.size(); ++i) outs.push_back(part_linear(x, l, i));
+  return at::cat(outs, 1);
+}
+
+std::vector<StepLinear> step_linears(const std::vector<LinearParts>& layers, int64_t width, const char* what) {
+  std::vector<StepLinear> out;
+  for (const auto& parts : layers) {
+    StepLinear l;
+    int64_t sum = 0;
+    for (const auto& [packed, n, bias] : parts) {
+      TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+                  "decode_weights: ", what, ": a bias is fp32, contiguous, one per output");
+      l.parts.push_back(packed);
+      l.widths.push_back(n);
+      l.biases.push_back(bias);
+      sum += n;
+    }
+    TORCH_CHECK(!parts.empty() && sum == width, "decode_weights: ", what, " parts make ", sum, " outputs, not ", width);
+    out.push_back(std::move(l));
+  }
+  return out;
 }
 
 }  // namespace
 
+std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
+                                              std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm,
+                                              std::vector<LinearParts> qkv, std::vector<LinearParts> o_proj,
+                                              std::vector<LinearParts> gate_up, std::vector<LinearParts> down, int64_t heads,
+                                              int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
+  const size_t layers = in_norm.size();
+  TORCH_CHECK(layers > 0, "decode_weights: no layers");
+  TORCH_CHECK(post_norm.size() == layers && qkv.size() == layers && o_proj.size() == layers && gate_up.size() == layers &&
+                  down.size() == layers && q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == layers),
+              "decode_weights: one of each weight per layer (q/k norms: none or one per layer)");
+  const int64_t hidden = in_norm[0].numel();
+  auto w = std::make_shared<DecodeWeights>();
+  w->in_norm = std::move(in_norm);
+  w->post_norm = std::move(post_norm);
+  w->q_norm = std::move(q_norm);
+  w->k_norm = std::move(k_norm);
+  w->qkv = step_linears(qkv, (heads + 2 * kv_heads) * head_dim, "qkv");
+  w->o_proj = step_linears(o_proj, hidden, "o_proj");
+  w->gate_up = step_linears(gate_up, 2 * inter, "gate_up");
+  w->down = step_linears(down, hidden, "down");
+  w->heads = heads;
+  w->kv_heads = kv_heads;
+  w->head_dim = head_dim;
+  w->inter = inter;
+  w->eps = eps;
+  w->scale = scale;
+  return w;
+}
+
 // Returns (x, residual) before the final norm.
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
-                                         std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows,
-                                         at::Tensor table, at::Tensor lens, std::vector<at::Tensor> in_norm,
-                                         std::vector<at::Tensor> qkv, std::vector<at::Tensor> o_proj,
-                                         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up,
-                                         std::vector<at::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                         int64_t inter, double eps, double scale, std::vector<at::Tensor> k_scales,
-                                         std::vector<at::Tensor> v_scales) {
-  const size_t layers = in_norm.size();
+                                      std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows, at::Tensor table,
+                                      at::Tensor lens, const DecodeWeights& w, std::vector<at::Tensor> k_scales,
+                                      std::vector<at::Tensor> v_scales) {
+  const size_t layers = w.in_norm.size();
+  const int64_t heads = w.heads, kv_heads = w.kv_heads, head_dim = w.head_dim;
   const bool quantized = !k_scales.empty();  // an int8 / fp8 pool: stored and read with its scales
   TORCH_CHECK(!quantized || (k_scales.size() == layers && v_scales.size() == layers),
               "decode_layers: a quantized pool's scales, one per layer");
@@ -33,11 +88,9 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
     check_scales(k_pools[i], k_scales[i], "decode_layers");
     check_scales(v_pools[i], v_scales[i], "decode_layers");
   }
-  TORCH_CHECK(layers > 0, "decode_layers: no layers");
-  TORCH_CHECK(k_pools.size() == layers && v_pools.size() == layers && qkv.size() == layers && o_proj.size() == layers &&
-                  post_norm.size() == layers && gate_up.size() == layers && down.size() == layers,
-              "decode_layers: one of each weight and pool per layer");
-  const int64_t rows = x.size(0), hidden = x.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  TORCH_CHECK(k_pools.size() == layers && v_pools.size() == layers, "decode_layers: one pool of each per layer");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_norm[0].numel(), "decode_layers: x (rows, hidden) for these weights");
+  const int64_t rows = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   for (size_t i = 1; i < layers; ++i)
     TORCH_CHECK(k_pools[i].size(0) == k_pools[0].size(0) && v_pools[i].size(0) == k_pools[0].size(0),
                 "decode_layers: every layer's pools hold the same slots");
@@ -49,32 +102,35 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
     at::Tensor h;
     if (i == 0) {
       residual = x;
-      h = rms_norm(x, c10::nullopt, in_norm[i], eps)[0];
+      h = rms_norm(x, c10::nullopt, w.in_norm[i], w.eps)[0];
     } else {
-      auto r = rms_norm(x, residual, in_norm[i], eps);
+      auto r = rms_norm(x, residual, w.in_norm[i], w.eps);
       h = r[0];
       residual = r[1];
     }
-    auto proj = any_linear(h, qkv[i], q_size + 2 * kv_size, false);
+    auto proj = run_linear(h, w.qkv[i]);
     auto q = proj.narrow(1, 0, q_size).view({rows, heads, head_dim});
     auto k = proj.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     auto v = proj.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
+    if (!w.q_norm.empty()) {  // Qwen3: each head's q and k normalized (as the per-layer path: contiguous first)
+      q = rms_norm(q.contiguous(), c10::nullopt, w.q_norm[i], w.eps)[0];
+      k = rms_norm(k.contiguous(), c10::nullopt, w.k_norm[i], w.eps)[0];
+    }
     rope_(q, k, cos, sin);
     auto attn = at::empty({rows, heads, head_dim}, x.options());
     if (quantized) {  // store_kv_quant and decode_attention_quant, past their (once-only) checks
       run_store_quant(k_pools[i], v_pools[i], k_scales[i], v_scales[i], out_slots, k, v);
-      run_decode_quant(q, k_pools[i], v_pools[i], k_scales[i], v_scales[i], attn, nullptr, rows_c, table, lens_c, scale);
+      run_decode_quant(q, k_pools[i], v_pools[i], k_scales[i], v_scales[i], attn, nullptr, rows_c, table, lens_c, w.scale);
     } else {
       run_store(k_pools[i], v_pools[i], out_slots, k, v);
-      run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, scale);
+      run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, w.scale);
     }
-    auto o = any_linear(attn.view({rows, q_size}), o_proj[i], hidden, false);
-    auto r = rms_norm(o, residual, post_norm[i], eps);
+    auto o = run_linear(attn.view({rows, q_size}), w.o_proj[i]);
+    auto r = rms_norm(o, residual, w.post_norm[i], w.eps);
     residual = r[1];
-    x = any_linear(silu_and_mul(any_linear(r[0], gate_up[i], 2 * inter, false)), down[i], hidden, false);
+    x = run_linear(silu_and_mul(run_linear(r[0], w.gate_up[i])), w.down[i]);
   }
   return {x, residual};
 }
-
 
 }  // namespace rs

@@ -17,7 +17,7 @@ from radixserve.batch import ForwardBatch, NativeDecode
 from radixserve.models.config import ArchConfig
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
-from radixserve.models.quant import QuantLinear
+from radixserve.models.quant import QuantLinear, SplitQuantLinear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin), see RotaryEmbedding.tables
 
@@ -39,8 +39,8 @@ class Attention(nn.Module):
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # contiguous: the native norm, as the fused step
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = rope_qk(q, k, *rope)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -68,44 +68,59 @@ class DecoderLayer(nn.Module):
 
 
 class FusedDecode:
-    """Every decoder layer's weights as `kernels.cpu` decode_layers takes them: a decode-only
-    step (one token per row, no shared-prefix group, few rows) then runs all layers in one
-    native call, with the same kernels the per-layer path calls, minus its Python."""
+    """Every decoder layer's weights as `kernels.cpu` decode_layers takes them, handed to the
+    kernels once: a decode-only step (one token per row, no shared-prefix group, few rows) then
+    runs all layers in one native call, with the same kernels the per-layer path calls, minus its
+    Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms and linears split by GGUF kind."""
 
-    def __init__(self, model: LlamaModel, ops: Any) -> None:
+    def __init__(self, model: LlamaModel, ops: Any, linears: list[list[Parts]]) -> None:
         self.ops = ops
         attn = model.layers[0].self_attn
-        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter)
-        self.eps, self.scale = model.norm.eps, attn.head_dim**-0.5
-        self.weights = [
+        norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in model.layers]
+        self.weights = ops.decode_weights(
             [layer.input_layernorm.weight for layer in model.layers],
-            [layer.self_attn.qkv_proj.packed for layer in model.layers],
-            [layer.self_attn.o_proj.packed for layer in model.layers],
             [layer.post_attention_layernorm.weight for layer in model.layers],
-            [layer.mlp.gate_up_proj.packed for layer in model.layers],
-            [layer.mlp.down_proj.packed for layer in model.layers],
-        ]
+            [q.weight for q, _ in norms if q is not None], [k.weight for _, k in norms if k is not None],
+            *linears, attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5)
 
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
         """The fused step, where every linear has native packed weights (float panels or
-        quantized blocks) and no bias, and no layer normalizes q/k; else None."""
+        quantized blocks, whole or in parts); else None."""
+        linears: list[list[Parts]] = [[], [], [], []]
         ops = None
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or not all(isinstance(m, (PackedLinear, QuantLinear)) and m.native and m.bias is None
-                                                  for m in linears):
-                return None
-            ops = attn.qkv_proj.native
-        return cls(model, ops) if ops is not None else None
+            for held, module in zip(linears, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                parts = _native_parts(module)
+                if parts is None:
+                    return None
+                held.append(parts)
+            ops = attn.qkv_proj.parts[0].native if isinstance(attn.qkv_proj, SplitQuantLinear) else attn.qkv_proj.native
+        return cls(model, ops, linears) if ops is not None else None
 
     def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
-        heads, kv_heads, head_dim, inter = self.shape
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
-                                             plan.lens, *self.weights, heads, kv_heads, head_dim, inter, self.eps, self.scale,
-                                             plan.k_scales, plan.v_scales)
+                                             plan.lens, self.weights, plan.k_scales, plan.v_scales)
         return x, residual
+
+
+Parts = list[tuple[torch.Tensor, int, "torch.Tensor | None"]]  # (packed, width, fp32 bias) per part
+
+
+def _native_parts(module: nn.Module) -> Parts | None:
+    """A linear as the fused step takes it: each native packed part with its width and the fp32
+    bias its kernel adds; None where a part has no native kernel."""
+    if isinstance(module, SplitQuantLinear):
+        if module.bias is not None and not module.bias_in_parts:
+            return None
+        parts = list(module.parts)
+    else:
+        parts = [module]
+    if not all(isinstance(m, (PackedLinear, QuantLinear)) and m.native and (m.bias is None or m.native_bias is not None)
+               for m in parts):
+        return None
+    return [(m.packed, m.out_features, m.native_bias) for m in parts]
 
 
 class LlamaModel(nn.Module):

@@ -180,8 +180,8 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     except ValueError as e:
         raise ModelLoadError(f"cannot load weights: {e}") from e
     for m in model.modules():
-        if isinstance(m, quant.QuantLinear):
-            m.finish()
+        if isinstance(m, quant.SplitQuantLinear) or (isinstance(m, quant.QuantLinear) and m.native is None):
+            m.finish()  # a split one finishes its parts (listed after it)
     return model
 
 

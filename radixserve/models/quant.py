@@ -209,17 +209,29 @@ class QuantLinear(nn.Module):
 class SplitQuantLinear(nn.Module):
     """A fused linear (q/k/v, gate/up) whose parts are quantized in different kinds (a Q4_K_M file
     keeps v in Q6_K beside q and k in Q4_K): each part runs on its own blocks, the outputs are
-    concatenated. (No fused decode step for these: models.llama.FusedDecode needs one weight.)"""
+    concatenated. Once the weights are in (`finish`), each part adds its slice of the bias inside
+    its kernel, in fp32 as a whole QuantLinear does (models.llama.FusedDecode calls the parts)."""
 
     def __init__(self, parts: list[QuantLinear], bias: bool) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self.bias_in_parts = False
+
+    def finish(self) -> None:
+        """After the weights are in: each part's bias is a view of its slice, then the parts finish."""
+        at = 0
+        for p in self.parts:
+            if self.bias is not None:
+                p.bias = nn.Parameter(self.bias.detach()[at:at + p.out_features], requires_grad=False)
+            at += p.out_features
+            p.finish()
+        self.bias_in_parts = self.bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return y if self.bias is None or self.bias_in_parts else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kinds={[p.kind for p in self.parts]}"
