@@ -44,22 +44,33 @@ def greedy(engine: Engine, tokens: int) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(ids, params)]
 
 
-def rss_mib() -> tuple[float, float]:
-    """(anonymous, file-backed) resident memory of this process, MiB."""
+def rss_mib() -> tuple[float, float, float]:
+    """(anonymous, file-backed, of which mapped packed-weight cache files) resident memory of
+    this process, MiB."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(("RssAnon", "RssFile")):
                 key, value = line.split(":")
                 out[key] = int(value.split()[0]) / 1024
-    return out["RssAnon"], out["RssFile"]
+    packed, current = 0.0, False
+    with open("/proc/self/smaps") as f:  # mappings of models.packed_cache's files
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                current = len(head) >= 6 and "-packed/" in head[-1]
+            elif current and line.startswith("Rss:"):
+                packed += int(head[1]) / 1024
+    return out["RssAnon"], out["RssFile"], packed
 
 
-def weight_rss(model: str | None, quantization: str) -> tuple[float, float]:
-    """The resident memory one load of the default model's weights adds to this process (MiB):
-    anonymous (the weights themselves) and file-backed (library code paged in by the load's first
-    torch calls; the GGUF file is not mapped once loaded). The tokenizer, kernels and
-    transformers are loaded first, so they do not count."""
+def weight_rss(model: str | None, quantization: str) -> tuple[float, float, float]:
+    """The resident memory one load of the model's weights adds to this process (MiB), every
+    weight touched once (mapped pages count once read): anonymous, file-backed pages of the
+    packed-weight cache (models.packed_cache: a start after the first maps the packed blocks),
+    and other file-backed pages (library code paged in by the load's first torch calls). The
+    kernels and transformers are loaded first, so they do not count, and so is one tokenizer:
+    the load makes one more, whose anonymous memory (measured on a second one) is subtracted."""
     import gc
 
     import torch
@@ -69,14 +80,21 @@ def weight_rss(model: str | None, quantization: str) -> tuple[float, float]:
     from radixserve.models.loader import load_model
 
     cpu.ops()
-    load_tokenizer(tokenizer_dir(model))
+    toks = [load_tokenizer(tokenizer_dir(model))]
+    gc.collect()
+    start = rss_mib()
+    toks.append(load_tokenizer(tokenizer_dir(model)))
     gc.collect()
     before = rss_mib()
+    tokenizer = before[0] - start[0]
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)
+    for t in [*loaded.model.parameters(), *loaded.model.buffers()]:
+        t.view(torch.uint8).sum() if t.dtype == torch.uint8 else t.sum()
     gc.collect()
     after = rss_mib()
     del loaded
-    return after[0] - before[0], after[1] - before[1]
+    anon, packed = after[0] - before[0] - tokenizer, after[2] - before[2]
+    return anon, packed, after[1] - before[1] - packed
 
 
 def main() -> None:
@@ -93,8 +111,9 @@ def main() -> None:
         from radixserve.models.gguf import default_gguf
 
         size = Path(args.model or default_gguf()).stat().st_size / 2**20
-        anon, code = weight_rss(args.model, "auto")
-        print(f"weights' resident memory: {anon:.1f} MiB for a {size:.1f} MiB GGUF file ({anon / size:.2f}x); "
+        anon, packed, code = weight_rss(args.model, "auto")
+        print(f"weights' resident memory: {anon + packed:.1f} MiB ({anon:.1f} anonymous + {packed:.1f} mapped from the "
+              f"packed-weight cache) for a {size:.1f} MiB GGUF file ({(anon + packed) / size:.2f}x); "
               f"library code paged in by the load: {code:.1f} MiB more")
     runs = {}
     for name, kw in (("candidate", dict(quantization=args.quantization, dtype=args.dtype)),

@@ -473,3 +473,66 @@ def test_the_fused_decode_step_runs_qwen2_biases_over_linears_of_mixed_kinds(ops
             logits.append(model.compute_logits(model(batch)))
     assert calls == [1]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_packed_weights_kept_on_disk_load_as_packed_and_a_bad_file_is_a_miss(ops, wide_llama, tmp_path, monkeypatch):
+    """models.packed_cache: a GGUF model's packed blocks written once and mapped back give the
+    same model without packing anything; a truncated, foreign or mismatched file is a miss
+    (packed again), never an error or a misread."""
+    import json
+
+    from radixserve.models import packed_cache
+    from radixserve.models.config import ArchConfig
+    from radixserve.models.gguf import read_tensors
+    from radixserve.models.loader import _build
+
+    path = tmp_path / "wide.gguf"
+    _write_tiny_gguf(path, wide_llama, {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q6_k", "attn_output": "q5_k",
+                                        "ffn_gate": "q4_0", "ffn_up": "q4_0", "ffn_down": "q8_0", "token_embd": "q6_k"})
+    cfg = json.loads((wide_llama / "config.json").read_text())
+    arch = ArchConfig.from_hf(cfg)
+    model = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg)).eval()
+    buffers = {n: b for n, b in model.named_buffers() if n.endswith(".packed")}
+    assert "model.layers.0.self_attn.qkv_proj.parts.2.packed" in buffers  # a split linear's parts too
+    keep = tmp_path / "cache" / "layout.bin"
+    packed_cache.save(keep, buffers)
+    assert oct(keep.stat().st_mode & 0o777) == "0o600" and not list(keep.parent.glob(".packed-*"))
+    mapped = packed_cache.load(keep)
+    assert mapped.keys() == buffers.keys() and all(torch.equal(mapped[n], b) for n, b in buffers.items())
+
+    packs = []
+    real_pack = quant.pack
+    monkeypatch.setattr(quant, "pack", lambda q: packs.append(q.kind) or real_pack(q))
+    again = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg), mapped).eval()
+    assert packs == []  # nothing packed: every buffer came from the file
+    prompt = [5, 17, 42, 99, 123, 7]
+    assert torch.equal(_logits(again, prompt), _logits(model, prompt))
+
+    name = "model.layers.1.mlp.down_proj.packed"
+    wrong = {**mapped, name: mapped[name][:, :1]}  # a buffer of another shape: packed again
+    again = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg), wrong).eval()
+    assert packs == ["q8_0"] and torch.equal(_logits(again, prompt), _logits(model, prompt))
+
+    data = keep.read_bytes()
+    for bad in (data[: len(data) // 2], b"not a cache file", data[:8] + b"\xff" * 8 + data[16:]):
+        keep.write_bytes(bad)
+        assert packed_cache.load(keep) == {}
+    assert packed_cache.load(tmp_path / "missing.bin") == {}
+
+
+@pytest.mark.smollm2
+def test_the_default_model_packs_once_and_maps_its_packed_weights_after(ops, tmp_path, monkeypatch):
+    from radixserve.models import packed_cache
+    from radixserve.models.loader import load_model
+
+    keep = tmp_path / "packed" / "layout.bin"
+    monkeypatch.setattr(packed_cache, "cache_file", lambda gguf: keep)
+    first = load_model(None, torch.float32, torch.device("cpu")).model
+    assert keep.exists()
+    monkeypatch.setattr(quant, "pack", lambda q: pytest.fail("packed again"))
+    second = load_model(None, torch.float32, torch.device("cpu")).model
+    prompt = [1, 504, 3458, 314, 260, 2]
+    assert torch.equal(_logits(second, prompt), _logits(first, prompt))
+    monkeypatch.setenv("RADIXSERVE_PACKED_CACHE", "0")
+    with pytest.raises(pytest.fail.Exception):  # off: packs (and would write nothing)
+        load_model(None, torch.float32, torch.device("cpu"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from torch import nn
 
 from kernels import cpu
 from radixserve.config import QUANTIZATIONS
-from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, quant
+from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, packed_cache, quant
 from radixserve.models.files import gguf_file, load_tokenizer, resolve_model_dir
 from radixserve.models.gguf import ModelLoadError, ensure_meta, read_tensors
 
@@ -82,7 +82,12 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
     if gguf is not None:
         folder = ensure_meta(gguf)
         arch = read_arch(folder)
-        model = _build(arch, dtype, device, read_tensors(gguf, json.loads((folder / "config.json").read_text())))
+        keep = packed_cache.cache_file(gguf) if packed_cache.enabled() and device.type == "cpu" else None
+        prepacked = packed_cache.load(keep) if keep is not None else {}
+        model = _build(arch, dtype, device, read_tensors(gguf, json.loads((folder / "config.json").read_text())), prepacked)
+        packed = {n: b for n, b in model.named_buffers() if n.endswith(".packed")}
+        if keep is not None and any(prepacked.get(n) is not b for n, b in packed.items()):  # packed now: kept for next time
+            packed_cache.save(keep, packed)
     else:
         if quantization == "auto" and gguf_file(path) is not None:
             log.warning("radixserve's CPU kernels are not available: %s is dequantized to %s", path or "the default model", dtype)
@@ -116,9 +121,12 @@ _QUANT_TARGETS = {
 }
 
 
-def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator[tuple[str, Any]]) -> nn.Module:
+def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator[tuple[str, Any]],
+           prepacked: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """The model with its weights: float tensors through `load_weights`, quantized ones
-    (models.quant.QuantTensor, from a GGUF file) packed into QuantLinear / QuantEmbedding."""
+    (models.quant.QuantTensor, from a GGUF file) packed into QuantLinear / QuantEmbedding, or
+    taken from `prepacked` (buffer name -> packed blocks, models.packed_cache) where it has them."""
+    prepacked = prepacked or {}
     floats: list[tuple[str, torch.Tensor]] = []
     shards: dict[str, list[Any]] = {}  # our module -> its quantized shards, in order
     for name, t in weights:
@@ -161,10 +169,11 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     # whose first use imports sympy: 0.7 s of a start)
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     for module, parts in shards.items():  # one module at a time: its fused raw copy and its file pages go after it
-        _place(model.get_submodule(module), quant.cat_rows(parts) if len(parts) > 1 else parts[0])
+        _place(model.get_submodule(module), prepacked.get(f"{module}.packed"),
+               lambda parts=parts: quant.cat_rows(parts) if len(parts) > 1 else parts[0])
     for module, qs in split.items():
-        for part, q in zip(model.get_submodule(module).parts, qs):
-            _place(part, q)
+        for i, (part, q) in enumerate(zip(model.get_submodule(module).parts, qs)):
+            _place(part, prepacked.get(f"{module}.parts.{i}.packed"), lambda q=q: q)
     embed = model.model.embed_tokens
     if arch.tie_word_embeddings:
         if isinstance(embed, quant.QuantEmbedding):  # the head reads the embedding's blocks
@@ -202,11 +211,16 @@ def _no_init() -> Iterator[None]:
             setattr(nn.init, n, f)
 
 
-def _place(module: nn.Module, q: Any) -> None:
-    """Pack q's blocks into the module (its buffer replaced: the empty one was never touched)."""
-    packed = quant.pack(q)
+def _place(module: nn.Module, ready: torch.Tensor | None, blocks: Callable[[], Any]) -> None:
+    """The module's packed blocks (its buffer replaced: the empty one was never touched): `ready`
+    (packed before, models.packed_cache) where it has the module's shape, else `blocks()` packed."""
+    if ready is not None and ready.shape == module.packed.shape and ready.dtype == module.packed.dtype:
+        packed = ready
+    else:
+        q = blocks()
+        packed = quant.pack(q)
+        q.done()
     module.packed = packed.to(module.packed.device) if module.packed.device != packed.device else packed
-    q.done()
 
 
 def _release_freed_memory() -> None:
