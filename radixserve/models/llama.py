@@ -7,7 +7,6 @@ The model sees flat tokens (T, hidden) with their positions; attention goes thro
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -73,22 +72,22 @@ class FusedDecode:
     runs all layers in one native call, with the same kernels the per-layer path calls, minus its
     Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms and linears split by GGUF kind."""
 
-    def __init__(self, model: LlamaModel, ops: Any, linears: list[list[Parts]]) -> None:
-        self.ops = ops
+    def __init__(self, model: LlamaModel, linears: list[list[list[nn.Module]]]) -> None:
+        self.ops = linears[0][0][0].native
         attn = model.layers[0].self_attn
         norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in model.layers]
-        self.weights = ops.decode_weights(
+        parts = [[[(m.packed, m.out_features, m.native_bias) for m in layer] for layer in slot] for slot in linears]
+        self.weights = self.ops.decode_weights(
             [layer.input_layernorm.weight for layer in model.layers],
             [layer.post_attention_layernorm.weight for layer in model.layers],
             [q.weight for q, _ in norms if q is not None], [k.weight for _, k in norms if k is not None],
-            *linears, attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5)
+            *parts, attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5)
 
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
         """The fused step, where every linear has native packed weights (float panels or
         quantized blocks, whole or in parts); else None."""
-        linears: list[list[Parts]] = [[], [], [], []]
-        ops = None
+        linears: list[list[list[nn.Module]]] = [[], [], [], []]  # qkv, o, gate_up, down: per layer, the parts
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for held, module in zip(linears, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
@@ -96,8 +95,7 @@ class FusedDecode:
                 if parts is None:
                     return None
                 held.append(parts)
-            ops = attn.qkv_proj.parts[0].native if isinstance(attn.qkv_proj, SplitQuantLinear) else attn.qkv_proj.native
-        return cls(model, ops, linears) if ops is not None else None
+        return cls(model, linears) if model.layers else None
 
     def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
@@ -105,12 +103,9 @@ class FusedDecode:
         return x, residual
 
 
-Parts = list[tuple[torch.Tensor, int, "torch.Tensor | None"]]  # (packed, width, fp32 bias) per part
-
-
-def _native_parts(module: nn.Module) -> Parts | None:
-    """A linear as the fused step takes it: each native packed part with its width and the fp32
-    bias its kernel adds; None where a part has no native kernel."""
+def _native_parts(module: nn.Module) -> list[nn.Module] | None:
+    """A linear's packed parts as the fused step runs them (each adds its fp32 bias in its
+    kernel: a split linear's slices too); None where a part has no native kernel."""
     if isinstance(module, SplitQuantLinear):
         if module.bias is not None and not module.bias_in_parts:
             return None
@@ -120,7 +115,7 @@ def _native_parts(module: nn.Module) -> Parts | None:
     if not all(isinstance(m, (PackedLinear, QuantLinear)) and m.native and (m.bias is None or m.native_bias is not None)
                for m in parts):
         return None
-    return [(m.packed, m.out_features, m.native_bias) for m in parts]
+    return parts
 
 
 class LlamaModel(nn.Module):
