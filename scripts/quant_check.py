@@ -89,7 +89,7 @@ def weight_rss(model: str | None, quantization: str) -> tuple[float, float, floa
     tokenizer = before[0] - start[0]
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)
     for t in [*loaded.model.parameters(), *loaded.model.buffers()]:
-        t.view(torch.uint8).sum() if t.dtype == torch.uint8 else t.sum()
+        t.sum()
     gc.collect()
     after = rss_mib()
     del loaded

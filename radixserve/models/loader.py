@@ -85,9 +85,10 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
         keep = packed_cache.cache_file(gguf) if packed_cache.enabled() and device.type == "cpu" else None
         prepacked = packed_cache.load(keep) if keep is not None else {}
         model = _build(arch, dtype, device, read_tensors(gguf, json.loads((folder / "config.json").read_text())), prepacked)
-        packed = {n: b for n, b in model.named_buffers() if n.endswith(".packed")}
-        if keep is not None and any(prepacked.get(n) is not b for n, b in packed.items()):  # packed now: kept for next time
-            packed_cache.save(keep, packed)
+        if keep is not None:
+            packed = {n: b for n, b in model.named_buffers() if n.endswith(".packed")}
+            if any(prepacked.get(n) is not b for n, b in packed.items()):  # packed now: kept for next time
+                packed_cache.save(keep, packed)
     else:
         if quantization == "auto" and gguf_file(path) is not None:
             log.warning("radixserve's CPU kernels are not available: %s is dequantized to %s", path or "the default model", dtype)
@@ -188,9 +189,9 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
         model.load_weights(floats)
     except ValueError as e:
         raise ModelLoadError(f"cannot load weights: {e}") from e
-    for m in model.modules():
-        if isinstance(m, quant.SplitQuantLinear) or (isinstance(m, quant.QuantLinear) and m.native is None):
-            m.finish()  # a split one finishes its parts (listed after it)
+    for m in model.modules():  # a split linear comes before its parts: its biases are theirs when they finish
+        if isinstance(m, quant.QuantLinear | quant.SplitQuantLinear):
+            m.finish()
     return model
 
 

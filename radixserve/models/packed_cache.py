@@ -14,6 +14,7 @@ RADIXSERVE_PACKED_CACHE=0 turns it off (load and repack every time, write nothin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -104,7 +105,8 @@ def save(path: Path, buffers: dict[str, torch.Tensor]) -> None:
             Path(tmp).unlink(missing_ok=True)
             raise
         for old in [*path.parent.glob("*.bin"), *path.parent.glob(".packed-*")]:  # other layouts; a crashed write's
-            if old != path and (old.suffix == ".bin" or time.time() - old.stat().st_mtime > 3600):
-                old.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # gone meanwhile (another process cleaning up)
+                if old != path and (old.suffix == ".bin" or time.time() - old.stat().st_mtime > 3600):
+                    old.unlink()
     except OSError as e:
         log.warning("could not keep the packed weights in %s (%s): the next start repacks them", path, e)

@@ -217,17 +217,19 @@ class SplitQuantLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
-        self.bias_in_parts = False
+
+    @property
+    def bias_in_parts(self) -> bool:
+        return self.bias is not None and self.parts[0].bias is not None
 
     def finish(self) -> None:
-        """After the weights are in: each part's bias is a view of its slice, then the parts finish."""
+        """After the weights are in, before the parts' own `finish`: each part's bias becomes a
+        view of its slice."""
         at = 0
         for p in self.parts:
             if self.bias is not None:
                 p.bias = nn.Parameter(self.bias.detach()[at:at + p.out_features], requires_grad=False)
             at += p.out_features
-            p.finish()
-        self.bias_in_parts = self.bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)
