@@ -25,10 +25,14 @@ def check_backend_name(name: str) -> None:
 
 def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
     """auto: xgrammar, falling back to outlines-core for what xgrammar cannot compile or
-    enforce. Every choice checks strict JSON schemas against what the backend enforces."""
+    enforce. Every choice checks strict JSON schemas against what the backend enforces. A
+    tokenizer with a `full()` (radixserve's FastTokenizer) hands over the transformers tokenizer
+    behind it: the backends read its vocabulary the transformers way."""
     from grammars.chain import Chain
 
     check_backend_name(name)
+    if callable(getattr(type(tokenizer), "full", None)):
+        tokenizer = tokenizer.full()
     return Chain([_one(n, tokenizer, vocab_size, stop_token_ids) for n in _MEMBERS[name]])
 
 

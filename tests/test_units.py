@@ -224,3 +224,48 @@ def test_a_tokenizer_loads_as_autotokenizer_would_and_the_token_table_is_decode(
     import json
 
     assert len(json.loads((tmp_path / "tokenizer_classes.json").read_text())) == len(folders)
+
+
+def test_the_engines_fast_tokenizer_encodes_and_decodes_as_the_transformers_one(tiny_models, tmp_path, monkeypatch):
+    """load_tokenizer(fast=True) saves the transformers tokenizer's backend once; later loads
+    read it without transformers and encode, decode (every token alone, special tokens kept or
+    skipped), count and name special ids exactly as transformers does; everything else (a chat
+    template) goes to the transformers tokenizer behind it; a damaged saved file is a miss."""
+    import pickle
+
+    from radixserve.models import fast_tokenizer as ft
+    from radixserve.models.files import load_tokenizer, tokenizer_dir
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    folders = [tokenizer_dir(None)] + [p for p in tiny_models.values() if (p / "tokenizer.json").exists()]
+    texts = ["Hello, world! 123 ünïcödé 日本語  spaces\n\nnew", "<|im_start|>user\nx<|im_end|>", " lead", "a . b , c 's n't",
+             "def f(x):\n\treturn x", ""]
+    chat = [{"role": "user", "content": "Name a prime."}]
+    for folder in folders:
+        load_tokenizer(folder, fast=True)  # the first load saves the backend
+        saved = list((tmp_path / "fast_tokenizers").glob("*.json"))
+        fast, full = load_tokenizer(folder, fast=True), load_tokenizer(folder)
+        assert isinstance(fast, ft.FastTokenizer) and fast._full is None, folder  # transformers not loaded
+        for text in texts:
+            for special in (True, False):
+                assert fast.encode(text, add_special_tokens=special) == full.encode(text, add_special_tokens=special)
+            ids = full.encode(text)
+            for skip in (True, False):
+                assert fast.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip)
+                assert fast.decode(ids, skip, False) == full.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        n = len(full)
+        assert len(fast) == n and fast.get_vocab() == full.get_vocab()
+        assert [fast.decode(i) for i in range(n)] == [full.decode(i) for i in range(n)]
+        assert (fast.eos_token_id, fast.bos_token_id, fast.pad_token_id) == (full.eos_token_id, full.bos_token_id, full.pad_token_id)
+        token = full.convert_ids_to_tokens(n - 1)
+        assert fast.convert_tokens_to_ids(token) == n - 1 and fast.convert_tokens_to_ids([token]) == [n - 1]
+        if full.chat_template:
+            assert fast.apply_chat_template(chat, tokenize=False) == full.apply_chat_template(chat, tokenize=False)
+        assert type(pickle.loads(pickle.dumps(fast))) is type(full)  # a grammar worker gets the transformers one
+        for path in saved:
+            path.write_text(path.read_text()[:100])  # torn
+        again = load_tokenizer(folder, fast=True)  # a miss: loaded through transformers and saved again
+        assert isinstance(again, ft.FastTokenizer) and again.encode(texts[0]) == full.encode(texts[0])
+        assert all(len(p.read_text()) > 100 for p in saved)
+        for path in saved:
+            path.unlink()

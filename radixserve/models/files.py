@@ -59,9 +59,39 @@ def tokenizer_dir(path: str | None) -> Path:
     return resolve_model_dir(path)
 
 
-def load_tokenizer(folder: Path) -> Any:
+def load_tokenizer(folder: Path, fast: bool = False) -> Any:
+    """The folder's transformers tokenizer; `fast`: the engine's FastTokenizer over the same
+    backend, without importing transformers from the second start on (models.fast_tokenizer)."""
     if not any((folder / f).exists() for f in _TOKENIZER_FILES):
         raise ModelLoadError(f"model folder {folder} has no tokenizer (looked for {', '.join(_TOKENIZER_FILES)})")
+    if not fast:
+        return _load_full(folder)
+    from radixserve.models import fast_tokenizer as ft
+
+    path = ft.cache_path(cache_root(), f"{_class_key(folder)}|{_versions()}")
+    tok = ft.load_fast(path, lambda: _load_full(folder))
+    if tok is not None:
+        return tok
+    full = _load_full(folder)
+    if not hasattr(full, "backend_tokenizer"):  # a slow (Python) tokenizer: nothing to save
+        return full
+    try:
+        ft.save_fast(full, path)
+    except OSError:  # a read-only cache: transformers each time
+        return full
+    return ft.load_fast(path, lambda: full) or full
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"transformers {version('transformers')} tokenizers {version('tokenizers')}"
+    except PackageNotFoundError:
+        return ""
+
+
+def _load_full(folder: Path) -> Any:
     key = _class_key(folder)
     known = _known_classes().get(key)
     if known is not None:

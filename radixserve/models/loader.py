@@ -103,7 +103,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
                 raise ModelLoadError(f"quantization {quantization}: needs radixserve's CPU kernels (kernels/cpu.py), "
                                      "which are not available here")
             quant.quantize_model(model, quantization)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, fast=True)
     model.eval()
     _release_freed_memory()
     kinds = quant.describe(model)
