@@ -12,9 +12,13 @@
 // super-block's fp16 d [and dmin], 16 outputs each), then per sub-block of 32 weights:
 //   [0, 256)        q's low 4 bits: byte 64c + 4n + r holds output n's weight 4c + r (low
 //                   nibble) and 16 + 4c + r (high nibble), as the Q4 panels of quant_linear.cpp
-//   [256, +64*hb)   q's bit 4 (and 5): for each bit t, half p (weights 16p..16p+15) and chunk
-//                   c, a 64-bit mask whose bit 4n + r is that bit of output n's weight
-//                   16p + 4c + r: OR-ed into the nibble bytes by a masked move
+//   [256, +64*hb)   q's bits above the nibble, as planes per chunk c: nibble byte j = 4n + r's
+//                   two weights (low nibble L, high nibble H) have e_j = L's high bits | H's
+//                   high bits << hb (4 bits for q6_k, 2 for the 5-bit kinds); q6_k keeps 32
+//                   bytes per chunk, byte i = e_i | e_{i+32} << 4; the 5-bit kinds 16, byte
+//                   i = e_i | e_{i+16} << 2 | e_{i+32} << 4 | e_{i+48} << 6. A 32- or 64-byte run
+//                   of nibble bytes finds its e with a shift and a mask (a shuffle-free unpack
+//                   on AVX2 as on AVX-512)
 //   then            the sub-block's per-output scales (fp16 d [, m]; or u8 sc, mn; or i8 sc x2)
 // A few rows (decode) work in integers as the Q4/Q8 kernels do; the per-half integer sums S0,
 // S1 are scaled in the same order on every ISA, so the AVX-512, AVX2 and portable paths give
@@ -100,10 +104,12 @@ void unpack(int f, const uint8_t* s, Block& u) {
       for (int j = 0; j < 32; ++j) u.q[32 * t + j] |= ((qh[j] >> t) & 1) << 4;
 }
 
-inline uint64_t mask_at(const uint8_t* sub, int t, int p, int c) {
-  uint64_t v;
-  std::memcpy(&v, sub + 256 + ((t * 2 + p) * 4 + c) * 8, 8);
-  return v;
+// The high-bit plane of chunk c: 16 * hbits bytes (see the layout above).
+inline const uint8_t* plane_at(const uint8_t* sub, int64_t hbits, int c) { return sub + 256 + 16 * hbits * c; }
+
+// e_j of nibble byte j (0..63) of a chunk's plane.
+inline int plane_e(const uint8_t* plane, int64_t hbits, int j) {
+  return hbits == 2 ? (plane[j % 32] >> (4 * (j / 32))) & 15 : (plane[j % 16] >> (2 * (j / 16))) & 3;
 }
 
 // The outputs `u[0, lanes)` of one panel's GGUF block into its record (zeroed beforehand).
@@ -116,16 +122,18 @@ void write_record(int f, const Block* u, int64_t lanes, uint8_t* rec) {
   for (int64_t i = 0; i < F.subs(); ++i) {
     uint8_t* sub = rec + F.header + i * F.sub();
     uint8_t* sc = sub + 256 + 64 * F.hbits;
-    uint64_t masks[2][2][4] = {};
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const uint8_t* q = u[lane].q + 32 * i;
       for (int c = 0; c < 4; ++c)
         for (int r = 0; r < 4; ++r) {
           const uint8_t lo = q[4 * c + r], hi = q[16 + 4 * c + r];
-          sub[64 * c + 4 * lane + r] = uint8_t((lo & 15) | ((hi & 15) << 4));
-          for (int t = 0; t < F.hbits; ++t) {
-            masks[t][0][c] |= uint64_t((lo >> (4 + t)) & 1) << (4 * lane + r);
-            masks[t][1][c] |= uint64_t((hi >> (4 + t)) & 1) << (4 * lane + r);
+          const int j = int(4 * lane + r);
+          sub[64 * c + j] = uint8_t((lo & 15) | ((hi & 15) << 4));
+          if (F.hbits) {
+            const int e = (lo >> 4) | ((hi >> 4) << F.hbits);
+            uint8_t* plane = sub + 256 + 16 * F.hbits * c;
+            if (F.hbits == 2) plane[j % 32] |= uint8_t(e << (4 * (j / 32)));
+            else plane[j % 16] |= uint8_t(e << (2 * (j / 16)));
           }
         }
       if (f == Q5_0 || f == Q5_1) {
@@ -139,9 +147,6 @@ void write_record(int f, const Block* u, int64_t lanes, uint8_t* rec) {
         sc[16 + lane] = u[lane].mn[i];
       }
     }
-    for (int t = 0; t < F.hbits; ++t)
-      for (int p = 0; p < 2; ++p)
-        for (int c = 0; c < 4; ++c) std::memcpy(sub + 256 + ((t * 2 + p) * 4 + c) * 8, &masks[t][p][c], 8);
   }
 }
 
@@ -154,13 +159,13 @@ inline void unpack_sub(const uint8_t* sub, int64_t hbits, uint8_t (*q)[32]) {
         q[n][4 * c + r] = byte & 15;
         q[n][16 + 4 * c + r] = byte >> 4;
       }
-  for (int t = 0; t < hbits; ++t)
-    for (int p = 0; p < 2; ++p)
-      for (int c = 0; c < 4; ++c)
-        for (uint64_t m = mask_at(sub, t, p, c); m; m &= m - 1) {
-          const int bit = __builtin_ctzll(m);
-          q[bit / 4][16 * p + 4 * c + bit % 4] |= uint8_t(16 << t);
-        }
+  if (hbits)
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 64; ++j) {
+        const int e = plane_e(plane_at(sub, hbits, c), hbits, j), lo_bits = e & ((1 << hbits) - 1);
+        q[j / 4][4 * c + j % 4] |= uint8_t(lo_bits << 4);
+        q[j / 4][16 + 4 * c + j % 4] |= uint8_t((e >> hbits) << 4);
+      }
 }
 
 // One output's sub-block: w = a_p * (q - z) + off for the half p its weight is in (a float
@@ -250,6 +255,20 @@ void ktile_generic(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_
 #if defined(RS_AVX512) && defined(__AVX512VNNI__)
 constexpr int64_t KMR = 4;
 
+// A chunk's e_j for its 64 nibble bytes, one per byte (plane_e, 64 at a time).
+template <int HB>
+inline __m512i plane64(const uint8_t* plane) {
+  if constexpr (HB == 2) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)plane), m = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)), _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+  } else {  // bytes 16q .. 16q + 15 from the plane's bits 2q, 2q + 1
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)plane));
+    const __m512i shift = _mm512_set_epi64(0x0006000600060006, 0x0006000600060006, 0x0004000400040004, 0x0004000400040004,
+                                           0x0002000200020002, 0x0002000200020002, 0, 0);  // 128-bit lane q: 2q, per 16 bits
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(3));
+  }
+}
+
 // The 16 outputs' a0, a1, off as vectors (lane_scales, 16 at a time).
 template <int F>
 inline void scales16(const uint8_t* rec, const uint8_t* sub, __m512& a0, __m512& a1, __m512& off) {
@@ -291,9 +310,11 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
         const __m512i v = _mm512_loadu_si512(sub + 64 * c);
         w[c] = _mm512_and_si512(v, low);
         w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int t = 0; t < fm.hbits; ++t) {
-          w[c] = _mm512_or_si512(w[c], _mm512_maskz_mov_epi8(mask_at(sub, t, 0, c), _mm512_set1_epi8(char(16 << t))));
-          w[4 + c] = _mm512_or_si512(w[4 + c], _mm512_maskz_mov_epi8(mask_at(sub, t, 1, c), _mm512_set1_epi8(char(16 << t))));
+        if constexpr (fm.hbits > 0) {
+          const __m512i e = plane64<fm.hbits>(plane_at(sub, fm.hbits, c));
+          constexpr int lo_mask = (1 << fm.hbits) - 1;
+          w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(e, _mm512_set1_epi8(lo_mask)), 4));
+          w[4 + c] = _mm512_or_si512(w[4 + c], _mm512_slli_epi16(_mm512_and_si512(e, _mm512_set1_epi8(lo_mask << fm.hbits)), 4 - fm.hbits));
         }
       }
       __m512 a0, a1, off;
@@ -332,12 +353,17 @@ constexpr bool HAS_VEC_KTILE = true;
 #elif defined(__AVX2__)
 constexpr int64_t KMR = 2;
 
-// 32 mask bits -> 32 bytes, each 0xff where its bit is set.
-inline __m256i bytes_from_bits(uint32_t x) {
-  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)), shuf);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+// A chunk's e_j for nibble bytes 32h .. 32h + 31, one per byte (plane_e, 32 at a time).
+template <int HB>
+inline __m256i plane32(const uint8_t* plane, int h) {
+  if constexpr (HB == 2) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)plane);
+    return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+  } else {  // bytes 32h + 16q' .. from the plane's bits 2(2h + q')
+    const __m128i v = _mm_loadu_si128((const __m128i*)plane);
+    const __m256i b = _mm256_set_m128i(_mm_srli_epi16(v, 4 * h + 2), _mm_srli_epi16(v, 4 * h));
+    return _mm256_and_si256(b, _mm256_set1_epi8(3));
+  }
 }
 
 // As quant_linear.cpp's AVX2 tile: vpmaddubsw + vpmaddwd with a power-of-two weight, so the
@@ -389,10 +415,11 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
           const __m256i v = _mm256_loadu_si256((const __m256i*)(sub + 64 * c + 32 * h));
           w[c] = _mm256_and_si256(v, low);
           w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int t = 0; t < fm.hbits; ++t) {
-            const __m256i bit = _mm256_set1_epi8(char(16 << t));
-            w[c] = _mm256_or_si256(w[c], _mm256_and_si256(bytes_from_bits(uint32_t(mask_at(sub, t, 0, c) >> (32 * h))), bit));
-            w[4 + c] = _mm256_or_si256(w[4 + c], _mm256_and_si256(bytes_from_bits(uint32_t(mask_at(sub, t, 1, c) >> (32 * h))), bit));
+          if constexpr (fm.hbits > 0) {
+            const __m256i e = plane32<fm.hbits>(plane_at(sub, fm.hbits, c), h);
+            constexpr int lo_mask = (1 << fm.hbits) - 1;
+            w[c] = _mm256_or_si256(w[c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask)), 4));
+            w[4 + c] = _mm256_or_si256(w[4 + c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask << fm.hbits)), 4 - fm.hbits));
           }
         }
         __m256 a0, a1, off;
