@@ -4,6 +4,12 @@
 # the default model.  Opt-in: nothing in CI depends on it.
 #
 #   bash scripts/build_llama_server.sh [CACHE_DIR]   # default ~/.cache/radixserve/peer
+#   bash scripts/build_llama_server.sh --avx2 [CACHE_DIR]
+#
+# --avx2 builds the peer an AVX2-only CPU would have (AVX, AVX2, FMA, F16C, BMI2;
+# no AVX-512), as $CACHE/llama-server-avx2, so that the AVX2 column of the
+# README's table can be measured on an AVX-512 machine against the llama.cpp
+# that such a CPU would run (beside RADIXSERVE_CPU_ISA=avx2). x86-64 only.
 #
 # About 10 minutes on 2 idle cores.  The build is native (-DGGML_NATIVE=ON, i.e.
 # -march=native), so it is only valid on the CPU class it was built on: an
@@ -19,6 +25,8 @@
 # AMX is also switched off with -mno-amx-* compiler flags, which gcc (12, checked)
 # applies after its -march=native expansion.
 set -euo pipefail
+AVX2=0
+if [ "${1:-}" = --avx2 ]; then AVX2=1; shift; fi
 CACHE="${1:-$HOME/.cache/radixserve/peer}"
 VERSION=0.3.36
 PY="${PYTHON:-$(pwd)/.venv/bin/python}"
@@ -29,6 +37,22 @@ if [ ! -d "llama_cpp_python-$VERSION" ]; then
   tar xzf "llama_cpp_python-$VERSION.tar.gz"
 fi
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
+if [ "$AVX2" = 1 ]; then
+  BUILD="$SRC/build-avx2"
+  if [ ! -x "$BUILD/bin/llama-server" ]; then
+    echo "building llama.cpp for AVX2-only CPUs in $BUILD"
+    cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+      -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build "$BUILD" -j "$(nproc)" --target llama-server
+  fi
+  ln -sfn "$BUILD/bin/llama-server" "$CACHE/llama-server-avx2"
+  "$CACHE/llama-server-avx2" --version
+  echo "llama-server (AVX2 build): $CACHE/llama-server-avx2"
+  exit 0
+fi
 CPU_FLAGS="$(grep -m1 '^flags' /proc/cpuinfo || true)"
 [ -n "$CPU_FLAGS" ] || CPU_FLAGS="$(uname -m) $(grep -m1 '^Features' /proc/cpuinfo || true)"
 CPU_KEY="$(echo "$CPU_FLAGS" | sha256sum | cut -c1-12)"

@@ -194,11 +194,11 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(path, folder, kinds: dict[str, str]) -> dict[str, torch.Tensor]:
+def _write_tiny_gguf(path, folder, kinds: dict[str, str], extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """The tiny Llama's weights as a GGUF file: linears in the given GGUF types (q/k rows
     permuted as llama.cpp stores them; the K-quants random blocks, not the folder's weights),
-    the rest F32. Returns the weights it stands for (the dequantized values, under Hugging Face
-    names)."""
+    the rest F32, and `extra` tensors as given. Returns the weights it stands for (the
+    dequantized values, under Hugging Face names)."""
     import json
 
     from safetensors.torch import load_file
@@ -213,9 +213,10 @@ def _write_tiny_gguf(path, folder, kinds: dict[str, str]) -> dict[str, torch.Ten
             continue
         name, arr = names[hf], tensor.float().numpy()
         kind = next((q for part, q in kinds.items() if part in name), None) if arr.ndim == 2 else None
+        heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
         if kind is None:
             meant[hf] = torch.from_numpy(arr)
-            w.add_tensor(name, arr)
+            w.add_tensor(name, _llama_permute(arr, heads) if ".attn_q." in name or ".attn_k." in name else arr)
             continue
         qt = getattr(QT, kind.upper())
         if qt in _FP16_AT:  # no quantizer in gguf-py: random blocks of about the weight's size
@@ -224,9 +225,10 @@ def _write_tiny_gguf(path, folder, kinds: dict[str, str]) -> dict[str, torch.Ten
             raw = quants.quantize(arr, qt)
         meant[hf] = torch.from_numpy(quants.dequantize(raw, qt).reshape(arr.shape).copy())
         if ".attn_q." in name or ".attn_k." in name:
-            heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             raw = _llama_permute(raw, heads)
         w.add_tensor(name, raw, raw_dtype=getattr(QT, kind.upper()))
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -536,3 +538,52 @@ def test_the_default_model_packs_once_and_maps_its_packed_weights_after(ops, tmp
     monkeypatch.setenv("RADIXSERVE_PACKED_CACHE", "0")
     with pytest.raises(pytest.fail.Exception):  # off: packs (and would write nothing)
         load_model(None, torch.float32, torch.device("cpu"))
+
+
+def _llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as `rope_freqs.weight` for a llama3 rope scaling: one
+    divisor per frequency (1 for short wavelengths, the factor for long ones, smoothed between)."""
+    s, dim = cfg["rope_scaling"], cfg["head_dim"]
+    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    old = s["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * np.pi / inv:
+        if wavelen < old / s["high_freq_factor"]:
+            out.append(1.0)
+        elif wavelen > old / s["low_freq_factor"]:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_a_llama3_gguf_takes_its_rope_scaling_from_rope_freqs(tiny_llama, tmp_path):
+    """llama.cpp writes a Llama 3.x model's rope scaling as the tensor `rope_freqs.weight` (the
+    GGUF's config has no rope_scaling): it loads, and the model computes what transformers does
+    with the llama3 scaling in its config, past the original context; a config that also names
+    the llama3 scaling does not apply it twice."""
+    import json
+
+    from radixserve.models.config import ArchConfig
+    from radixserve.models.gguf import read_tensors
+    from radixserve.models.loader import _build
+    from tests.helpers import hf_logits_and_greedy
+
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["original_max_position_embeddings"] == 64
+    factors = _llama3_rope_freqs(cfg)
+    assert (factors == 1).any() and (factors == cfg["rope_scaling"]["factor"]).any() and len(set(factors.tolist())) > 2
+    path, with_freqs = tmp_path / "plain.gguf", tmp_path / "llama3.gguf"
+    _write_tiny_gguf(path, tiny_llama, {})
+    _write_tiny_gguf(with_freqs, tiny_llama, {}, {"rope_freqs.weight": factors})
+    prompt = [(i * 37) % (cfg["vocab_size"] - 3) + 3 for i in range(150)]
+    theirs, _ = hf_logits_and_greedy(tiny_llama, prompt, 1)
+    plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}  # what the GGUF's metadata gives
+    for config in (plain, cfg):
+        arch = ArchConfig.from_hf(config)
+        model = _build(arch, torch.float32, torch.device("cpu"), read_tensors(with_freqs, config)).eval()
+        ours = _logits(model, prompt)
+        assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    without = _build(ArchConfig.from_hf(plain), torch.float32, torch.device("cpu"), read_tensors(path, plain)).eval()
+    assert (_logits(without, prompt) - theirs).abs().max().item() > 1e-2  # the scaling matters past 64 tokens

@@ -135,11 +135,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FREQS = "model.rotary_emb.freq_factors"
 _NATIVE = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 _FLOAT = ("F32", "F16", "BF16")
 
 
 def hf_name(gguf_name: str) -> str:
+    if gguf_name == "rope_freqs.weight":  # Llama 3.x: the rope scaling, one divisor per frequency
+        return ROPE_FREQS
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)

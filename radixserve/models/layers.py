@@ -34,8 +34,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """The rotary frequencies. `freq_factors`: a GGUF file's `rope_freqs` (llama.cpp's converter
+    writes Llama 3's scaling as one divisor per frequency): they are the llama3 scaling, so a
+    config's llama3 entry is not applied again over them."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:
+        inv = inv / freq_factors.float().to(inv.device)
+        if scaling is not None and scaling["rope_type"] == "llama3":
+            scaling = None
     if scaling is None:
         return inv
     kind = scaling["rope_type"]
@@ -61,6 +69,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.args = (head_dim, max_position, theta, scaling)
+        self.freq_factors: torch.Tensor | None = None  # a GGUF file's rope_freqs (see rope_inv_freq)
         self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
         self.reset_buffers()
@@ -70,11 +79,17 @@ class RotaryEmbedding(nn.Module):
         head_dim, max_position, theta, scaling = self.args
         if self.cos.is_meta:
             return
-        inv = rope_inv_freq(head_dim, theta, scaling).to(self.cos.device)
+        inv = rope_inv_freq(head_dim, theta, scaling, self.freq_factors).to(self.cos.device)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv.device), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos()
         self.sin = emb.sin()
+
+    def set_freq_factors(self, factors: torch.Tensor) -> None:
+        if tuple(factors.shape) != (self.args[0] // 2,):
+            raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, expected ({self.args[0] // 2},): one per frequency")
+        self.freq_factors = factors.detach().float().cpu().clone()
+        self.reset_buffers()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the step's positions, (T, head_dim / 2) fp32 (the table's halves are

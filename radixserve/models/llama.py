@@ -14,6 +14,7 @@ from torch import nn
 from kernels import cpu
 from radixserve.batch import ForwardBatch, NativeDecode
 from radixserve.models.config import ArchConfig
+from radixserve.models.gguf import ROPE_FREQS
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
 from radixserve.models.quant import QuantLinear, SplitQuantLinear
@@ -191,6 +192,9 @@ class LlamaForCausalLM(nn.Module):
             missing.discard("lm_head.weight")
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            if name == ROPE_FREQS:
+                self.model.rotary_emb.set_freq_factors(tensor)
                 continue
             parts = name.split(".")
             target, bounds = name, None
