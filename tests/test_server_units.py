@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from radixserve.server.admission import Admission
@@ -79,6 +81,28 @@ def test_tool_calls_the_model_emits_are_parsed_out_of_its_text():
     assert calls[0].function.arguments == '{"zone": "UTC"}'
     assert parse_calls('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', tools)[1] == []  # unknown tool
     assert parse_calls("<tool_call>not json</tool_call>", tools)[1] == []
+
+
+def test_a_fenced_json_call_is_a_tool_call_only_when_it_holds_nothing_but_offered_calls():
+    """Qwen2.5-Coder-1.5B asked for the weather in Paris with a get_weather tool answered with
+    the call in a ```json fence (seen with the real Q4_K_M file): that is a call; a fenced
+    block that is code, data, or a call of a tool not offered stays content."""
+    from radixserve.server.tools import Tool, parse_calls
+
+    tools = [Tool("get_weather", "", {"type": "object"}), Tool("get_time", "", {"type": "object"})]
+    text = 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n```'
+    content, calls = parse_calls(text, tools)
+    assert content == "Sure." and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
+    two = '```json\n[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]\n```'
+    assert [c.function.name for c in parse_calls(two, tools)[1]] == ["get_weather", "get_time"]
+    assert parse_calls(two, tools)[0] is None
+    for kept in ['```json\n{"city": "Paris"}\n```', '```python\nprint(1)\n```', '```\n{"name": "rm_rf", "arguments": {}}\n```',
+                 '```json\n[{"name": "get_weather", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]\n```']:
+        assert parse_calls(kept, tools) == (kept, [])
+    tagged = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n```json\n{"name": "get_weather", "arguments": {}}\n```'
+    content, calls = parse_calls(tagged, tools)  # tags first: a fenced block beside them is the model's text
+    assert [c.function.name for c in calls] == ["get_time"] and content.startswith("```json")
 
 
 def test_a_required_tool_call_cut_short_is_returned_as_content_not_a_500():

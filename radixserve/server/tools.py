@@ -4,7 +4,9 @@
   when it takes `tools`), with the call format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `tool_choice` "required" or a named function: the output is constrained to one call, a JSON
   object whose `name` is a tool's and whose `arguments` follow that tool's parameter schema.
-- "auto": the model may answer or call; calls it emits in the format above are parsed out.
+- "auto": the model may answer or call; calls it emits in the format above are parsed out, and
+  so is a fenced JSON block that holds nothing but calls of offered tools (Qwen2.5-Coder writes
+  its calls as a ```json block more often than in tags).
 - "none": tools are not offered.
 """
 
@@ -21,6 +23,7 @@ from radixserve.server.errors import ApiError
 from radixserve.server.protocol import FunctionCall, ToolCall
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
 
 
 @dataclass(frozen=True)
@@ -205,20 +208,36 @@ def calls_from_json(text: str) -> list[ToolCall]:
 
 
 def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
-    """Tool calls the model emitted in the tagged format; the rest stays content."""
+    """Tool calls the model emitted in the tagged format (or, where it wrote none, as fenced
+    JSON blocks each holding only calls of offered tools: one, or a list); the rest stays content."""
     names = {t.name for t in tools}
     calls = []
     for m in _CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments", {}), dict):
-            calls.append(_call(obj["name"], obj.get("arguments", {})))
-    if not calls:
+        calls += _calls_in(m.group(1), names, many=False)
+    if calls:
+        return _CALL.sub("", text).strip() or None, calls
+    fenced = [(m, _calls_in(m.group(1), names, many=True)) for m in _FENCED.finditer(text)]
+    if not any(found for _, found in fenced):
         return text, []
-    rest = _CALL.sub("", text).strip()
-    return rest or None, calls
+    rest = text
+    for m, found in reversed(fenced):
+        if found:
+            rest = rest[:m.start()] + rest[m.end():]
+            calls[:0] = found
+    return rest.strip() or None, calls
+
+
+def _calls_in(block: str, names: set[str], many: bool) -> list[ToolCall]:
+    """The calls a block holds, or [] unless it is one call (`many`: or a list of them) of a tool
+    in `names` with object arguments."""
+    try:
+        obj = json.loads(block)
+    except json.JSONDecodeError:
+        return []
+    objs = obj if many and isinstance(obj, list) and obj else [obj]
+    if not all(isinstance(o, dict) and o.get("name") in names and isinstance(o.get("arguments", {}), dict) for o in objs):
+        return []
+    return [_call(o["name"], o.get("arguments", {})) for o in objs]
 
 
 def history_text(tool_calls: list[Any] | None, param: str) -> str:
