@@ -110,3 +110,46 @@ def test_a_required_tool_call_cut_short_is_returned_as_content_not_a_500():
 
     assert calls_from_json('{"name": "get_weather", "arguments": {"city": "Par') == []
     assert calls_from_json('{"name": "f", "arguments": {}}')[0].function.name == "f"
+
+
+def test_each_models_tool_call_format_is_parsed_and_chosen_from_its_chat_template():
+    """The formats of server.tool_parsers, each as its models write it, with several calls in one
+    answer; what is not a call of an offered tool stays content; the parser follows the chat
+    template (a template that takes no tools gets radixserve's tagged prompt: hermes)."""
+    from radixserve.server import tool_parsers as tp
+    from radixserve.server.tools import Tool
+
+    weather = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                                       "metric": {"type": "boolean"}}})
+    tools = [weather, Tool("get_time", "", {"type": "object"})]
+
+    def calls(fmt, text):
+        content, found = tp.parse(fmt, text, tools)
+        return content, [(c.function.name, json.loads(c.function.arguments)) for c in found]
+
+    paris = ("get_weather", {"city": "Paris"})
+    assert calls("hermes", 'Hm.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>') == ("Hm.", [paris, ("get_time", {})])
+    assert calls("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}') == (None, [paris])
+    assert calls("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}') \
+        == (None, [paris, ("get_time", {})])
+    assert calls("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (None, [paris])
+    assert calls("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (None, [paris])  # marker skipped
+    assert calls("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}') \
+        == (None, [paris, ("get_time", {})])
+    xml = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42 Main St\n</parameter>\n<parameter=days>\n3\n"
+           "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    assert calls("qwen3_coder", xml) == ("Checking.", [("get_weather", {"city": "42 Main St", "days": 3, "metric": True})])
+    for fmt, text in [("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),
+                      ("llama3_json", '{"name": "Ada", "parameters": {}}'), ("llama3_json", "The answer is 4."),
+                      ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}} and more'),
+                      ("mistral", '[TOOL_CALLS]rm_rf[ARGS]{}'), ("mistral", "[1, 2]"),
+                      ("qwen3_coder", "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>")]:
+        assert tp.parse(fmt, text, tools) == (text, []), (fmt, text)
+    templates = {"hermes": "{% if tools %}<tools>{{ tools }}</tools> <tool_call>{% endif %}",
+                 "qwen3_coder": "{% for tool in tools %}<tool_call>\n<function={{ name }}>\n<parameter={{ p }}>{% endfor %}",
+                 "mistral": "{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]",
+                 "llama3_json": '{% if tools %}{"name": function name, "parameters": ...}<|python_tag|>{% endif %}'}
+    for fmt, template in templates.items():
+        assert tp.for_template(template) == fmt
+    assert tp.for_template(None) == tp.for_template("{{ messages }}") == "hermes"

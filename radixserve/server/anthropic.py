@@ -93,7 +93,7 @@ async def _begin(request: web.Request, typ: type, admit: bool) -> tuple[ServerSt
 @anthropic_errors
 async def messages(request: web.Request) -> web.StreamResponse:
     state, arrival, tenant, b = await _begin(request, MessagesRequest, admit=True)
-    conv = convert.conversation(b, state.config.reasoning_parser)
+    conv = convert.conversation(b, state.config.reasoning_parser, state.tool_format)
     params, opts = convert.engine_request(b, conv)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     try:

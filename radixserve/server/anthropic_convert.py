@@ -73,9 +73,10 @@ class Conversation:
     parser: str | None = None  # the reasoning parser, when the output is split
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
     show_thinking: bool = True  # thinking.display "omitted": the thinking block's text is left empty
+    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
 
 
-def conversation(b: CountTokensRequest, reasoning_parser: str | None = None) -> Conversation:
+def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, tool_format: str = "hermes") -> Conversation:
     if not b.messages:
         raise bad("messages", "must contain at least one message")
     for i, m in enumerate(b.messages):  # as Anthropic's API: user and assistant only, a user turn first
@@ -96,6 +97,7 @@ def conversation(b: CountTokensRequest, reasoning_parser: str | None = None) -> 
     conv.one_call = bool(b.tool_choice and b.tool_choice.disable_parallel_tool_use)
     if conv.mode == "none":
         conv.offered = []
+    conv.tool_format = tool_format
     return conv
 
 
@@ -259,7 +261,7 @@ def answer(out: Output, conv: Conversation, stops: list[str] | None) -> tuple[li
     """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
     is an ApiError 500)."""
     reason = finish_reason(out)
-    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered)
+    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered, conv.tool_format)
     uses = [ToolUseBlock(f"toolu_{uuid.uuid4().hex[:24]}", c.function.name, args) for c in a.calls
             if isinstance(args := json.loads(c.function.arguments), dict)]
     uses = uses[:1] if conv.one_call else uses

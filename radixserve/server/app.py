@@ -125,6 +125,7 @@ async def server_info(request: web.Request) -> web.Response:
         "model_path": str(e.model_path),
         "max_context_len": e.context_len,
         "chat_template": getattr(e.tokenizer, "chat_template", None),
+        "tool_call_parser": state.tool_format,
         "vocab_size": e.vocab_size,
         "dtype": str(e.dtype).removeprefix("torch."),
         "quantization": e.quantization,

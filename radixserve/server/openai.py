@@ -206,9 +206,10 @@ class ChatPlan:
     schema: tuple[str, bool] | None = None  # (JSON schema text, strict)
     tag: str | None = None  # a structural tag (JSON text)
     parser: str | None = None  # the reasoning parser, when this request's output is split
+    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
 
 
-def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None) -> ChatPlan:
+def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> ChatPlan:
     tag = None
     if b.response_format is not None and b.response_format.get("type") == "structural_tag":
         tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
@@ -222,7 +223,7 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None) -> ChatPla
         schema = tools.call_spec(callable_tools)
     _check_template_kwargs(b.chat_template_kwargs)
     parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
-    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser)
+    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format)
 
 
 def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams]:
@@ -240,7 +241,7 @@ def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, arrival, tenant, b = await begin(request, ChatCompletionRequest)
-    plan = chat_plan(b, state.config.reasoning_parser)
+    plan = chat_plan(b, state.config.reasoning_parser, state.tool_format)
     params = chat_params(b, plan)
     render = _render(state, b, plan.offered)
     opts = request_options(b)
@@ -309,7 +310,7 @@ def include_usage(b: _OpenAISampling) -> bool:
 def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatChoice:
     """Tool calls and JSON are read from the content only, never from the reasoning."""
     reason = finish_reason(o)
-    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered)
+    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format)
     if a.calls:
         reason = "tool_calls"
     message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)

@@ -187,16 +187,17 @@ class Answer:
 
 
 def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none",
-           offered: list[tools.Tool] | None = None) -> Answer:
-    """Tool calls (mode required: the constrained JSON; auto: tagged calls) are read from the
-    content only: a call written inside the reasoning is not one."""
+           offered: list[tools.Tool] | None = None, tool_format: str = "hermes") -> Answer:
+    """Tool calls (mode required: the constrained JSON; auto: calls in `tool_format`, see
+    server.tool_parsers) are read from the content only: a call written inside the reasoning is
+    not one."""
     thought, content = split(text, parser)
     calls: list[ToolCall] = []
     if finish_reason == "stop" and content is not None and mode == "required":
         calls = tools.calls_from_json(content)
         content = None if calls else content
     elif finish_reason == "stop" and content is not None and mode == "auto":
-        content, calls = tools.parse_calls(content, offered or [])
+        content, calls = tools.parse_calls(content, offered or [], tool_format)
     return Answer(thought, content, calls)
 
 

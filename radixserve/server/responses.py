@@ -72,6 +72,7 @@ class Plan:
     prev: Context | None = None
     parser: str | None = None  # the reasoning parser, when this response's output is split
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
+    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Rendered:
 # -- create ----------------------------------------------------------------------------------
 async def create(request: web.Request) -> web.StreamResponse:
     state, arrival, tenant, b = await openai.begin(request, CreateResponseRequest, common=False)
-    plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser))
+    plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser, state.tool_format))
     rendered = Rendered()
     rename = RENAME
     if plan.mode == "required":  # the call schema's compile errors name the tool
@@ -107,7 +108,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         raise tools.blame(e, plan.offered, plan.callable, tools.RESPONSES_PARAMS) from None
 
 
-def plan_of(b: CreateResponseRequest, reasoning_parser: str | None) -> Plan:
+def plan_of(b: CreateResponseRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> Plan:
     """The request checked, without the stored context it may continue (see _plan)."""
     if b.max_output_tokens is not None and b.max_output_tokens < 1:
         raise ApiError(400, f"max_output_tokens: must be at least 1, got {b.max_output_tokens}", param="max_output_tokens")
@@ -127,7 +128,7 @@ def plan_of(b: CreateResponseRequest, reasoning_parser: str | None) -> Plan:
     sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
     after = reasoning.grammar_after(parser, schema is not None)
     params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, grammar_after=after)
-    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs)
+    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs, tool_format)
 
 
 async def _plan(request: web.Request, tenant: str, plan: Plan) -> Plan:
@@ -197,7 +198,7 @@ def item_ids() -> tuple[str, str]:
 
 def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any) -> None:
     """Fill in the output items, the status and the usage of a finished request."""
-    a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered)
+    a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format)
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":

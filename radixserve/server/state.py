@@ -5,6 +5,7 @@ path (finish, error, disconnect) release its admission ticket and record its met
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,7 +20,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.protocol import EngineDied
 from radixserve.request import Req, SamplingParams, TokenLogprob
-from radixserve.server import access_log
+from radixserve.server import access_log, tool_parsers
 from radixserve.server.admission import Admission, Ticket
 from radixserve.server.auth import Auth, Tenant, request_priority
 from radixserve.server.errors import ApiError, value_error
@@ -111,6 +112,15 @@ class ServerState:
         self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3,
                                lambda: self.connections.open if self.connections is not None else 0,
                                replicas=self.engine.replica_snapshots, vllm_names=c.metrics_vllm_names)
+
+    @functools.cached_property
+    def tool_format(self) -> str:
+        """How the model writes tool calls: --tool-call-parser, else its chat template's own format
+        where the template takes tools (else the tagged form radixserve's tool prompt teaches)."""
+        if self.config.tool_call_parser != "auto":
+            return self.config.tool_call_parser
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        return tool_parsers.for_template(template if isinstance(template, str) and "tools" in template else None)
 
     def engine_down(self) -> str | None:
         """Why the engine core is gone (its process died), or None while it serves."""

@@ -4,9 +4,9 @@
   when it takes `tools`), with the call format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `tool_choice` "required" or a named function: the output is constrained to one call, a JSON
   object whose `name` is a tool's and whose `arguments` follow that tool's parameter schema.
-- "auto": the model may answer or call; calls it emits in the format above are parsed out, and
-  so is a fenced JSON block that holds nothing but calls of offered tools (Qwen2.5-Coder writes
-  its calls as a ```json block more often than in tags).
+- "auto": the model may answer or call; calls it emits are parsed out in the format of its chat
+  template (server.tool_parsers: hermes tags, and the fenced JSON Qwen2.5-Coder writes, Llama 3
+  JSON, Mistral, Qwen3-Coder XML; `--tool-call-parser` overrides).
 - "none": tools are not offered.
 """
 
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from radixserve.limits import TooDeep, loads
+from radixserve.server import tool_parsers
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import FunctionCall, ToolCall
+from radixserve.server.protocol import ToolCall
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
 
 
 @dataclass(frozen=True)
@@ -207,37 +205,9 @@ def calls_from_json(text: str) -> list[ToolCall]:
         return []
 
 
-def parse_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
-    """Tool calls the model emitted in the tagged format (or, where it wrote none, as fenced
-    JSON blocks each holding only calls of offered tools: one, or a list); the rest stays content."""
-    names = {t.name for t in tools}
-    calls = []
-    for m in _CALL.finditer(text):
-        calls += _calls_in(m.group(1), names, many=False)
-    if calls:
-        return _CALL.sub("", text).strip() or None, calls
-    fenced = [(m, _calls_in(m.group(1), names, many=True)) for m in _FENCED.finditer(text)]
-    if not any(found for _, found in fenced):
-        return text, []
-    rest = text
-    for m, found in reversed(fenced):
-        if found:
-            rest = rest[:m.start()] + rest[m.end():]
-            calls[:0] = found
-    return rest.strip() or None, calls
-
-
-def _calls_in(block: str, names: set[str], many: bool) -> list[ToolCall]:
-    """The calls a block holds, or [] unless it is one call (`many`: or a list of them) of a tool
-    in `names` with object arguments."""
-    try:
-        obj = json.loads(block)
-    except json.JSONDecodeError:
-        return []
-    objs = obj if many and isinstance(obj, list) and obj else [obj]
-    if not all(isinstance(o, dict) and o.get("name") in names and isinstance(o.get("arguments", {}), dict) for o in objs):
-        return []
-    return [_call(o["name"], o.get("arguments", {})) for o in objs]
+def parse_calls(text: str, tools: list[Tool], fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
+    """Tool calls the model emitted in format `fmt` (server.tool_parsers); the rest stays content."""
+    return tool_parsers.parse(fmt, text, tools)
 
 
 def history_text(tool_calls: list[Any] | None, param: str) -> str:
@@ -258,4 +228,4 @@ def history_text(tool_calls: list[Any] | None, param: str) -> str:
 
 
 def _call(name: str, arguments: Any) -> ToolCall:
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, json.dumps(arguments)))
+    return tool_parsers.new_call(name, arguments)
