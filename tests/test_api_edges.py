@@ -62,3 +62,22 @@ def test_inputs_the_real_apis_refuse_name_the_field(server):
     assert status == 400 and body["error"]["message"].startswith("messages[1].role: "), body
     status, body = server.post("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]})
     assert status == 400 and body["error"]["param"] == "input[0].content[0].text", body
+
+
+def test_auto_tool_calls_are_constrained_so_a_broken_schema_names_the_tool(server):
+    """tool_choice auto constrains the calls (server.tools.auto_tag): a tool schema the grammar
+    cannot compile is a 400 naming that tool in each API's shape, as for a required call; a
+    schema it compiles only in part (a remote $ref, not strict) still serves."""
+    status, body = server.post("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "tool_choice": "auto",
+                                                         "tools": [_chat_tool("ok", FINE), _chat_tool("f", BROKEN)]})
+    assert status == 400 and body["error"]["param"] == "tools[1].function.parameters", body
+    assert "#/$defs/Nope" in body["error"]["message"] and "arguments" not in body["error"]["message"]
+    status, body = server.post("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                                                 "tools": [{"type": "function", "name": "f", "parameters": BROKEN}]})
+    assert status == 400 and body["error"]["param"] == "tools[0].parameters", body
+    status, body = server.post("/v1/messages", {"model": "", "max_tokens": 2, "messages": USER,
+                                                "tools": [{"name": "f", "input_schema": BROKEN}]})
+    assert status == 400 and body["error"]["message"].startswith("tools[0].input_schema: "), body
+    for tools in ([_chat_tool("f", REMOTE)], [_chat_tool("ok", FINE)]):
+        status, body = server.post("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "tools": tools})
+        assert status == 200, body

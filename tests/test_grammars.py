@@ -361,6 +361,32 @@ def test_structural_tags_constrain_only_the_tagged_regions(tok):
         GrammarSpec.structural_tag('{"structures": [{"begin": 1}]}')
 
 
+def test_an_auto_tool_call_is_free_text_until_the_call_opens_then_a_valid_call(tok):
+    """tool_choice auto's constraint (server.tools.auto_tag, hermes format): text, code and JSON
+    that is no call pass; once `<tool_call>` is written, only a call of an offered tool whose
+    arguments follow its schema does, compact or on lines of its own, one or several."""
+    from radixserve.server.tools import Tool, auto_tag
+
+    weather = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                                       "additionalProperties": False})
+    assert auto_tag([weather], "llama3_json") is None and auto_tag([], "hermes") is None
+    xgr = create_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
+    grammar = xgr.compile(SamplingParams(structural_tag=auto_tag([weather], "hermes")).grammar_spec())
+
+    def accepts(text: str) -> bool:
+        m = grammar.matcher()
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert accepts('It is sunny. {"a": 1} and def f(): pass')
+    assert accepts(f"Let me look.<tool_call>{call}</tool_call>") and accepts(f"<tool_call>\n{call}\n</tool_call>")
+    assert accepts(f"<tool_call>{call}</tool_call> and <tool_call>\n{call}\n</tool_call>")
+    for bad in ['<tool_call>{"name": "rm_rf", "arguments": {}}', '<tool_call>{"name": "get_weather", "arguments": {}}',
+                '<tool_call>{"name": "get_weather", "arguments": {"city": 3}}', "<tool_call>I will call it",
+                '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}']:
+        assert not accepts(bad), bad
+
+
 def test_grammar_after_leaves_the_reasoning_free_and_constrains_what_follows(tiny_llama):
     with Engine(str(tiny_llama), kv_cache_tokens=4096) as e:
         free = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[0]

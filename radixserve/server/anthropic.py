@@ -104,7 +104,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             content, reason, sequence = convert.answer(out, conv, b.stop_sequences)
             return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
     except ApiError as e:
-        if conv.mode != "required":
+        if tools.schema_field(conv.mode, conv.call_tag) is None:
             raise
         raise tools.blame(e, conv.offered, conv.callable, tools.ANTHROPIC_PARAMS) from None
 

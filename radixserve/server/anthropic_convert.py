@@ -74,6 +74,7 @@ class Conversation:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
     show_thinking: bool = True  # thinking.display "omitted": the thinking block's text is left empty
     tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
+    call_tag: bool = False  # tool_choice auto, its calls constrained (tools.auto_tag; set by engine_request)
 
 
 def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, tool_format: str = "hermes") -> Conversation:
@@ -231,11 +232,16 @@ def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingPara
     elif conv.mode == "required":
         schema = tools.call_spec(conv.callable)
         field = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)
+    tag = tools.auto_tag(conv.offered, conv.tool_format) if conv.mode == "auto" and schema is None else None
+    conv.call_tag = tag is not None
     chat = ChatCompletionRequest(model=b.model, max_tokens=b.max_tokens, stop=b.stop_sequences,
                                  temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
-    after = reasoning.grammar_after(conv.parser, schema is not None)
-    params = sampling_params(chat, b.max_tokens, 0, 0, False, schema, grammar_after=after)
-    return params, RequestOptions(rename={**RENAME, "json_schema": field})
+    after = reasoning.grammar_after(conv.parser, schema is not None or tag is not None)
+    params = sampling_params(chat, b.max_tokens, 0, 0, False, schema, tag, grammar_after=after)
+    rename = {**RENAME, "json_schema": field}
+    if tag is not None:  # the call schema's compile errors name the tool
+        rename["structural_tag"] = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)
+    return params, RequestOptions(rename=rename)
 
 
 def renderer(state: Any, conv: Conversation) -> Callable[[], list[int]]:

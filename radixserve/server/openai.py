@@ -207,6 +207,7 @@ class ChatPlan:
     tag: str | None = None  # a structural tag (JSON text)
     parser: str | None = None  # the reasoning parser, when this request's output is split
     tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
+    call_tag: bool = False  # tool_choice auto, its calls constrained by `tag` (tools.auto_tag)
 
 
 def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> ChatPlan:
@@ -221,9 +222,13 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_forma
         if schema is not None or tag is not None:
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
         schema = tools.call_spec(callable_tools)
+    call_tag = mode == "auto" and schema is None and tag is None and b.regex is None and b.ebnf is None
+    if call_tag:
+        tag = tools.auto_tag(offered, tool_format)
+        call_tag = tag is not None
     _check_template_kwargs(b.chat_template_kwargs)
     parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
-    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format)
+    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format, call_tag)
 
 
 def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams]:
@@ -247,15 +252,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
-    if plan.mode == "required":  # the call schema's compile errors name the tools
-        opts.rename = {**opts.rename, "json_schema": tools.error_param(plan.offered, plan.callable_tools)}
+    field = tools.schema_field(plan.mode, plan.call_tag)
+    if field is not None:  # the call schema's compile errors name the tools
+        opts.rename = {**opts.rename, field: tools.error_param(plan.offered, plan.callable_tools)}
     try:
         async with state.admit(tenant, [render] * b.n, params, opts, arrival) as flight:
             if not b.stream or plan.offered:  # with tools, a stream carries each choice whole at its end
                 return await _chat_whole(request, state, b, flight, plan)
             return await _chat_stream(request, state, b, flight, plan.parser)
     except ApiError as e:
-        if plan.mode != "required":
+        if field is None:
             raise
         raise tools.blame(e, plan.offered, plan.callable_tools) from None
 

@@ -73,6 +73,7 @@ class Plan:
     parser: str | None = None  # the reasoning parser, when this response's output is split
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
     tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
+    call_tag: bool = False  # tool_choice auto, its calls constrained (tools.auto_tag)
 
 
 @dataclass
@@ -89,8 +90,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser, state.tool_format))
     rendered = Rendered()
     rename = RENAME
-    if plan.mode == "required":  # the call schema's compile errors name the tool
-        rename = {**RENAME, "json_schema": tools.error_param(plan.offered, plan.callable, tools.RESPONSES_PARAMS)}
+    field = tools.schema_field(plan.mode, plan.call_tag)
+    if field is not None:  # the call schema's compile errors name the tool
+        rename = {**RENAME, field: tools.error_param(plan.offered, plan.callable, tools.RESPONSES_PARAMS)}
     opts = RequestOptions(rename=rename, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
     try:
         async with state.admit(tenant, [_render(state, plan, rendered)], [plan.params], opts, arrival) as flight:
@@ -103,7 +105,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             await _save(request, tenant.id, plan, rendered, out, resp)
             return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
     except ApiError as e:
-        if plan.mode != "required":
+        if field is None:
             raise
         raise tools.blame(e, plan.offered, plan.callable, tools.RESPONSES_PARAMS) from None
 
@@ -123,12 +125,14 @@ def plan_of(b: CreateResponseRequest, reasoning_parser: str | None, tool_format:
         if schema is not None:
             raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
         schema = tools.call_spec(callable_tools)
+    tag = tools.auto_tag(offered, tool_format) if mode == "auto" and schema is None else None
     kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
     parser = reasoning.active(reasoning_parser, kwargs)
     sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
-    after = reasoning.grammar_after(parser, schema is not None)
-    params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, grammar_after=after)
-    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs, tool_format)
+    after = reasoning.grammar_after(parser, schema is not None or tag is not None)
+    params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, tag, grammar_after=after)
+    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs,
+                tool_format, tag is not None)
 
 
 async def _plan(request: web.Request, tenant: str, plan: Plan) -> Plan:

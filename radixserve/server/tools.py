@@ -99,6 +99,27 @@ def call_schema(tools: list[Tool]) -> str:
     return json.dumps({**root, "$defs": defs} if defs else root)
 
 
+def auto_tag(offered: list[Tool], fmt: str) -> str | None:
+    """tool_choice auto, constrained as vLLM's and SGLang's structural tags and llama.cpp's lazy
+    grammars do it: the answer is free text until the model opens a call with `<tool_call>`, and
+    from there the call is forced to be one valid call of an offered tool (call_schema), closed by
+    `</tool_call>` (compact, as radixserve's tool prompt shows it, or on lines of its own, as
+    Qwen's template does). The hermes format only, whose calls are JSON between tags (None for
+    the others: their calls are parsed, not constrained)."""
+    if fmt != "hermes" or not offered:
+        return None
+    schema = json.loads(call_schema(offered))
+    structures = [{"begin": "<tool_call>", "schema": schema, "end": "</tool_call>"},
+                  {"begin": "<tool_call>\n", "schema": schema, "end": "\n</tool_call>"}]
+    return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+
+
+def schema_field(mode: str, call_tag: bool) -> str | None:
+    """The grammar field whose compile errors are the tools' schemas' (error_param, blame): a
+    required call's json_schema, an auto call's structural tag; None when no call is constrained."""
+    return "json_schema" if mode == "required" else "structural_tag" if call_tag else None
+
+
 CHAT_PARAMS = "tools[{}].function.parameters"  # where each API keeps a tool's parameter schema
 RESPONSES_PARAMS = "tools[{}].parameters"
 ANTHROPIC_PARAMS = "tools[{}].input_schema"
