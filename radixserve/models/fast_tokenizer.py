@@ -78,7 +78,7 @@ class FastTokenizer:
         return _same, (self.full(),)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name in ("backend", "full"):  # not set yet (unpickling): no recursion
+        if name.startswith("_") or name == "backend":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.full(), name)
 

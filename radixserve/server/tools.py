@@ -23,7 +23,6 @@ from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 
 
-
 @dataclass(frozen=True)
 class Tool:
     name: str
