@@ -153,3 +153,15 @@ def test_each_models_tool_call_format_is_parsed_and_chosen_from_its_chat_templat
     for fmt, template in templates.items():
         assert tp.for_template(template) == fmt
     assert tp.for_template(None) == tp.for_template("{{ messages }}") == "hermes"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """parallel_tool_calls false (Anthropic: disable_parallel_tool_use) returns the model's first
+    call only; the default returns every call it wrote."""
+    from radixserve.server import reasoning
+    from radixserve.server.tools import Tool
+
+    tools = [Tool("a", "", {"type": "object"}), Tool("b", "", {"type": "object"})]
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.function.name for c in reasoning.answer(text, "stop", None, "auto", tools).calls] == ["a", "b"]
+    assert [c.function.name for c in reasoning.answer(text, "stop", None, "auto", tools, one_call=True).calls] == ["a"]

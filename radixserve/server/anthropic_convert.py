@@ -267,10 +267,9 @@ def answer(out: Output, conv: Conversation, stops: list[str] | None) -> tuple[li
     """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
     is an ApiError 500)."""
     reason = finish_reason(out)
-    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered, conv.tool_format)
+    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered, conv.tool_format, conv.one_call)
     uses = [ToolUseBlock(f"toolu_{uuid.uuid4().hex[:24]}", c.function.name, args) for c in a.calls
             if isinstance(args := json.loads(c.function.arguments), dict)]
-    uses = uses[:1] if conv.one_call else uses
     blocks: list[ContentBlock] = []
     if a.reasoning is not None:  # cut off while thinking: the thinking block alone
         blocks.append(ThinkingBlock(a.reasoning if conv.show_thinking else ""))

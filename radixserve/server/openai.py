@@ -208,6 +208,7 @@ class ChatPlan:
     parser: str | None = None  # the reasoning parser, when this request's output is split
     tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
     call_tag: bool = False  # tool_choice auto, its calls constrained by `tag` (tools.auto_tag)
+    one_call: bool = False  # parallel_tool_calls false: the first call only
 
 
 def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> ChatPlan:
@@ -228,7 +229,8 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_forma
         call_tag = tag is not None
     _check_template_kwargs(b.chat_template_kwargs)
     parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
-    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format, call_tag)
+    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format, call_tag,
+                    b.parallel_tool_calls is False)
 
 
 def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams]:
@@ -316,7 +318,7 @@ def include_usage(b: _OpenAISampling) -> bool:
 def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatChoice:
     """Tool calls and JSON are read from the content only, never from the reasoning."""
     reason = finish_reason(o)
-    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format)
+    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call)
     if a.calls:
         reason = "tool_calls"
     message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)

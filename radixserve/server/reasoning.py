@@ -187,10 +187,10 @@ class Answer:
 
 
 def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none",
-           offered: list[tools.Tool] | None = None, tool_format: str = "hermes") -> Answer:
+           offered: list[tools.Tool] | None = None, tool_format: str = "hermes", one_call: bool = False) -> Answer:
     """Tool calls (mode required: the constrained JSON; auto: calls in `tool_format`, see
     server.tool_parsers) are read from the content only: a call written inside the reasoning is
-    not one."""
+    not one. `one_call` (parallel_tool_calls false): the first call only."""
     thought, content = split(text, parser)
     calls: list[ToolCall] = []
     if finish_reason == "stop" and content is not None and mode == "required":
@@ -198,6 +198,7 @@ def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none"
         content = None if calls else content
     elif finish_reason == "stop" and content is not None and mode == "auto":
         content, calls = tools.parse_calls(content, offered or [], tool_format)
+        calls = calls[:1] if one_call else calls
     return Answer(thought, content, calls)
 
 

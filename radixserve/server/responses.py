@@ -202,7 +202,8 @@ def item_ids() -> tuple[str, str]:
 
 def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any) -> None:
     """Fill in the output items, the status and the usage of a finished request."""
-    a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format)
+    a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format,
+                         plan.body.parallel_tool_calls is False)
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
