@@ -194,7 +194,8 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(path, folder, kinds: dict[str, str], extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+def _write_tiny_gguf(path, folder, kinds: dict[str, str], extra: dict[str, np.ndarray] | None = None,
+                     meta=None) -> dict[str, torch.Tensor]:
     """The tiny Llama's weights as a GGUF file: linears in the given GGUF types (q/k rows
     permuted as llama.cpp stores them; the K-quants random blocks, not the folder's weights),
     the rest F32, and `extra` tensors as given. Returns the weights it stands for (the
@@ -207,6 +208,8 @@ def _write_tiny_gguf(path, folder, kinds: dict[str, str], extra: dict[str, np.nd
     state = load_file(str(folder / "model.safetensors"))
     names = {v: k for k, v in {**_gguf_names(cfg["num_hidden_layers"])}.items()}
     w = gguf.GGUFWriter(str(path), "llama")
+    if meta is not None:
+        meta(w)
     meant = {}
     for hf, tensor in state.items():
         if hf not in names:
@@ -587,3 +590,59 @@ def test_a_llama3_gguf_takes_its_rope_scaling_from_rope_freqs(tiny_llama, tmp_pa
         assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
     without = _build(ArchConfig.from_hf(plain), torch.float32, torch.device("cpu"), read_tensors(path, plain)).eval()
     assert (_logits(without, prompt) - theirs).abs().max().item() > 1e-2  # the scaling matters past 64 tokens
+
+
+def _llama_metadata(w, folder) -> None:
+    """What llama.cpp's converter writes about a Llama model and its byte-level BPE tokenizer."""
+    import json
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["content"] for t in tj["added_tokens"] if t["special"]}
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+
+def test_a_llama3_gguf_file_loads_whole_as_llama_cpp_writes_it(tiny_llama, tmp_path, monkeypatch):
+    """A whole Llama 3 GGUF (metadata, tokenizer, rope_freqs; no rope scaling in its metadata, as
+    llama.cpp's converter writes it) through load_model, the path `radixserve serve --model`
+    takes: config and tokenizer from the file, and transformers' logits with the llama3 scaling
+    past the original context. Before rope_freqs had a place it was refused."""
+    import json
+
+    from radixserve.models.loader import load_model
+    from tests.helpers import hf_logits_and_greedy
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    path = tmp_path / "llama3.gguf"
+    _write_tiny_gguf(path, tiny_llama, {}, {"rope_freqs.weight": _llama3_rope_freqs(cfg)},
+                     meta=lambda w: _llama_metadata(w, tiny_llama))
+    loaded = load_model(str(path), torch.float32, torch.device("cpu"), "auto")
+    assert loaded.arch.rope_scaling is None and loaded.arch.max_position == cfg["max_position_embeddings"]
+    prompt = [(i * 37) % (cfg["vocab_size"] - 3) + 3 for i in range(150)]
+    theirs, _ = hf_logits_and_greedy(tiny_llama, prompt, 1)
+    assert (_logits(loaded.model, prompt) - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama))
+    text = "Hello, world! 123 <|im_end|>"
+    assert loaded.tokenizer.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    assert loaded.tokenizer.eos_token_id == hf.eos_token_id
