@@ -69,8 +69,9 @@ def weight_rss(model: str | None, quantization: str) -> tuple[float, float, floa
     weight touched once (mapped pages count once read): anonymous, file-backed pages of the
     packed-weight cache (models.packed_cache: a start after the first maps the packed blocks),
     and other file-backed pages (library code paged in by the load's first torch calls). The
-    kernels and transformers are loaded first, so they do not count, and so is one tokenizer:
-    the load makes one more, whose anonymous memory (measured on a second one) is subtracted."""
+    kernels are loaded first, and the engine's tokenizer twice (the allocator's arenas grown), so
+    they do not count; the load's own tokenizer does (an upper bound: a third tokenizer measured
+    here added 5-60 MiB, as the allocator reused memory or not)."""
     import gc
 
     import torch
@@ -80,20 +81,16 @@ def weight_rss(model: str | None, quantization: str) -> tuple[float, float, floa
     from radixserve.models.loader import load_model
 
     cpu.ops()
-    toks = [load_tokenizer(tokenizer_dir(model))]
-    gc.collect()
-    start = rss_mib()
-    toks.append(load_tokenizer(tokenizer_dir(model)))
+    toks = [load_tokenizer(tokenizer_dir(model), fast=True) for _ in range(2)]
     gc.collect()
     before = rss_mib()
-    tokenizer = before[0] - start[0]
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization)
     for t in [*loaded.model.parameters(), *loaded.model.buffers()]:
         t.sum()
     gc.collect()
     after = rss_mib()
-    del loaded
-    anon, packed = after[0] - before[0] - tokenizer, after[2] - before[2]
+    del loaded, toks
+    anon, packed = after[0] - before[0], after[2] - before[2]
     return anon, packed, after[1] - before[1] - packed
 
 

@@ -37,14 +37,14 @@ _PROBES = ("a . b , c ? d ! e 's f n't", "x 're y 've z 'm")
 class FastTokenizer:
     """The model's tokenizer as the engine uses it (see the module docstring)."""
 
-    def __init__(self, backend: Any, meta: dict[str, Any], load_full: Callable[[], Any], full: Any = None) -> None:
+    def __init__(self, backend: Any, meta: dict[str, Any], load_full: Callable[[], Any]) -> None:
         self.backend = backend
         self.eos_token_id: int | None = meta["eos_token_id"]
         self.bos_token_id: int | None = meta["bos_token_id"]
         self.pad_token_id: int | None = meta["pad_token_id"]
         self.clean_up_tokenization_spaces: bool = meta["clean_up"]
         self._load_full = load_full
-        self._full = full
+        self._full: Any = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -223,10 +223,11 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_forma
         if schema is not None or tag is not None:
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
         schema = tools.call_spec(callable_tools)
-    call_tag = mode == "auto" and schema is None and tag is None and b.regex is None and b.ebnf is None
-    if call_tag:
+    if mode == "auto" and schema is None and tag is None and b.regex is None and b.ebnf is None:
         tag = tools.auto_tag(offered, tool_format)
         call_tag = tag is not None
+    else:
+        call_tag = False
     _check_template_kwargs(b.chat_template_kwargs)
     parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
     return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format, call_tag,

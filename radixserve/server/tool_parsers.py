@@ -24,7 +24,6 @@ from typing import Any
 
 from radixserve.server.protocol import FunctionCall, ToolCall
 
-PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 Parsed = tuple[str | None, list[ToolCall]]
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)

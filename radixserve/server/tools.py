@@ -220,7 +220,7 @@ def calls_from_json(text: str) -> list[ToolCall]:
     whole call (cut by a stop string, or with free text before it)."""
     try:
         call = json.loads(text)
-        return [_call(call["name"], call["arguments"])]
+        return [tool_parsers.new_call(call["name"], call["arguments"])]
     except (json.JSONDecodeError, KeyError, TypeError):
         return []
 
@@ -245,7 +245,3 @@ def history_text(tool_calls: list[Any] | None, param: str) -> str:
             raise ApiError(400, f"{where}: {e}", param=where) from None
         out.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>")
     return "\n".join(out)
-
-
-def _call(name: str, arguments: Any) -> ToolCall:
-    return tool_parsers.new_call(name, arguments)
