@@ -34,6 +34,13 @@ class SeqView:
     def kv_len(self) -> int:
         return self.prefix_len + self.q_len
 
+    def windowed(self, window: int) -> SeqView:
+        """The view a sliding-window layer reads (`window` positions up to each query, its own
+        included): without the leading slots no fed token's window reaches. A decode row keeps
+        its last `window` slots; a longer chunk still needs the band mask within."""
+        drop = max(0, self.prefix_len - window + 1) if window else 0
+        return self if drop == 0 else SeqView(self.q_start, self.q_len, self.prefix_len - drop, self.slots[drop:], self.as_rows)
+
     def rows(self) -> list[SeqView]:
         """Each fed token as a one-row view over the slots up to it (causal): a draft's rows then
         attend exactly as the decodes they stand for would."""

@@ -78,7 +78,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+         "SmolLM3ForCausalLM")
 
 
 def _train_tokenizer(out: Path) -> int:
@@ -117,10 +118,16 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
         "initializer_range": 0.2,
         "eos_token_id": eos,
         "bos_token_id": 1,
-        "tie_word_embeddings": arch == "LlamaForCausalLM",
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch],
+        "tie_word_embeddings": arch in ("LlamaForCausalLM", "Gemma3ForCausalLM"),
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3"}[arch],
     }
+    if arch == "Gemma3ForCausalLM":  # a window of 8 (prompts of 16 run past it), its own softmax scale
+        cfg.update(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=None,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
+        return cfg
     if arch == "LlamaForCausalLM":  # 4.x dialect with llama3 scaling
         cfg["rope_theta"] = 50000.0
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
@@ -129,6 +136,8 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
     if arch == "MistralForCausalLM":
         cfg["sliding_window"] = None
+    if arch == "SmolLM3ForCausalLM":  # the second layer without rope
+        cfg.update(no_rope_layers=[1, 0], use_sliding_window=False, pad_token_id=None)
     return cfg
 
 
@@ -151,6 +160,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         cfg = AutoConfig.from_pretrained(str(d))
         torch.manual_seed(1234 + i)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if arch == "Gemma3ForCausalLM":  # its norms start at w = 0 (a scale of 1 + w): move them off it
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.normal_(0.0, 0.3)
         model.save_pretrained(str(d))
         (d / "config.json").write_text(json.dumps(cfg_dict))  # keep the dialect we wrote
         for f in tok_dir.iterdir():

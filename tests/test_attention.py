@@ -204,3 +204,44 @@ def test_the_fused_decode_step_is_offered_only_a_pool_in_the_activations_dtype()
         _, batch = _forward("torch", _random_pool(256, 2, 64, seed=1, kv_dtype=kv_dtype), spec, 4, 2, 64, seed=2)
         offered[kv_dtype] = batch.attn_backend.native_decode(batch) is not None
     assert offered == {None: True, torch.int8: True, torch.float8_e4m3fn: True, torch.bfloat16: False}
+
+
+def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int) -> torch.Tensor:
+    """Dense softmax per row over the slots at positions (p - window, p], p the row's position."""
+    out, row = torch.empty_like(q), 0
+    group = q.shape[1] // pool.k[0].shape[1]
+    for slots, q_len in spec:
+        for j in range(q_len):
+            p = len(slots) - q_len + j
+            seen = torch.tensor(slots[max(0, p - window + 1) : p + 1])
+            k, v = (x.repeat_interleave(group, 1) for x in pool.read(0, seen))  # (L, heads, dim)
+            s = torch.einsum("hd,lhd->hl", q[row], k) * q.shape[-1] ** -0.5
+            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize(("name", "native"), [("torch", True), ("torch", False), ("torch_ref", True), ("triton", True)],
+                         ids=["torch-native", "torch-gather", "torch_ref", "triton"])
+def test_a_sliding_window_layer_sees_only_its_window_in_each_backend(name, native, monkeypatch):
+    """Decodes (a fork group, scattered slots), chunks over prefixes longer than the window and a
+    first chunk longer than it, against a dense oracle; the same batch's full layer still sees all."""
+    if name == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    heads, kv_heads, dim, window = 6, 2, 32, 24
+    spec = _mixed_spec(random.Random(5), 2048)
+    pool = _random_pool(2048, kv_heads, dim, seed=9)
+    backend = create_backend(name, pool, torch.device("cpu"))
+    batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed=4)
+    cpu.set_enabled(native)
+    try:
+        backend.prepare(batch)
+        got = backend.forward(q, k, v, 0, batch, window=window)
+        full = backend.forward(q, k, v, 0, batch)
+    finally:
+        cpu.set_enabled(True)
+    if name == "torch":
+        assert ("dec_lens" in batch.attn_meta) is native
+    want = _windowed_oracle(pool, spec, q, window)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert ((full - _windowed_oracle(pool, spec, q, 10**6)).norm() / full.norm()).item() < 1e-5

@@ -646,3 +646,105 @@ def test_a_llama3_gguf_file_loads_whole_as_llama_cpp_writes_it(tiny_llama, tmp_p
     text = "Hello, world! 123 <|im_end|>"
     assert loaded.tokenizer.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
     assert loaded.tokenizer.eos_token_id == hf.eos_token_id
+
+
+def _gemma_gguf(path, folder, vocab: int) -> None:
+    """A Gemma 3 GGUF as llama.cpp's converter writes one: arch gemma3, its four norms stored as
+    1 + w, q/k not permuted, a SentencePiece vocabulary (scores, byte tokens), no chat template,
+    and no layer types (llama.cpp derives them: every sixth layer global)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(cfg["sliding_window"])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["▁", "▁the", "▁a", "he", "ll", "o", "▁w", "or", "ld"]
+    pieces += [f"▁tok{i}" for i in range(vocab - len(specials) - len(pieces))]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(specials + pieces)
+    w.add_token_scores([0.0] * len(specials) + [0.0] * 256 + [-float(i) for i in range(len(pieces) - 256)])
+    w.add_token_types([3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 256))
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    for hf, tensor in state.items():
+        arr = tensor.float().numpy()
+        if hf == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", quants.quantize(arr, QT.Q8_0), raw_dtype=QT.Q8_0)
+            continue
+        if hf == "model.norm.weight":
+            w.add_tensor("output_norm.weight", arr + 1.0)
+            continue
+        layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+        module, _, suffix = rest.rpartition(".")
+        name = f"blk.{layer}.{parts[module]}.{suffix}"
+        if module.endswith("norm"):
+            w.add_tensor(name, arr + 1.0)
+        elif module.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):  # as a Q4_K_M file's small ones
+            w.add_tensor(name, quants.quantize(arr, QT.Q5_0), raw_dtype=QT.Q5_0)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gemma3_gguf_file_loads_whole_and_computes_what_transformers_computes_from_it(tiny_models, tmp_path, monkeypatch):
+    """A whole Gemma 3 GGUF (llama.cpp's layout: norms as 1 + w, Q8_0 tied embedding, Q5_0 linears,
+    SentencePiece vocabulary, no chat template) through load_model, the path `radixserve serve
+    --model` takes, against transformers reading the same file: prompt logits past the sliding
+    window (8 positions here), and served greedily through the engine (a prefix hit past the
+    window included); the file's missing chat template and <end_of_turn> stop are supplied."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from radixserve.models.gguf import GEMMA_CHAT_TEMPLATE
+    from radixserve.models.loader import load_model
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_models["Gemma3ForCausalLM"]
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    path = tmp_path / "gemma3.gguf"
+    _gemma_gguf(path, folder, vocab)
+    loaded = load_model(str(path), torch.float32, torch.device("cpu"), "auto")
+    assert loaded.arch.architecture == "Gemma3ForCausalLM" and loaded.arch.layer_windows == (8, 8, 8)
+    assert set(loaded.quantization.split("+")) == {"q8_0", "q5_0"}
+    assert loaded.tokenizer.chat_template == GEMMA_CHAT_TEMPLATE and 5 in loaded.arch.eos_token_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = [(i * 37) % (vocab - 10) + 6 for i in range(40)]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0]
+        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    assert (_logits(loaded.model, prompt) - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()
+    with Engine(str(path), dtype="float32", kv_cache_tokens=512, chunked_prefill_size=16) as engine:
+        params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        assert engine.generate([prompt], params)[0].token_ids == greedy
+        again = engine.generate([prompt], params)[0]  # its prompt from the radix cache
+        assert again.token_ids == greedy and again.cached_tokens >= 32
+        chat = engine.chat_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}])
+        ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        text = "<bos><start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n<start_of_turn>model\n"
+        assert chat == ref.encode(text, add_special_tokens=False)

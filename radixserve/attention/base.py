@@ -15,9 +15,11 @@ class AttnBackend(ABC):
 
     - `prepare(batch)` runs once per ForwardBatch, before the model; it may store whatever
       it needs in `batch.attn_meta` (index tensors, masks) for all layers to reuse.
-    - `forward(q, k, v, layer, batch)`: q (T, heads, D), k/v (T, kv_heads, D) for the T
+    - `forward(q, k, v, layer, batch, window)`: q (T, heads, D), k/v (T, kv_heads, D) for the T
       flat rows. Writes k/v into the pool at `batch.out_slots`, then lets each sequence's
-      rows attend causally to its slots (prefix + itself). Returns (T, heads, D).
+      rows attend causally to its slots (prefix + itself). Returns (T, heads, D). With a
+      `window` > 0 (a sliding-window layer) a query at position p sees positions > p - window
+      only (`SeqView.windowed`); the pool still holds every position, for the full layers.
     - The model knows nothing of slots; the backend never frees or allocates them.
     """
 
@@ -33,5 +35,5 @@ class AttnBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor: ...

@@ -42,10 +42,22 @@ class _Group:
 
 class TorchFlashBackend(AttnBackend):
     def prepare(self, batch: ForwardBatch) -> None:
+        self._plan(batch, batch.attn_meta, 0)
+
+    def _windowed(self, batch: ForwardBatch, window: int) -> dict:
+        """The batch as a sliding-window layer reads it, planned once per step and window."""
+        key = ("window", window)
+        if key not in batch.attn_meta:
+            batch.attn_meta[key] = {}
+            self._plan(batch, batch.attn_meta[key], window)
+        return batch.attn_meta[key]
+
+    def _plan(self, batch: ForwardBatch, meta: dict, window: int) -> None:
         dev = batch.input_ids.device
-        meta = batch.attn_meta
-        meta["extend"] = [(s, _slots(s.slots[: s.prefix_len], dev)) for s in batch.seqs if s.q_len > 1 and not s.as_rows]
-        owned = [(n, r) for n, s in enumerate(batch.seqs) if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]
+        meta["extend"] = [(w, _slots(w.slots[: w.prefix_len], dev)) for s in batch.seqs if s.q_len > 1 and not s.as_rows
+                          for w in [s.windowed(window)]]
+        owned = [(n, r.windowed(window)) for n, s in enumerate(batch.seqs) if s.q_len == 1 or s.as_rows
+                 for r in (s.rows() if s.as_rows else [s])]
         if not owned:
             return
         dec = [r for _, r in owned]
@@ -84,15 +96,20 @@ class TorchFlashBackend(AttnBackend):
         return NativeDecode(pool.k, pool.v, batch.out_slots, meta["dec_rows"], meta["dec_idx"], meta["dec_lens"],
                             pool.k_scale, pool.v_scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+                window: int = 0) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)
-        meta = batch.attn_meta
+        meta = self._windowed(batch, window) if window else batch.attn_meta
         out = torch.empty_like(q)
         if "dec_rows" in meta:
             self._decode(q, layer, meta, out)
         for s, prefix in meta["extend"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            out[rows] = _extend(q[rows], k[rows], v[rows], self.pool.read(layer, prefix) if s.prefix_len else None)
+            read = self.pool.read(layer, prefix) if s.prefix_len else None
+            if window and s.kv_len > window:
+                out[rows] = _extend_window(q[rows], k[rows], v[rows], read, window)
+            else:
+                out[rows] = _extend(q[rows], k[rows], v[rows], read)
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, meta: dict, out: torch.Tensor) -> None:
@@ -133,6 +150,26 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         op, lp = attention_lse(qe, *_heads_first(prefix))
         o = merge(o, lse, op, lp)
     return o[0].transpose(0, 1)
+
+
+def _extend_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   prefix: tuple[torch.Tensor, torch.Tensor] | None, window: int) -> torch.Tensor:
+    """A chunk over its (windowed) prefix and itself in one pass, under the band mask: query i
+    (at position P + i, P the prefix rows) sees key j where P + i - window < j <= P + i; every
+    query sees itself, so no row is wholly masked."""
+    if prefix is not None:
+        k, v = torch.cat([prefix[0].to(k.dtype), k]), torch.cat([prefix[1].to(v.dtype), v])
+    return attention_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                         bias=band_bias(q.shape[0], k.shape[0], window, q.dtype, q.device))[0][0].transpose(0, 1)
+
+
+def band_bias(n: int, length: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(n, length) additive mask, 0 or -inf: the last n of `length` positions as queries, each
+    seeing the `window` positions up to and including its own."""
+    qpos = torch.arange(length - n, length, device=device)[:, None]
+    kpos = torch.arange(length, device=device)[None, :]
+    visible = (kpos <= qpos) & (kpos > qpos - window)
+    return torch.zeros(n, length, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
 def _heads_first(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

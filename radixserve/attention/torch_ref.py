@@ -18,11 +18,14 @@ from radixserve.batch import ForwardBatch
 
 class TorchRefBackend(AttnBackend):
     def prepare(self, batch: ForwardBatch) -> None:
+        self._plan(batch, batch.attn_meta, 0)
+
+    def _plan(self, batch: ForwardBatch, meta: dict, window: int) -> None:
         dev = batch.input_ids.device
-        dec = [s for s in batch.seqs if s.q_len == 1]
-        meta = batch.attn_meta
+        seqs = [s.windowed(window) for s in batch.seqs]
+        dec = [s for s in seqs if s.q_len == 1]
         meta["extend"] = [
-            (s, torch.tensor(s.slots, dtype=torch.int64, device=dev)) for s in batch.seqs if s.q_len > 1
+            (s, torch.tensor(s.slots, dtype=torch.int64, device=dev)) for s in seqs if s.q_len > 1
         ]
         if dec:
             width = max(s.kv_len for s in dec)
@@ -35,12 +38,16 @@ class TorchRefBackend(AttnBackend):
             meta["dec_mask"] = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :].to(dev)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         meta = batch.attn_meta
+        if window:  # decode rows keep their last `window` slots; chunks get the band mask
+            meta = meta.setdefault(("window", window), {})
+            if "extend" not in meta:
+                self._plan(batch, meta, window)
         out = torch.empty_like(q)
         if "dec_rows" in meta:
             rows = meta["dec_rows"]
@@ -53,19 +60,21 @@ class TorchRefBackend(AttnBackend):
             rows = slice(s.q_start, s.q_start + s.q_len)
             qe = q[rows].transpose(0, 1)  # (heads, n, dim)
             ke, ve = (x.transpose(0, 1) for x in self.pool.read(layer, slots))  # (kv_heads, L, dim)
-            if s.prefix_len == 0:
+            if s.prefix_len == 0 and not (window and s.q_len > window):
                 oe = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
             else:
-                mask = _causal_mask(meta, s.prefix_len, s.q_len, q.device)
+                mask = _causal_mask(meta, s.prefix_len, s.q_len, q.device, window)
                 oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, enable_gqa=True)
             out[rows] = oe.transpose(0, 1)
         return out
 
 
-def _causal_mask(meta: dict, prefix: int, n: int, device: torch.device) -> torch.Tensor:
-    """(n, prefix + n) bool: query i (at position prefix + i) may see keys 0 .. prefix + i."""
+def _causal_mask(meta: dict, prefix: int, n: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """(n, prefix + n) bool: query i (at position prefix + i) may see keys 0 .. prefix + i, and
+    with a window only the last `window` of them."""
     key = ("mask", prefix, n)
     if key not in meta:
-        qpos = torch.arange(n, device=device) + prefix
-        meta[key] = torch.arange(prefix + n, device=device)[None, :] <= qpos[:, None]
+        qpos = (torch.arange(n, device=device) + prefix)[:, None]
+        kpos = torch.arange(prefix + n, device=device)[None, :]
+        meta[key] = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
     return meta[key]

@@ -23,6 +23,7 @@ from kernels.decode_attention import decode_attention_triton
 from kernels.extend_attention import extend_attention_triton
 from kernels.store_kv import store_kv_triton
 from radixserve.attention.base import AttnBackend
+from radixserve.attention.torch_flash import band_bias, plain_attention_lse
 from radixserve.batch import ForwardBatch, SeqView
 from radixserve.cache.pool import KVPool
 
@@ -40,15 +41,17 @@ class TritonBackend(AttnBackend):
         if self.pool.kv_dtype != self.pool.dtype:
             touched, seqs = _compact(seqs)
             batch.attn_meta["touched"] = touched.to(dev)
+        batch.attn_meta["seqs"] = seqs
         dec = [r for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]  # drafts: as decodes
         ext = [s for s in seqs if s.q_len > 1 and not s.as_rows]
         if dec:
-            batch.attn_meta["decode"] = (_ints([s.q_start for s in dec], dev), _table(dec, dev), _ints([s.kv_len for s in dec], dev))
+            batch.attn_meta["decode"] = _decode_meta(dec, dev)
         if ext:
             batch.attn_meta["extend"] = (_ints([s.q_start for s in ext], dev), _ints([s.q_len for s in ext], dev),
                                          _ints([s.prefix_len for s in ext], dev), _table(ext, dev), max(s.q_len for s in ext))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+                window: int = 0) -> torch.Tensor:
         meta = batch.attn_meta
         if "touched" in meta:
             self.pool.store(layer, batch.out_slots, k, v)
@@ -57,6 +60,9 @@ class TritonBackend(AttnBackend):
             kp, vp = self.pool.k[layer], self.pool.v[layer]
             store_kv_triton(kp, vp, batch.out_slots, k, v)
         out = torch.empty_like(q)
+        if window:
+            self._windowed(q, kp, vp, out, batch, window)
+            return out
         if "decode" in meta:
             rows, table, lens = meta["decode"]
             decode_attention_triton(q, kp, vp, out, rows, table, lens)
@@ -64,6 +70,26 @@ class TritonBackend(AttnBackend):
             starts, q_lens, prefix_lens, table, longest = meta["extend"]
             extend_attention_triton(q, kp, vp, out, starts, q_lens, prefix_lens, table, longest)
         return out
+
+    def _windowed(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, out: torch.Tensor, batch: ForwardBatch,
+                  window: int) -> None:
+        """A sliding-window layer: decode rows through the decode kernel over their last
+        `window` slots; chunks in torch under the band mask (the extend kernel has no window)."""
+        dev, seqs = q.device, batch.attn_meta["seqs"]
+        key = ("window", window)
+        if key not in batch.attn_meta:
+            dec = [r.windowed(window) for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]
+            batch.attn_meta[key] = _decode_meta(dec, dev) if dec else None
+        if batch.attn_meta[key] is not None:
+            decode_attention_triton(q, kp, vp, out, *batch.attn_meta[key])
+        for s in seqs:
+            if s.q_len == 1 or s.as_rows:
+                continue
+            w = s.windowed(window)
+            rows, slots = slice(w.q_start, w.q_start + w.q_len), torch.tensor(w.slots, dtype=torch.int64, device=dev)
+            kv = [x.index_select(0, slots).transpose(0, 1)[None] for x in (kp, vp)]
+            bias = band_bias(w.q_len, w.kv_len, window, torch.float32, dev)
+            out[rows] = plain_attention_lse(q[rows].transpose(0, 1)[None], *kv, bias=bias)[0][0].transpose(0, 1)
 
 
 def _compact(seqs: list[SeqView]) -> tuple[torch.Tensor, list[SeqView]]:
@@ -75,6 +101,10 @@ def _compact(seqs: list[SeqView]) -> tuple[torch.Tensor, list[SeqView]]:
         out.append(dataclasses.replace(s, slots=where[at : at + len(s.slots)].tolist()))
         at += len(s.slots)
     return touched, out
+
+
+def _decode_meta(dec: list[SeqView], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ints([s.q_start for s in dec], dev), _table(dec, dev), _ints([s.kv_len for s in dec], dev)
 
 
 def _ints(xs: list[int], dev: torch.device) -> torch.Tensor:

@@ -15,6 +15,8 @@ _REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "SmolLM3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",  # the text model (270M, 1B; GGUF gemma3)
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -1,4 +1,9 @@
-"""Architecture hyper-parameters read from a Hugging Face config.json (4.x and 5.x dialects)."""
+"""Architecture hyper-parameters read from a Hugging Face config.json (4.x and 5.x dialects).
+
+Sliding-window attention is per layer: `layer_windows[i]` is how many positions layer i's
+queries see (the query's own included, as transformers' `kv > q - window`), 0 for full
+attention; empty when every layer is full. Gemma 3 interleaves five local layers with one
+global one; Mistral (v0.1) and Qwen2 with `use_sliding_window` window some or all layers."""
 
 from __future__ import annotations
 
@@ -26,6 +31,13 @@ class ArchConfig:
     mlp_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the windowed layers' own rope base (Gemma 3), unscaled
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
+    embed_scale: float = 1.0  # the embeddings' multiplier (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # the attention's softmax scale, where not head_dim ** -0.5
+    sandwich_norm: bool = False  # Gemma: a norm after attention and after the MLP too, and weights as 1 + w
+    nope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3: every fourth)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -35,13 +47,21 @@ class ArchConfig:
         is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
         theta, scaling = _rope(cfg)
         max_pos = cfg.get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
-            # Sliding-window attention is not implemented: serve only the exact range.
-            max_pos = min(max_pos, window)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         attn_bias = bool(cfg.get("attention_bias", False))
+        gemma = arch == "Gemma3ForCausalLM"
+        local_theta = None
+        if gemma:
+            theta, scaling, local_theta = _gemma_rope(cfg)
+            for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+                if cfg.get(key) is not None:
+                    raise ValueError(f"{key}: soft-capping is not supported (Gemma 3 has none)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act: {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        scalar = cfg.get("query_pre_attn_scalar")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -50,18 +70,79 @@ class ArchConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=True if is_qwen2 else attn_bias,
             o_bias=False if (is_qwen2 or is_qwen3) else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=is_qwen3,
+            qk_norm=is_qwen3 or gemma,
             eos_token_ids=eos_ids,
+            layer_windows=_layer_windows(cfg, arch),
+            local_rope_theta=local_theta,
+            hidden_act=_ACTIVATIONS[act],
+            embed_scale=hidden**0.5 if gemma else 1.0,
+            attn_scale=scalar**-0.5 if gemma and scalar and scalar != head_dim else None,
+            sandwich_norm=gemma,
+            nope_layers=_nope_layers(cfg, arch),
         )
+
+
+def _nope_layers(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` lists 1 for a layer that uses rope, 0 for one that does not
+    (by default every `no_rope_layer_interval`-th, 4)."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    uses = cfg.get("no_rope_layers")
+    if not isinstance(uses, list):
+        every = cfg.get("no_rope_layer_interval", 4)
+        uses = [int((i + 1) % every != 0) for i in range(cfg["num_hidden_layers"])]
+    return tuple(i for i, use in enumerate(uses) if not use)
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's window (0: full attention), from `layer_types` where the config lists them
+    (transformers 5.x, Gemma 3), else from `sliding_window` as each family applies it: Mistral
+    to every layer, Qwen2 (with `use_sliding_window`) to the layers from `max_window_layers` on."""
+    window = cfg.get("sliding_window") or 0
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not window:
+        return ()
+    if isinstance(types, list) and len(types) == n:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif arch == "Gemma3ForCausalLM":  # 4.x configs: every sixth layer is global
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        windows = tuple(0 if (i + 1) % pattern == 0 else window for i in range(n))
+    elif arch == "MistralForCausalLM" and cfg.get("use_sliding_window", True):
+        windows = (window,) * n
+    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window", False):
+        first = cfg.get("max_window_layers", n)
+        windows = tuple(window if i >= first else 0 for i in range(n))
+    else:
+        return ()
+    return windows if any(windows) else ()
+
+
+def _gemma_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """Gemma 3's two rotary bases: (global theta, global scaling, local theta). transformers
+    5.x keys `rope_parameters` by layer type; 4.x has rope_theta, rope_scaling (global only)
+    and rope_local_base_freq."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = dict(params["full_attention"]), params.get("sliding_attention") or {}
+        theta, scaling = _rope({"rope_parameters": full})
+        if local.get("rope_type", "default") not in (None, "default"):
+            raise ValueError("rope_parameters.sliding_attention: only the default rope is supported for local layers")
+        return theta, scaling, float(local.get("rope_theta", 10000.0))
+    theta, scaling = _rope(cfg)
+    return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0))
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -27,7 +27,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM"}
 
 
 class ModelLoadError(ValueError):
@@ -93,7 +94,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
     except Exception as e:  # transformers raises many types for unreadable/unsupported files
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
-    cfg = _hf_config(model.config.to_dict())
+    cfg = _hf_config(model.config.to_dict(), tok)
     tied = bool(cfg.get("tie_word_embeddings"))
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -107,7 +108,7 @@ def _write_meta(gguf_path: Path, out: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        cfg = _hf_config(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict())
+        cfg = _hf_config(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), tok)
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types for unreadable/unsupported files
@@ -117,13 +118,48 @@ def _write_meta(gguf_path: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def _hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+# Gemma's turn format (as its instruction-tuned checkpoints' template writes it): a system
+# message opens the first user turn; assistant turns are "model" turns.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first = (messages[0]['content'] if messages[0]['content'] is string"
+    " else messages[0]['content'] | map(attribute='text') | join('')) + '\n\n' -%}"
+    "{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set first = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + (first if loop.first else '') }}"
+    "{%- if m['content'] is string -%}{{ m['content'] | trim }}"
+    "{%- else -%}{%- for part in m['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] | trim }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def _gemma_chat(cfg: dict[str, Any], tok: Any) -> None:
+    """A Gemma 3 GGUF often carries no chat template, and its EOS is <eos> while a turn ends
+    with <end_of_turn>: Gemma's template where the file has none, and both as stop tokens (as
+    Gemma's generation_config.json and llama.cpp's end-of-generation tokens have them)."""
+    if not tok.chat_template:
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    eos = cfg.get("eos_token_id")
+    ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+    if isinstance(end, int) and end != tok.unk_token_id and end not in ids:
+        cfg["eos_token_id"] = ids + [end]
+
+
+def _hf_config(cfg: dict[str, Any], tok: Any) -> dict[str, Any]:
     cfg.pop("quantization_config", None)
     arch = _GGUF_ARCH.get(cfg.get("model_type", ""))
     if arch is None:
         raise ModelLoadError(f"GGUF model type {cfg.get('model_type')!r} is not supported ({', '.join(_GGUF_ARCH)})")
     cfg["architectures"] = [arch]
     cfg["dtype"] = "float32"
+    if arch == "Gemma3ForCausalLM":
+        _gemma_chat(cfg, tok)
     return cfg
 
 
@@ -140,15 +176,21 @@ _NATIVE = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K"
 _FLOAT = ("F32", "F16", "BF16")
 
 
-def hf_name(gguf_name: str) -> str:
+# Gemma 3 names its four norms apart: ffn_norm is the one before the MLP
+_GEMMA_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     if gguf_name == "rope_freqs.weight":  # Llama 3.x: the rope scaling, one divisor per frequency
         return ROPE_FREQS
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        if part not in _LAYER_NAMES:
-            raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+        names = _GEMMA_NAMES if model_type.startswith("gemma") else _LAYER_NAMES
+        if part not in names:
+            raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a {model_type} model")
+        return f"model.layers.{layer}.{names[part]}.{suffix}"
     if base not in _TOP_NAMES:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
     return f"{_TOP_NAMES[base]}.{suffix}"
@@ -160,7 +202,7 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     them), `QuantTensor`s of the raw blocks for the native kinds (models.quant.FORMATS): views
     of the file's read-only memory map, no copy (packing reads them once, then releases their
     pages). Llama-family q/k rows are un-permuted as transformers does (GGUF stores them in
-    llama.cpp's rope order)."""
+    llama.cpp's rope order); Gemma's norm weights are given as w (the file holds 1 + w)."""
     import warnings
 
     import numpy as np
@@ -175,10 +217,12 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     except (GGUFFormatError, OSError, ValueError) as e:  # a truncated or foreign file
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    permute = cfg.get("model_type") in ("llama", "mistral")
+    model_type = cfg.get("model_type", "llama")
+    permute = model_type in ("llama", "mistral")
+    norm_shift = model_type.startswith("gemma")  # llama.cpp's converter stores Gemma's norms as 1 + w
     fallback: dict[str, int] = {}
     for t in file.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, model_type)
         shape = tuple(reversed(t.shape))  # GGUF lists the fastest dimension first
         rows = None
         if permute and (".q_proj." in name or ".k_proj." in name):
@@ -196,6 +240,8 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             value = torch.from_numpy(arr.astype(np.float32) if kind == "F16" else arr.copy())
             if kind == "BF16":
                 value = value.view(torch.bfloat16).float()
+            if norm_shift and name.endswith("norm.weight"):
+                value = value - 1.0
         else:
             fallback[kind] = fallback.get(kind, 0) + 1
             value = torch.from_numpy(quants.dequantize(data, t.type).reshape(shape).copy())

@@ -117,18 +117,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with gate and up fused into one matmul."""
+    """SwiGLU (or GeGLU with the tanh GELU: Gemma) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
-        self.inter = inter
+        self.inter, self.act = inter, act
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
+        gate, up = h.split(self.inter, dim=-1)
+        if self.act == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         ops = cpu.native_for(h)
         if ops is not None and h.is_contiguous():
             return self.down_proj(ops.silu_and_mul(h))
-        gate, up = h.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -1,4 +1,7 @@
-"""The Llama family on the KV pool: Llama (SmolLM), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family on the KV pool: Llama (SmolLM2), SmolLM3 (no rope in every fourth layer),
+Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
+and Gemma 3 (q/k RMSNorm, a norm after attention and after the MLP, GELU-tanh, scaled embeddings,
+norm weights as 1 + w, five sliding-window layers per global one, each kind with its own rope base).
 
 The model sees flat tokens (T, hidden) with their positions; attention goes through
 `batch.attn_backend`, which owns the KV slots. Weights: fused q/k/v and gate/up.
@@ -32,8 +35,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.layer_windows[layer_id] if cfg.layer_windows else 0
+        # the backends scale by head_dim ** -0.5: another softmax scale goes into q
+        self.q_scale = cfg.attn_scale * self.head_dim**0.5 if cfg.attn_scale else None
 
-    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: Rope | None, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
@@ -41,8 +47,11 @@ class Attention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # contiguous: the native norm, as the fused step
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        q, k = rope_qk(q, k, *rope)
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        if rope is not None:  # None: a NoPE layer
+            q, k = rope_qk(q, k, *rope)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch, window=self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -52,9 +61,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        if cfg.sandwich_norm:  # Gemma: post_attention_layernorm normalizes the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norm
 
-    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: Rope | None, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (mlp output, residual before it): each residual add is fused into
         the norm that follows it (the last one into the model's final norm)."""
@@ -63,6 +76,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, batch)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -87,7 +103,11 @@ class FusedDecode:
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
         """The fused step, where every linear has native packed weights (float panels or
-        quantized blocks, whole or in parts); else None."""
+        quantized blocks, whole or in parts) and the layer is Llama's (not Gemma's); else None.
+        Sliding windows: `LlamaModel.forward` takes it only while every row is inside them."""
+        cfg = model.cfg
+        if cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.attn_scale or cfg.local_rope_theta or cfg.nope_layers:
+            return None
         linears: list[list[list[nn.Module]]] = [[], [], [], []]  # qkv, o, gate_up, down: per layer, the parts
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -122,24 +142,34 @@ def _native_parts(module: nn.Module) -> list[nn.Module] | None:
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = None  # Gemma 3's windowed layers: their own base, unscaled
+        if cfg.local_rope_theta is not None:
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.local_rope_theta, None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused: FusedDecode | None = None  # see LlamaForCausalLM.fuse_decode
+        self.min_window = min((w for w in cfg.layer_windows if w), default=0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = self.rotary_emb.tables(positions)
         plan = None
-        if self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS and cpu.native_for(x) is not None:
+        if (self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS and cpu.native_for(x) is not None
+                and not (self.min_window and max(s.kv_len for s in batch.seqs) > self.min_window)):
             plan = batch.attn_backend.native_decode(batch)
         if plan is not None:
             x, residual = self.fused.run(x, rope, plan)
         else:
+            local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
             residual = None
-            for layer in self.layers:
-                x, residual = layer(rope, x, residual, batch)
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(None if i in self.cfg.nope_layers else local if layer.self_attn.window else rope,
+                                    x, residual, batch)
         return self.norm(x, residual)[0]
 
 
@@ -191,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             missing.discard("lm_head.weight")
         for name, tensor in weights:
+            if self.cfg.sandwich_norm and name.endswith("norm.weight"):  # Gemma scales by 1 + w
+                tensor = tensor.float() + 1.0
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
             if name == ROPE_FREQS:
