@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +48,7 @@ from radixserve.server.anthropic_protocol import (
 )
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.openai import finish_reason, sampling_params
-from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, ToolCall
 from radixserve.server.state import RequestOptions
 
 # engine field names -> this API's
@@ -263,25 +262,30 @@ def renderer(state: Any, conv: Conversation) -> Callable[[], list[int]]:
     return render
 
 
-def answer(out: Output, conv: Conversation, stops: list[str] | None) -> tuple[list[ContentBlock], str, str | None]:
+def answer(out: Output, conv: Conversation, stops: list[str] | None,
+           streamed: list[ToolCall] | None = None) -> tuple[list[ContentBlock], str, str | None]:
     """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
-    is an ApiError 500)."""
+    is an ApiError 500); `streamed`: the calls a stream sent (their blocks keep its ids)."""
     reason = finish_reason(out)
-    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered, conv.tool_format, conv.one_call)
-    uses = [ToolUseBlock(f"toolu_{uuid.uuid4().hex[:24]}", c.function.name, args) for c in a.calls
-            if isinstance(args := json.loads(c.function.arguments), dict)]
+    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered, conv.tool_format, conv.one_call, streamed)
+    uses = [tool_use(c) for c in a.calls]
     blocks: list[ContentBlock] = []
     if a.reasoning is not None:  # cut off while thinking: the thinking block alone
         blocks.append(ThinkingBlock(a.reasoning if conv.show_thinking else ""))
     if a.content or not (uses or a.reasoning is not None):
         blocks.append(TextBlock(a.content or ""))
     if uses:
-        return [*blocks, *uses], "tool_use", None
+        return [*blocks, *uses], "max_tokens" if reason == "length" else "tool_use", None
     if reason == "length":
         return blocks, "max_tokens", None
     if isinstance(out.matched_stop, str) and out.matched_stop in (stops or ()):
         return blocks, "stop_sequence", out.matched_stop
     return blocks, "end_turn", None
+
+
+def tool_use(call: ToolCall) -> ToolUseBlock:
+    """A call as a tool_use block, its id from the call's (a parsed call's arguments are an object)."""
+    return ToolUseBlock("toolu_" + call.id.removeprefix("call_"), call.function.name, json.loads(call.function.arguments))
 
 
 def usage(out: Output) -> Usage:

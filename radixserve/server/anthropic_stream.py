@@ -3,10 +3,12 @@
     message_start, ping, then per content block: content_block_start, content_block_delta...,
     content_block_stop, then message_delta (stop_reason, cumulative usage), message_stop
 
-Free text streams token by token (LiveBlocks): with --reasoning-parser, a thinking block
+Text streams token by token (LiveBlocks): with --reasoning-parser, a thinking block
 (thinking_delta..., then an empty signature_delta) while the output is inside `<think>`, then
-the text block. With tools offered the answer is parsed whole, so its blocks come at the end: a
-tool_use block's input as one input_json_delta. An error once the stream began is an `event: error`."""
+the text block, then with tools (`tool_choice` auto) each tool_use block as its call completes
+(its input as one input_json_delta; text from where a call may start is held until it is
+known; a call only the whole answer shows comes at the end, as does a required call). An error
+once the stream began is an `event: error`."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from radixserve.server import anthropic_convert as convert
-from radixserve.server import reasoning
+from radixserve.server import reasoning, tools
 from radixserve.server.anthropic_protocol import (
     ContentBlock,
     ContentBlockDelta,
@@ -41,6 +43,7 @@ from radixserve.server.anthropic_protocol import (
     error_body,
 )
 from radixserve.server.errors import ApiError
+from radixserve.server.protocol import ToolCall
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import Flight, ServerState
 
@@ -85,31 +88,32 @@ async def _answer(sse: EventWriter, state: ServerState, flight: Flight, conv: co
         out = d.output if d.finished else out
     if out is None:
         raise ApiError(500, "internal error while generating: the request ended without an output")
-    blocks, reason, sequence = convert.answer(out, conv, stops)  # an engine error raises here
+    blocks, reason, sequence = convert.answer(out, conv, stops, live.streamed_calls())  # an engine error raises here
     await live.finish(blocks)
     await sse.emit(MessageDelta(StopInfo(reason, sequence), convert.usage(out)))
     await sse.emit(MessageStop())
 
 
 class LiveBlocks(reasoning.LiveParts):
-    """The content blocks of one answer as its text comes (live: free text, no tools to parse).
-    Blocks open lazily, in order: the thinking block once the splitter sees reasoning, the text
-    block at its first text. `finish` closes what is open with the final blocks (built from the
-    whole text, which the stream's split always agrees with) and sends the rest whole."""
+    """The content blocks of one answer as its text comes: thinking, text and (with tools) each
+    tool_use as its call completes (reasoning.LiveParts). `finish` closes what is open with the
+    final blocks (built from the whole text, which the stream agrees with) and sends the rest
+    whole, after the streamed ones."""
 
     def __init__(self, sse: EventWriter, conv: convert.Conversation) -> None:
-        super().__init__(conv.parser, conv.mode == "none")
+        calls = tools.call_stream(conv.mode, conv.offered, conv.tool_format, conv.one_call)
+        super().__init__(conv.parser, conv.mode != "required", calls)
         self.sse, self.show = sse, conv.show_thinking
 
     async def open_reasoning(self) -> None:
-        await self.sse.emit(ContentBlockStart(0, ThinkingBlock("")))
+        await self.sse.emit(ContentBlockStart(self.parts.index("reasoning"), ThinkingBlock("")))
 
     async def reasoning_delta(self, text: str) -> None:
         if self.show:
-            await self.sse.emit(ContentBlockDelta(0, ThinkingDelta(text)))
+            await self.sse.emit(ContentBlockDelta(self.parts.index("reasoning"), ThinkingDelta(text)))
 
     async def close_reasoning(self) -> None:
-        await _stop(self.sse, 0, ThinkingBlock(""))
+        await _stop(self.sse, self.parts.index("reasoning"), ThinkingBlock(""))
 
     async def open_content(self, index: int) -> None:
         await self.sse.emit(ContentBlockStart(index, TextBlock("")))
@@ -117,12 +121,32 @@ class LiveBlocks(reasoning.LiveParts):
     async def content_delta(self, index: int, text: str) -> None:
         await self.sse.emit(ContentBlockDelta(index, TextDelta(text)))
 
+    async def close_content(self, index: int) -> None:
+        await _stop(self.sse, index, TextBlock(self.sent))
+
+    async def tool_call(self, index: int, call: ToolCall) -> None:
+        await _whole(self.sse, index, convert.tool_use(call))
+
     async def finish(self, blocks: list[ContentBlock]) -> None:
-        for i, block in enumerate(blocks):
-            if i >= self.opened:
-                await _whole(self.sse, i, block)
-            elif i >= self.closed:
-                await _stop(self.sse, i, block)
+        keys = [_key(b) for b in blocks]
+        if self.open_key in keys:
+            block, at = blocks[keys.index(self.open_key)], self.parts.index(self.open_key)
+            rest = self.rest(block.text) if isinstance(block, TextBlock) else ""
+            if rest:
+                await self.sse.emit(ContentBlockDelta(at, TextDelta(rest)))
+            await _stop(self.sse, at, block)
+        self.open_key = None
+        at = len(self.parts)
+        for key, block in zip(keys, blocks):
+            if key not in self.parts:
+                await _whole(self.sse, at, block)
+                at += 1
+
+
+def _key(block: ContentBlock) -> str:
+    if isinstance(block, ToolUseBlock):
+        return "call:call_" + block.id.removeprefix("toolu_")
+    return "reasoning" if isinstance(block, ThinkingBlock) else "content"
 
 
 async def _whole(sse: EventWriter, i: int, block: ContentBlock) -> None:

@@ -31,6 +31,7 @@ from radixserve.server.protocol import (
     ModelList,
     PromptTokensDetails,
     TokenLogprobOut,
+    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
@@ -260,9 +261,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         opts.rename = {**opts.rename, field: tools.error_param(plan.offered, plan.callable_tools)}
     try:
         async with state.admit(tenant, [render] * b.n, params, opts, arrival) as flight:
-            if not b.stream or plan.offered:  # with tools, a stream carries each choice whole at its end
+            if not b.stream or plan.mode == "required":  # a required call: parsed whole, at the end
                 return await _chat_whole(request, state, b, flight, plan)
-            return await _chat_stream(request, state, b, flight, plan.parser)
+            return await _chat_stream(request, state, b, flight, plan)
     except ApiError as e:
         if field is None:
             raise
@@ -280,8 +281,49 @@ async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletio
     return await _stream_whole(request, cid, created, state.model_name, choices, usage(outs) if include_usage(b) else None)
 
 
+class _LiveChoice(reasoning.LiveParts):
+    """One choice of a chat stream: what one engine delta adds, gathered into one chunk's delta
+    (reasoning, content, and with tools each call as it completes: reasoning.LiveParts)."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        super().__init__(plan.parser, True, tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call))
+        self.plan = plan
+        self.delta = ChatDelta()
+        self.n_calls = 0
+
+    async def reasoning_delta(self, text: str) -> None:
+        self.delta.reasoning_content = (self.delta.reasoning_content or "") + text
+
+    async def content_delta(self, index: int, text: str) -> None:
+        self.delta.content = (self.delta.content or "") + text
+
+    async def tool_call(self, index: int, call: ToolCall) -> None:
+        self.delta.tool_calls = [*(self.delta.tool_calls or []), ToolCallDelta(self.n_calls, call.id, call.function)]
+        self.n_calls += 1
+
+    def finish(self, out: Output) -> str:
+        """The rest of the answer once it is whole (held text that is content, calls only the
+        whole answer shows) into the delta; returns the finish reason."""
+        reason = finish_reason(out)
+        a = reasoning.answer(out.text, reason, self.plan.parser, self.plan.mode, self.plan.offered,
+                             self.plan.tool_format, self.plan.one_call, self.streamed_calls())
+        rest = self.rest(a.content or "")
+        if rest:
+            self.delta.content = (self.delta.content or "") + rest
+        sent = {c.id for c in self.streamed_calls()}
+        for call in a.calls:
+            if call.id not in sent:
+                self.delta.tool_calls = [*(self.delta.tool_calls or []), ToolCallDelta(self.n_calls, call.id, call.function)]
+                self.n_calls += 1
+        return "tool_calls" if a.calls and reason == "stop" else reason
+
+    def take(self) -> ChatDelta | None:
+        d, self.delta = self.delta, ChatDelta()
+        return d if d.content or d.reasoning_content or d.tool_calls else None
+
+
 async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight,
-                       parser: str | None) -> web.StreamResponse:
+                       plan: ChatPlan) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     sse = await SSEWriter.open(request)
 
@@ -291,7 +333,7 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
     for i in range(b.n):
         await sse.send(chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
     outs: list[Output | None] = [None] * b.n
-    splits = [reasoning.splitter(parser) for _ in range(b.n)]
+    live = [_LiveChoice(plan) for _ in range(b.n)]
     async for i, d in state.merged(flight):
         lps = _chat_logprobs(state, d.logprobs) if b.logprobs and d.logprobs else None
         reason = None
@@ -301,11 +343,12 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
                 await sse.send({"error": {"message": f"internal error while generating: {d.output.error}",
                                           "type": "internal_server_error", "param": None, "code": "internal_error"}})
                 continue
-            reason = d.output.finish_reason
-        thought, text = reasoning.feed(splits[i], d.text, d.finished)
-        if text or thought or lps or reason:
-            delta = ChatDelta(content=text or None, reasoning_content=thought or None)
-            await sse.send(chunk([ChatChunkChoice(i, delta, reason, lps)]))
+        await live[i].feed(d.text, d.finished)
+        if d.finished and d.output is not None:
+            reason = live[i].finish(d.output)
+        delta = live[i].take()
+        if delta is not None or lps or reason:
+            await sse.send(chunk([ChatChunkChoice(i, delta or ChatDelta(), reason, lps)]))
     if include_usage(b):
         await sse.send(chunk([], usage([o for o in outs if o is not None])))
     await sse.done()
@@ -320,7 +363,7 @@ def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatCh
     """Tool calls and JSON are read from the content only, never from the reasoning."""
     reason = finish_reason(o)
     a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call)
-    if a.calls:
+    if a.calls and reason == "stop":
         reason = "tool_calls"
     message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)
     return ChatChoice(i, message, reason, _chat_logprobs(state, o.logprobs))

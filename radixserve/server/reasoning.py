@@ -21,6 +21,7 @@ from typing import Any
 
 from radixserve.server import tools
 from radixserve.server.protocol import ToolCall
+from radixserve.server.tool_parsers import CallStream, partial_tail
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = {"qwen3": False, "deepseek_r1": True}  # parser -> the output starts inside the reasoning
@@ -76,18 +77,10 @@ class ThinkSplitter:
             out["r"].append(h[:end])
             self._held, self.state = h[end + len(CLOSE):], "content_ws"
             return True
-        keep = _partial_tail(h, CLOSE)
+        keep = partial_tail(h, CLOSE)
         out["r"].append(h[:len(h) - keep])
         self._held = h[len(h) - keep:]
         return False
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def thinking_on(template_kwargs: dict[str, Any] | None) -> bool:
@@ -125,35 +118,62 @@ def feed(s: ThinkSplitter | None, text: str, final: bool = False) -> tuple[str, 
 
 class LiveParts:
     """One streamed answer's parts as its text comes, opened lazily and in order: the reasoning
-    part (index 0) once the splitter sees reasoning, the content part at its first content,
-    which closes the reasoning. `opened` parts have started, the first `closed` have ended.
-    Each API's stream (Responses items, Anthropic blocks) says how a part starts, grows and
-    ends; `live` False (tools to parse at the end): nothing streams."""
+    part once the splitter sees reasoning, the content part at its first content (closing the
+    reasoning), and with tools (`calls`, auto mode) each call as it completes (closing what is
+    open); text from where a call may start is held (`tool_parsers.CallStream`), and what of it
+    is content reaches the client at `finish`. `parts` are the streamed parts' keys in stream
+    order ("reasoning", "content", "call:<id>"); each API's stream (Responses items, Anthropic
+    blocks) says how a part starts, grows and ends. `live` False: nothing streams (a required
+    call, parsed whole at the end)."""
 
-    def __init__(self, parser: str | None, live: bool) -> None:
-        self.split, self.live = splitter(parser), live
-        self.opened = 0
-        self.closed = 0
-        self.content_open = False
+    def __init__(self, parser: str | None, live: bool, calls: CallStream | None = None) -> None:
+        self.split, self.live, self.calls = splitter(parser), live, calls
+        self.parts: list[str] = []
+        self.open_key: str | None = None
+        self.sent = ""  # the content streamed so far
 
     async def feed(self, text: str, final: bool) -> None:
         if not self.live:
             return
         thought, content = feed(self.split, text, final)
-        if self.split is not None and self.split.saw_reasoning and not self.opened:
-            self.opened = 1
-            await self.open_reasoning()
+        if self.split is not None and self.split.saw_reasoning and "reasoning" not in self.parts:
+            await self._open("reasoning")
         if thought:
             await self.reasoning_delta(thought)
-        if content and not self.content_open:
-            if self.opened:  # the reasoning ended where the content starts
-                await self.close_reasoning()
-                self.closed = 1
-            self.opened += 1
-            self.content_open = True
-            await self.open_content(self.opened - 1)
+        new: list[ToolCall] = []
+        if self.calls is not None:
+            content, new = self.calls.feed(content)
         if content:
-            await self.content_delta(self.opened - 1, content)
+            if self.open_key != "content":
+                await self._open("content")
+            self.sent += content
+            await self.content_delta(self.parts.index("content"), content)
+        for call in new:
+            await self._close_open()
+            self.parts.append("call:" + call.id)
+            await self.tool_call(len(self.parts) - 1, call)
+
+    def streamed_calls(self) -> list[ToolCall]:
+        return self.calls.calls if self.calls is not None else []
+
+    def rest(self, content: str) -> str:
+        """What of the final content the stream has not sent yet."""
+        if content.startswith(self.sent):
+            return content[len(self.sent):]
+        return content.lstrip()[len(self.sent):] if content.lstrip().startswith(self.sent) else ""
+
+    async def _open(self, key: str) -> None:
+        await self._close_open()
+        self.parts.append(key)
+        self.open_key = key
+        await (self.open_reasoning() if key == "reasoning" else self.open_content(len(self.parts) - 1))
+
+    async def _close_open(self) -> None:
+        key, self.open_key = self.open_key, None
+        if key == "reasoning":
+            await self.close_reasoning()
+        elif key == "content":
+            await self.close_content(self.parts.index("content"))
 
     async def open_reasoning(self) -> None: ...
 
@@ -164,6 +184,10 @@ class LiveParts:
     async def open_content(self, index: int) -> None: ...
 
     async def content_delta(self, index: int, text: str) -> None: ...
+
+    async def close_content(self, index: int) -> None: ...
+
+    async def tool_call(self, index: int, call: ToolCall) -> None: ...
 
 
 def split(text: str, parser: str | None) -> tuple[str | None, str | None]:
@@ -187,18 +211,24 @@ class Answer:
 
 
 def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none",
-           offered: list[tools.Tool] | None = None, tool_format: str = "hermes", one_call: bool = False) -> Answer:
+           offered: list[tools.Tool] | None = None, tool_format: str = "hermes", one_call: bool = False,
+           streamed: list[ToolCall] | None = None) -> Answer:
     """Tool calls (mode required: the constrained JSON; auto: calls in `tool_format`, see
     server.tool_parsers) are read from the content only: a call written inside the reasoning is
-    not one. `one_call` (parallel_tool_calls false): the first call only."""
+    not one. `one_call` (parallel_tool_calls false): the first call only. In auto mode a call
+    completed before the output was cut off (max_tokens) is a call, as a stream sent it;
+    `streamed`: the calls a stream sent, whose ids the same calls keep."""
     thought, content = split(text, parser)
     calls: list[ToolCall] = []
     if finish_reason == "stop" and content is not None and mode == "required":
         calls = tools.calls_from_json(content)
         content = None if calls else content
-    elif finish_reason == "stop" and content is not None and mode == "auto":
+    elif finish_reason in ("stop", "length") and content is not None and mode == "auto":
         content, calls = tools.parse_calls(content, offered or [], tool_format)
         calls = calls[:1] if one_call else calls
+        for i, sent in enumerate((streamed or [])[: len(calls)]):
+            if sent.function == calls[i].function:
+                calls[i] = sent
     return Answer(thought, content, calls)
 
 

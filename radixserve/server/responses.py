@@ -31,13 +31,12 @@ from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams
 from radixserve.server import openai, reasoning, responses_stored, tools
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, ToolCall
 from radixserve.server.responses_input import choose, echo_text, listed_items, new_id, parse_tools, text_schema, to_messages
 from radixserve.server.responses_protocol import (
     Context,
     CreateResponseRequest,
     DeletedResponse,
-    FunctionCallOutput,
     IncompleteDetails,
     InputItemList,
     InputTokensDetails,
@@ -52,7 +51,7 @@ from radixserve.server.responses_protocol import (
 )
 from radixserve.server.responses_store import StoredResponse, pack_context
 from radixserve.server.responses_stored import STORE, db, not_found
-from radixserve.server.responses_stream import EventWriter, LiveItems
+from radixserve.server.responses_stream import EventWriter, LiveItems, function_item
 from radixserve.server.state import Flight, RequestOptions, ServerState
 
 RENAME = {"max_new_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input", "json_schema": "text.format"}
@@ -200,10 +199,11 @@ def item_ids() -> tuple[str, str]:
     return new_id("rs"), new_id("msg")
 
 
-def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any) -> None:
+def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any,
+           streamed: list[ToolCall] | None = None) -> None:
     """Fill in the output items, the status and the usage of a finished request."""
     a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format,
-                         plan.body.parallel_tool_calls is False)
+                         plan.body.parallel_tool_calls is False, streamed)
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
@@ -222,7 +222,7 @@ def _output_items(out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> lis
         items.append(ReasoningOutput(ids[0], [ReasoningText(a.reasoning)], status if a.content is None else "completed"))
     if a.content or not (a.calls or a.reasoning is not None):
         items.append(OutputMessage(ids[1], [OutputText(a.content or "")], status))
-    return items + [FunctionCallOutput(new_id("fc"), c.id, c.function.name, c.function.arguments) for c in a.calls]
+    return items + [function_item(c) for c in a.calls]
 
 
 async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rendered, flight: Flight,
@@ -231,7 +231,8 @@ async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rende
     w = await EventWriter.open(request)
     await w.start(resp)
     ids = item_ids()
-    live = LiveItems(w, plan.parser, ids, not plan.offered)  # with tools, the output is parsed once whole (as chat)
+    live = LiveItems(w, plan.parser, ids, plan.mode != "required", tools.call_stream(plan.mode, plan.offered, plan.tool_format,
+                                                                               plan.body.parallel_tool_calls is False))
     out: Output | None = None
     async with aclosing(state.run(flight.reqs[0], flight.tickets[0], flight.arrival)) as deltas:
         async for d in deltas:
@@ -240,13 +241,13 @@ async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rende
     if out is None or out.finish_reason == "error":
         await w.fail(resp, "server_error", f"internal error while generating: {out.error if out else 'no output'}")
         return w.response
-    finish(resp, out, plan, ids, state.engine.tokenizer)
+    finish(resp, out, plan, ids, state.engine.tokenizer, live.streamed_calls())
     try:
         await _save(request, tenant, plan, rendered, out, resp)
     except ApiError as e:
         await w.fail(resp, "server_error", e.message)
         return w.response
-    await live.finish(resp.output)
+    resp.output = await live.finish(resp.output)
     await w.finish(resp)
     return w.response
 

@@ -10,8 +10,10 @@ numbered by `sequence_number`, no `[DONE]` (as OpenAI). The order, per output it
                     output_item.done
     response.completed | response.incomplete   (or: error, response.failed)
 
-Free text streams as it comes (LiveItems): the reasoning item while the output is inside
-`<think>`, then the message. With tools the output is parsed whole, so its items come at the end.
+Text streams as it comes (LiveItems): the reasoning item while the output is inside `<think>`,
+then the message, then with tools (`tool_choice` auto) each function call as it completes in the
+model's format (text from where a call may start is held until it is known; a call only the
+whole answer shows, e.g. a fenced one, comes at the end). A required call comes at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import msgspec
 
 from radixserve.server import reasoning
+from radixserve.server.protocol import ToolCall
 from radixserve.server.responses_protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -42,6 +45,7 @@ from radixserve.server.responses_protocol import (
     TextDoneEvent,
 )
 from radixserve.server.sse import SSEWriter
+from radixserve.server.tool_parsers import CallStream
 
 
 class EventWriter(SSEWriter):
@@ -126,28 +130,31 @@ class EventWriter(SSEWriter):
 
 
 class LiveItems(reasoning.LiveParts):
-    """The output items of one response as its text comes (`live`: free text, no tools to parse).
-    Items open lazily, in output order: the reasoning item once the splitter sees reasoning, the
-    message at its first content. `finish` closes what is open with the final items (built from
-    the whole text, which the stream's split always agrees with) and sends the rest whole.
+    """The output items of one response as its text comes: reasoning, message and (with tools)
+    each function call as it completes (reasoning.LiveParts). `finish` closes what is open with
+    the final items (built from the whole text, which the stream agrees with), sends the rest
+    whole, and returns the items in the order they streamed (the response's output).
 
     NOTE: `ids` are the final items' ids (reasoning, message), so what streamed and the
-    response.completed output name the same items."""
+    response.completed output name the same items; a function call's item id comes from its
+    call id (`call_item_id`)."""
 
-    def __init__(self, w: EventWriter, parser: str | None, ids: tuple[str, str], live: bool) -> None:
-        super().__init__(parser, live)
+    def __init__(self, w: EventWriter, parser: str | None, ids: tuple[str, str], live: bool,
+                 calls: CallStream | None = None) -> None:
+        super().__init__(parser, live, calls)
         self.w, self.ids = w, ids
         self.thought: list[str] = []
 
     async def open_reasoning(self) -> None:
-        await self.w.open_reasoning(0, self.ids[0])
+        await self.w.open_reasoning(self.parts.index("reasoning"), self.ids[0])
 
     async def reasoning_delta(self, text: str) -> None:
         self.thought.append(text)
-        await self.w.reasoning_delta(0, self.ids[0], text)
+        await self.w.reasoning_delta(self.parts.index("reasoning"), self.ids[0], text)
 
     async def close_reasoning(self) -> None:
-        await self.w.close_reasoning(0, ReasoningOutput(self.ids[0], [ReasoningText("".join(self.thought))]))
+        item = ReasoningOutput(self.ids[0], [ReasoningText("".join(self.thought))])
+        await self.w.close_reasoning(self.parts.index("reasoning"), item)
 
     async def open_content(self, index: int) -> None:
         await self.w.open_message(index, self.ids[1])
@@ -155,13 +162,42 @@ class LiveItems(reasoning.LiveParts):
     async def content_delta(self, index: int, text: str) -> None:
         await self.w.text_delta(index, self.ids[1], text)
 
-    async def finish(self, items: list[OutputItem]) -> None:
-        for index, item in enumerate(items):
-            if index < self.closed:
-                continue
-            if index >= self.opened:
-                await self.w.whole(index, item)
-            elif isinstance(item, ReasoningOutput):
-                await self.w.close_reasoning(index, item)
-            elif isinstance(item, OutputMessage):
-                await self.w.close_message(index, item)
+    async def close_content(self, index: int) -> None:
+        await self.w.close_message(index, OutputMessage(self.ids[1], [OutputText(self.sent)]))
+
+    async def tool_call(self, index: int, call: ToolCall) -> None:
+        await self.w.function_call(index, function_item(call))
+
+    async def finish(self, items: list[OutputItem]) -> list[OutputItem]:
+        by_key = {_key(item): item for item in items}
+        for key in self.parts:  # a part the final answer does not have (not expected): closed as streamed
+            if key == self.open_key and key in by_key:
+                item = by_key[key]
+                if isinstance(item, ReasoningOutput):
+                    await self.w.close_reasoning(self.parts.index(key), item)
+                elif isinstance(item, OutputMessage):
+                    rest = self.rest(item.content[0].text if item.content else "")
+                    if rest:
+                        await self.w.text_delta(self.parts.index(key), item.id, rest)
+                    await self.w.close_message(self.parts.index(key), item)
+        self.open_key = None
+        streamed = [by_key[k] for k in self.parts if k in by_key]
+        for item in items:
+            if _key(item) not in self.parts:
+                await self.w.whole(len(streamed), item)
+                streamed.append(item)
+        return streamed
+
+
+def function_item(call: ToolCall) -> FunctionCallOutput:
+    return FunctionCallOutput(call_item_id(call), call.id, call.function.name, call.function.arguments)
+
+
+def call_item_id(call: ToolCall) -> str:
+    return "fc_" + call.id.removeprefix("call_")
+
+
+def _key(item: OutputItem) -> str:
+    if isinstance(item, FunctionCallOutput):
+        return "call:" + item.call_id
+    return "reasoning" if isinstance(item, ReasoningOutput) else "content"

@@ -28,6 +28,7 @@ Parsed = tuple[str | None, list[ToolCall]]
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
+_ANY_FENCE = re.compile(r"```[^\n`]*\n.*?```", re.S)
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 _XML_CALL = re.compile(r"<tool_call>\s*(<function=.*?</function>)\s*</tool_call>", re.S)
@@ -162,6 +163,81 @@ def _typed(value: str, schema: Any) -> Any:
         return json.loads(value)
     except json.JSONDecodeError:
         return value
+
+
+class CallStream:
+    """One streamed answer's content, split as it comes into text that cannot be part of a call
+    (released at once) and whole calls (released as each completes): a tagged call (hermes,
+    qwen3_coder) at its closing tag; a fenced call (hermes), a Llama 3 or a Mistral answer at
+    the end, when the whole answer is parsed (`parse`, whose calls and text the stream has
+    agreed with so far). Text from where a call may start (a marker, or the start of one at the
+    end of the text so far) is held until it is known not to be one."""
+
+    _MARKERS = {"hermes": ("<tool_call>", "```"), "qwen3_coder": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+                "llama3_json": ("<|python_tag|>",)}
+
+    def __init__(self, fmt: str, tools: list[Any], one_call: bool) -> None:
+        self.fmt, self.tools, self.one_call = fmt, {t.name: t for t in tools}, one_call
+        self.text = ""
+        self.released = 0  # chars of `text` given out as content
+        self.calls: list[ToolCall] = []  # given out
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content to send now, calls completed now) after `text` more of the answer."""
+        self.text += text
+        new = self._complete()[len(self.calls):]
+        if self.one_call:
+            new = new[: max(0, 1 - len(self.calls))]
+        self.calls += new
+        safe = self._safe()
+        out = self.text[self.released : safe] if safe > self.released else ""
+        self.released = max(self.released, safe)
+        return out, new
+
+    def _complete(self) -> list[ToolCall]:
+        if self.fmt not in ("hermes", "qwen3_coder"):
+            return []
+        pattern = _TAGGED if self.fmt == "hermes" else _XML_CALL
+        return [c for m in pattern.finditer(self.text) for c in _BY_NAME[self.fmt](m.group(0), self.tools)[1]]
+
+    def _safe(self) -> int:
+        """How much of the text so far is content whatever comes next (trailing spaces held)."""
+        t = self.text
+        head = t.lstrip()
+        if self.fmt == "llama3_json" and (not head or head[0] == "{" or _opens(head, "<|python_tag|>")):
+            return 0  # an answer that may be all calls
+        if self.fmt == "mistral" and head[:1] == "[":
+            return 0
+        cut = len(t)
+        for marker in self._MARKERS[self.fmt]:
+            at = t.find(marker)
+            if marker == "```":  # a closed fence that holds no calls is text
+                at = _open_fence(t, self.tools)
+            cut = min(cut, at if at >= 0 else len(t) - partial_tail(t, marker))
+        return len(t[:cut].rstrip())
+
+
+def _opens(text: str, marker: str) -> bool:
+    return text.startswith(marker) or marker.startswith(text)
+
+
+def partial_tail(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _open_fence(text: str, tools: dict[str, Any]) -> int:
+    """Where the first fence that may hold calls starts: one not closed yet, or closed around
+    calls (-1: none)."""
+    at = 0
+    for m in _ANY_FENCE.finditer(text):
+        if _hermes(m.group(0), tools)[1]:
+            return m.start()
+        at = m.end()
+    return text.find("```", at)
 
 
 _BY_NAME: dict[str, Callable[[str, dict[str, Any]], Parsed]] = {

@@ -6,7 +6,8 @@
   object whose `name` is a tool's and whose `arguments` follow that tool's parameter schema.
 - "auto": the model may answer or call; calls it emits are parsed out in the format of its chat
   template (server.tool_parsers: hermes tags, and the fenced JSON Qwen2.5-Coder writes, Llama 3
-  JSON, Mistral, Qwen3-Coder XML; `--tool-call-parser` overrides).
+  JSON, Mistral, Qwen3-Coder XML; `--tool-call-parser` overrides); a stream sends each call as
+  it completes (`call_stream`).
 - "none": tools are not offered.
 """
 
@@ -228,6 +229,12 @@ def calls_from_json(text: str) -> list[ToolCall]:
 def parse_calls(text: str, tools: list[Tool], fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
     """Tool calls the model emitted in format `fmt` (server.tool_parsers); the rest stays content."""
     return tool_parsers.parse(fmt, text, tools)
+
+
+def call_stream(mode: str, offered: list[Tool], fmt: str, one_call: bool) -> tool_parsers.CallStream | None:
+    """What splits a streamed answer's calls from its text as it comes: in auto mode (a required
+    call is constrained JSON, parsed at the end; without tools the text is all content)."""
+    return tool_parsers.CallStream(fmt, offered, one_call) if mode == "auto" and offered else None
 
 
 def history_text(tool_calls: list[Any] | None, param: str) -> str:

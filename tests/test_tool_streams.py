@@ -1,0 +1,182 @@
+"""Tool calls streamed as they complete, in chat, Responses and Messages alike (tool_choice auto):
+the split of a streamed answer into text and calls (tool_parsers.CallStream), then each API's
+stream on a fake engine that writes a known answer token by token, checked against the openai
+and anthropic SDKs' own types and accumulators, and for *when* each call reaches the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import anthropic
+import openai
+import pydantic
+import pytest
+from helpers import Sink
+from test_reasoning_apis import Tok, _deltas, _frames, _msg, _opens_into, _out, _request
+
+from radixserve.server import anthropic_convert as convert
+from radixserve.server import anthropic_stream, responses, responses_stream, sse
+from radixserve.server import openai as chat
+from radixserve.server.errors import decode_body
+from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.tool_parsers import CallStream
+from radixserve.server.tools import Tool
+
+FN = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+TOOLS = [Tool("f", "", FN), Tool("g", "", FN)]
+# text, then two tagged calls: the first must reach the client before the second is written
+TWO_CALLS = ["Let", " me", " check", ".\n", "<tool", "_call>", '{"name": "f", ', '"arguments": {"x": 1}}', "</tool_call>",
+             "\n", "<tool_call>", '{"name": "g", "arguments": {"x": 2}}', "</tool", "_call>"]
+FIRST_DONE, SECOND_DONE = 8, 13  # the pieces that complete each call
+
+
+def _feed(stream: CallStream, pieces: list[str]) -> tuple[list[str], list[list[str]]]:
+    """What each piece releases: the text, and the names of the calls."""
+    out = [stream.feed(p) for p in pieces]
+    return [t for t, _ in out], [[c.function.name for c in calls] for _, calls in out]
+
+
+def test_text_streams_until_a_call_may_start_and_each_tagged_call_comes_when_it_closes():
+    texts, calls = _feed(CallStream("hermes", TOOLS, False), TWO_CALLS)
+    assert "".join(texts) == "Let me check." and texts[:3] == ["Let", " me", " check"]  # the newline is held
+    assert calls[FIRST_DONE] == ["f"] and calls[SECOND_DONE] == ["g"]
+    assert sum(calls, []) == ["f", "g"]
+
+
+def test_a_marker_that_turns_out_to_be_text_is_released_and_parallel_false_keeps_one_call():
+    texts, _ = _feed(CallStream("hermes", TOOLS, False), ["a <tool", "tip> b"])
+    assert texts == ["a", " <tooltip> b"]
+    _, calls = _feed(CallStream("hermes", TOOLS, True), TWO_CALLS)
+    assert sum(calls, []) == ["f"]
+    texts, calls = _feed(CallStream("hermes", TOOLS, False), ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>'])
+    assert texts == [""] and calls == [[]]  # not an offered tool: content, sent when the answer is whole
+
+
+def test_a_fenced_block_is_held_only_while_it_may_be_calls():
+    s = CallStream("hermes", TOOLS, False)
+    code = ["Try:\n", "```py", "thon\nprint(1)\n", "```", "\nDone"]
+    texts, _ = _feed(s, code)
+    assert "".join(texts) == "Try:\n```python\nprint(1)\n```\nDone" and texts[1] == ""
+    texts, calls = _feed(CallStream("hermes", TOOLS, False), ["```json\n", '{"name": "f", "arguments": {"x": 1}}', "\n```"])
+    assert texts == ["", "", ""] and calls == [[], [], []]  # a fenced call: the whole answer shows it
+
+
+@pytest.mark.parametrize(("fmt", "pieces"), [
+    ("llama3_json", ['{"name": "f", ', '"parameters": {"x": 1}}']),
+    ("llama3_json", ["<|python", '_tag|>{"name": "f", "parameters": {"x": 1}}']),
+    ("mistral", ["[TOOL_CALLS]", '[{"name": "f", "arguments": {"x": 1}}]']),
+])
+def test_answers_that_may_be_all_calls_are_held_whole(fmt, pieces):
+    texts, calls = _feed(CallStream(fmt, TOOLS, False), pieces)
+    assert texts == [""] * len(pieces) and sum(calls, []) == []
+    texts, _ = _feed(CallStream(fmt, TOOLS, False), ["Hello", " there"])
+    assert texts == ["Hello", " there"]
+
+
+class _Recording(Sink):
+    """A sink that notes how much had been written when each engine delta was taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[int] = []
+
+
+def _recorded(pieces: list[str], sink: _Recording):
+    out = _out(pieces)
+    for d in _deltas(pieces, out):
+        sink.at.append(len(sink.data))
+        yield d
+
+
+def test_chat_streams_text_then_each_call_as_a_tool_call_delta_as_it_completes(monkeypatch):
+    sink = _Recording()
+    monkeypatch.setattr(sse.SSEWriter, "open", _opens_into(sink))
+
+    async def merged(flight):
+        for d in _recorded(TWO_CALLS, sink):
+            yield 0, d
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": FN}} for n in ("f", "g")]
+    b = decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "stream": True}).encode(),
+                    ChatCompletionRequest)
+    state = SimpleNamespace(model_name="m", merged=merged)
+    asyncio.run(chat._chat_stream(None, state, b, SimpleNamespace(), chat.chat_plan(b, None)))
+    datas = [line.removeprefix("data: ") for line in sink.data.decode().split("\n\n") if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    chunks = [openai.types.chat.ChatCompletionChunk.model_validate_json(x) for x in datas[:-1]]
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices[0].delta.tool_calls]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [(0, "f", {"x": 1}),
+                                                                                          (1, "g", {"x": 2})]
+    before_second = sink.data[: sink.at[FIRST_DONE + 1]].decode()
+    assert '"name":"f"' in before_second and '"name":"g"' not in before_second  # sent as it completed
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me check."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state_ = ChatCompletionStreamState()
+    for c in chunks:
+        state_.handle_chunk(c)
+    message = state_.get_final_completion().choices[0].message
+    assert message.content == "Let me check." and [t.function.name for t in message.tool_calls] == ["f", "g"]
+
+
+def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
+    sink = _Recording()
+    monkeypatch.setattr(responses_stream.EventWriter, "open", _opens_into(sink))
+
+    async def run(req, ticket, arrival):
+        for d in _recorded(TWO_CALLS, sink):
+            yield d
+
+    state = SimpleNamespace(model_name="m", run=run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
+    plan = responses.plan_of(_request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")]), None)
+    resp = responses._new_response(state, plan.body)
+    flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
+    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", plan, responses.Rendered(), flight, resp))
+    adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    events = [adapter.validate_python(data) for _, data in _frames(sink)]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, getattr(i, "name", None)) for i in done] == [("message", None), ("function_call", "f"),
+                                                                   ("function_call", "g")]
+    final = events[-1].response
+    assert [o.model_dump() for o in final.output] == [i.model_dump() for i in done]  # same items, same ids
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Let me check."
+    before_second = sink.data[: sink.at[FIRST_DONE + 1]].decode()  # sent as it completed
+    assert before_second.count("event: response.function_call_arguments.done") == 1
+    assert sink.data.decode().count("event: response.function_call_arguments.done") == 2
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+
+    acc = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for e in events:
+        acc.handle_event(e)
+
+
+def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
+    sink = _Recording()
+    monkeypatch.setattr(anthropic_stream.EventWriter, "open", _opens_into(sink))
+
+    async def merged(flight):
+        for d in _recorded(TWO_CALLS, sink):
+            yield 0, d
+
+    state = SimpleNamespace(model_name="m", merged=merged)
+    b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
+    flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), None, "msg_1"))
+    adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    events = [adapter.validate_python(data) for name, data in _frames(sink) if name != "ping"]
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    snap = None
+    for e in events:
+        snap = accumulate_event(event=e, current_snapshot=snap, json_bufs={})
+    assert [(x.type, getattr(x, "name", None), getattr(x, "input", None)) for x in snap.content] == [
+        ("text", None, None), ("tool_use", "f", {"x": 1}), ("tool_use", "g", {"x": 2})]
+    assert snap.content[0].text == "Let me check." and snap.stop_reason == "tool_use"
+    before_second = sink.data[: sink.at[FIRST_DONE + 1]].decode()
+    assert '"name":"f"' in before_second and '"name":"g"' not in before_second
+    starts = [e.index for e in events if e.type == "content_block_start"]
+    stops = [e.index for e in events if e.type == "content_block_stop"]
+    assert starts == stops == [0, 1, 2]  # one block at a time, in order
