@@ -362,29 +362,44 @@ def test_structural_tags_constrain_only_the_tagged_regions(tok):
 
 
 def test_an_auto_tool_call_is_free_text_until_the_call_opens_then_a_valid_call(tok):
-    """tool_choice auto's constraint (server.tools.auto_tag, hermes format): text, code and JSON
-    that is no call pass; once `<tool_call>` is written, only a call of an offered tool whose
-    arguments follow its schema does, compact or on lines of its own, one or several."""
+    """tool_choice auto's constraint (server.tools.auto_tag): text, code and JSON that is no call
+    pass; once a call opens in the model's format, only a call of an offered tool whose arguments
+    follow its schema does: hermes tags (compact or on lines of their own, one or several, one
+    only with parallel_tool_calls false), Qwen2.5-Coder's fenced call, Llama 3 JSON, Qwen3-Coder XML."""
     from radixserve.server.tools import Tool, auto_tag
 
     weather = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                                        "additionalProperties": False})
-    assert auto_tag([weather], "llama3_json") is None and auto_tag([], "hermes") is None
+    assert auto_tag([weather], "mistral") is None and auto_tag([], "hermes") is None
     xgr = create_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
-    grammar = xgr.compile(SamplingParams(structural_tag=auto_tag([weather], "hermes")).grammar_spec())
 
-    def accepts(text: str) -> bool:
-        m = grammar.matcher()
-        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+    def acceptor(fmt: str, one_call: bool = False):
+        grammar = xgr.compile(SamplingParams(structural_tag=auto_tag([weather], fmt, one_call)).grammar_spec())
 
+        def accepts(text: str) -> bool:
+            m = grammar.matcher()
+            return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+        return accepts
+
+    accepts = acceptor("hermes")
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    assert accepts('It is sunny. {"a": 1} and def f(): pass')
+    assert accepts('It is sunny. {"a": 1} and def f(): pass\n```python\nx = 1\n```\n```json\n{"a": 1}\n```')
     assert accepts(f"Let me look.<tool_call>{call}</tool_call>") and accepts(f"<tool_call>\n{call}\n</tool_call>")
     assert accepts(f"<tool_call>{call}</tool_call> and <tool_call>\n{call}\n</tool_call>")
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+    assert accepts(f"Sure:\n{fenced}") and accepts(fenced.replace('{\n    "city": "Paris"\n  }', '{"city": "Paris"}'))
     for bad in ['<tool_call>{"name": "rm_rf", "arguments": {}}', '<tool_call>{"name": "get_weather", "arguments": {}}',
                 '<tool_call>{"name": "get_weather", "arguments": {"city": 3}}', "<tool_call>I will call it",
-                '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}']:
+                '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}',
+                '```json\n{\n  "name": "rm_rf"', fenced.replace('"Paris"', "3")]:
         assert not accepts(bad), bad
+    assert not acceptor("hermes", one_call=True)(f"<tool_call>{call}</tool_call> and more")  # parallel_tool_calls false
+    llama = acceptor("llama3_json")
+    assert llama("No call here.") and llama('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert not llama('{"name": "get_weather", "parameters": {"town": "Paris"}}')
+    coder = acceptor("qwen3_coder")
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    assert coder("Text, then " + xml) and not coder(xml.replace("city", "town"))
 
 
 def test_grammar_after_leaves_the_reasoning_free_and_constrains_what_follows(tiny_llama):

@@ -231,7 +231,7 @@ def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingPara
     elif conv.mode == "required":
         schema = tools.call_spec(conv.callable)
         field = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)
-    tag = tools.auto_tag(conv.offered, conv.tool_format) if conv.mode == "auto" and schema is None else None
+    tag = tools.auto_tag(conv.offered, conv.tool_format, conv.one_call) if conv.mode == "auto" and schema is None else None
     conv.call_tag = tag is not None
     chat = ChatCompletionRequest(model=b.model, max_tokens=b.max_tokens, stop=b.stop_sequences,
                                  temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)

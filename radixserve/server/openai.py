@@ -225,7 +225,7 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_forma
             raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
         schema = tools.call_spec(callable_tools)
     if mode == "auto" and schema is None and tag is None and b.regex is None and b.ebnf is None:
-        tag = tools.auto_tag(offered, tool_format)
+        tag = tools.auto_tag(offered, tool_format, b.parallel_tool_calls is False)
         call_tag = tag is not None
     else:
         call_tag = False

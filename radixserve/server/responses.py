@@ -124,7 +124,7 @@ def plan_of(b: CreateResponseRequest, reasoning_parser: str | None, tool_format:
         if schema is not None:
             raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
         schema = tools.call_spec(callable_tools)
-    tag = tools.auto_tag(offered, tool_format) if mode == "auto" and schema is None else None
+    tag = tools.auto_tag(offered, tool_format, b.parallel_tool_calls is False) if mode == "auto" and schema is None else None
     kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
     parser = reasoning.active(reasoning_parser, kwargs)
     sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)

@@ -99,19 +99,54 @@ def call_schema(tools: list[Tool]) -> str:
     return json.dumps({**root, "$defs": defs} if defs else root)
 
 
-def auto_tag(offered: list[Tool], fmt: str) -> str | None:
+def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | None:
     """tool_choice auto, constrained as vLLM's and SGLang's structural tags and llama.cpp's lazy
-    grammars do it: the answer is free text until the model opens a call with `<tool_call>`, and
-    from there the call is forced to be one valid call of an offered tool (call_schema), closed by
-    `</tool_call>` (compact, as radixserve's tool prompt shows it, or on lines of its own, as
-    Qwen's template does). The hermes format only, whose calls are JSON between tags (None for
-    the others: their calls are parsed, not constrained)."""
-    if fmt != "hermes" or not offered:
+    grammars do it: the answer is free text until the model opens a call in its own format, and
+    from there the call is held to one call of an offered tool whose arguments follow its schema
+    (xgrammar's triggered tags; `one_call`: nothing after the first call). The formats:
+
+        hermes       `<tool_call>` + {"name", "arguments"} (call_schema) + `</tool_call>`, compact
+                     or on lines of its own; and the fenced call Qwen2.5-Coder writes, from
+                     ```` ```json\n{\n  "name": " ```` (one tool's begin each, its arguments
+                     pretty-printed or not)
+        llama3_json  `{"name": "<tool>", "parameters": ` + its schema + `}`   (xgrammar's llama tag)
+        qwen3_coder  `<tool_call>\n<function=<tool>>\n` + <parameter=...> XML per its schema
+                     (xgrammar's qwen_3_coder tag)
+
+    None for mistral (its marker is a special token the text may not show: parsed, not
+    constrained) and where this xgrammar has no builtin tag for the format."""
+    if not offered:
         return None
-    schema = json.loads(call_schema(offered))
-    structures = [{"begin": "<tool_call>", "schema": schema, "end": "</tool_call>"},
-                  {"begin": "<tool_call>\n", "schema": schema, "end": "\n</tool_call>"}]
-    return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+    if fmt in _BUILTIN_TAGS:
+        try:
+            from xgrammar.builtin_structural_tag import get_model_structural_tag
+        except ImportError:  # an xgrammar without builtin tags: the calls are parsed, not constrained
+            return None
+        specs = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in offered]
+        tag = get_model_structural_tag(_BUILTIN_TAGS[fmt], tools=specs, tool_choice="auto", reasoning="disabled",
+                                       max_whitespace_cnt=2, parallel_tool_calls=not one_call)
+        return json.dumps(tag.model_dump(mode="json"))
+    if fmt != "hermes":
+        return None
+    call = {"type": "json_schema", "json_schema": json.loads(call_schema(offered)), "max_whitespace_cnt": 2}
+    tags = [{"type": "tag", "begin": "<tool_call>", "content": call, "end": "</tool_call>"},
+            {"type": "tag", "begin": "<tool_call>\n", "content": call, "end": "\n</tool_call>"}]
+    tags += [{"type": "tag", "begin": f'{_FENCE}{t.name}",\n  "arguments": ',
+              "content": {"type": "json_schema", "json_schema": _hoisted(t), "max_whitespace_cnt": 6},
+              "end": "\n}\n```"} for t in offered]
+    fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>", _FENCE], "tags": tags, "stop_after_first": one_call}
+    return json.dumps({"type": "structural_tag", "format": fmt_})
+
+
+_BUILTIN_TAGS = {"llama3_json": "llama", "qwen3_coder": "qwen_3_coder"}  # our format -> xgrammar's model key
+_FENCE = '```json\n{\n  "name": "'  # how Qwen2.5-Coder opens a call
+
+
+def _hoisted(t: Tool) -> dict[str, Any]:
+    """One tool's parameters as a standalone schema (its $defs at its root, refs resolved there)."""
+    defs: dict[str, Any] = {}
+    schema = _hoist(t, "#", defs)
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def schema_field(mode: str, call_tag: bool) -> str | None:
