@@ -391,8 +391,9 @@ def test_an_auto_tool_call_is_free_text_until_the_call_opens_then_a_valid_call(t
     for bad in ['<tool_call>{"name": "rm_rf", "arguments": {}}', '<tool_call>{"name": "get_weather", "arguments": {}}',
                 '<tool_call>{"name": "get_weather", "arguments": {"city": 3}}', "<tool_call>I will call it",
                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}',
-                '```json\n{\n  "name": "rm_rf"', fenced.replace('"Paris"', "3")]:
+                fenced.replace('"Paris"', "3"), fenced.replace('"city"', '"town"')]:
         assert not accepts(bad), bad
+    assert accepts(fenced.replace("get_weather", "multiply"))  # no offered tool: free text, left as content
     assert not acceptor("hermes", one_call=True)(f"<tool_call>{call}</tool_call> and more")  # parallel_tool_calls false
     llama = acceptor("llama3_json")
     assert llama("No call here.") and llama('{"name": "get_weather", "parameters": {"city": "Paris"}}')

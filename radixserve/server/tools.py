@@ -107,8 +107,9 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
 
         hermes       `<tool_call>` + {"name", "arguments"} (call_schema) + `</tool_call>`, compact
                      or on lines of its own; and the fenced call Qwen2.5-Coder writes, from
-                     ```` ```json\n{\n  "name": " ```` (one tool's begin each, its arguments
-                     pretty-printed or not)
+                     ```` ```json\n{\n  "name": "<tool>" ```` (an offered tool's name: a fence
+                     naming another tool, or holding other JSON, stays free text), its arguments
+                     pretty-printed or not
         llama3_json  `{"name": "<tool>", "parameters": ` + its schema + `}`   (xgrammar's llama tag)
         qwen3_coder  `<tool_call>\n<function=<tool>>\n` + <parameter=...> XML per its schema
                      (xgrammar's qwen_3_coder tag)
@@ -134,7 +135,8 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
     tags += [{"type": "tag", "begin": f'{_FENCE}{t.name}",\n  "arguments": ',
               "content": {"type": "json_schema", "json_schema": _hoisted(t), "max_whitespace_cnt": 6},
               "end": "\n}\n```"} for t in offered]
-    fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>", _FENCE], "tags": tags, "stop_after_first": one_call}
+    fenced = [f'{_FENCE}{t.name}"' for t in offered]  # a fence engages at an offered tool's name only
+    fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>", *fenced], "tags": tags, "stop_after_first": one_call}
     return json.dumps({"type": "structural_tag", "format": fmt_})
 
 
