@@ -733,7 +733,9 @@ def test_a_gemma3_gguf_file_loads_whole_and_computes_what_transformers_computes_
     assert loaded.arch.architecture == "Gemma3ForCausalLM" and loaded.arch.layer_windows == (8, 8, 8)
     assert set(loaded.quantization.split("+")) == {"q8_0", "q5_0"}
     assert loaded.tokenizer.chat_template == GEMMA_CHAT_TEMPLATE and 5 in loaded.arch.eos_token_ids
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    # the file has no query_pre_attn_scalar: llama.cpp (and radixserve) scale by head_dim, transformers assumes 256
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
+                                              query_pre_attn_scalar=loaded.arch.head_dim).eval()
     prompt = [(i * 37) % (vocab - 10) + 6 for i in range(40)]
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0]
@@ -748,3 +750,79 @@ def test_a_gemma3_gguf_file_loads_whole_and_computes_what_transformers_computes_
         ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
         text = "<bos><start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n<start_of_turn>model\n"
         assert chat == ref.encode(text, add_special_tokens=False)
+
+
+_CONVERTER = """
+import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():  # a tiny trained tokenizer has no pre-tokenizer hash llama.cpp knows
+    if isinstance(cls, type) and hasattr(cls, "get_vocab_base_pre"):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _llama_cpp_sources():
+    import os
+    from pathlib import Path
+
+    found = os.environ.get("RADIXSERVE_LLAMA_CPP")
+    if not found or not (Path(found) / "convert_hf_to_gguf.py").exists():
+        pytest.skip("opt-in: set RADIXSERVE_LLAMA_CPP to a llama.cpp source tree (e.g. the llama-cpp-python sdist's "
+                    "vendor/llama.cpp) and pip install sentencepiece")
+    pytest.importorskip("sentencepiece")
+    return Path(found)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"])
+def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_computes(arch, tmp_path, monkeypatch):
+    """The tiny models converted by llama.cpp's convert_hf_to_gguf.py (its pre-tokenizer check
+    told what a tiny trained tokenizer is; nothing else touched): prompt logits and greedy
+    tokens against transformers on the folder it was made from (Llama with llama3 rope scaling,
+    written by the converter as rope_freqs; Gemma 3 past its window, six layers so its fixed
+    pattern holds, its softmax scale head_dim as llama.cpp's)."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from radixserve.models.loader import load_model
+    from tests.conftest import _config, _train_tokenizer
+    from tests.helpers import hf_logits_and_greedy
+
+    sources = _llama_cpp_sources()
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = _train_tokenizer(tmp_path / "tok")
+    eos = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
+    folder = tmp_path / arch
+    folder.mkdir()
+    cfg = _config(arch, vocab, eos)
+    if arch == "Gemma3ForCausalLM":
+        cfg.pop("layer_types")
+        cfg.update(num_hidden_layers=6, query_pre_attn_scalar=cfg["head_dim"])
+        cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1e6}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if arch.startswith("Gemma") and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for f in (tmp_path / "tok").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / f"{arch}.gguf"
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(sources), str(folder), "--outfile", str(out), "--outtype", "f32"],
+                   check=True, capture_output=True)
+    prompt = [(i * 37) % (vocab - 10) + 5 for i in range(150)]
+    theirs, greedy = hf_logits_and_greedy(folder, prompt, 24)
+    loaded = load_model(str(out), torch.float32, torch.device("cpu"), "auto")
+    assert (_logits(loaded.model, prompt) - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    with Engine(str(out), dtype="float32", kv_cache_tokens=1024) as engine:
+        params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        assert engine.generate([prompt], params)[0].token_ids == greedy

@@ -139,11 +139,16 @@ GEMMA_CHAT_TEMPLATE = (
 
 
 def _gemma_chat(cfg: dict[str, Any], tok: Any) -> None:
-    """A Gemma 3 GGUF often carries no chat template, and its EOS is <eos> while a turn ends
-    with <end_of_turn>: Gemma's template where the file has none, and both as stop tokens (as
-    Gemma's generation_config.json and llama.cpp's end-of-generation tokens have them)."""
+    """What a Gemma 3 GGUF leaves out: often its chat template, and its EOS is <eos> while a turn
+    ends with <end_of_turn>: Gemma's template where the file has none, and both as stop tokens
+    (as Gemma's generation_config.json and llama.cpp's end-of-generation tokens have them); and
+    the attention scale, as llama.cpp computes it."""
     if not tok.chat_template:
         tok.chat_template = GEMMA_CHAT_TEMPLATE
+    # the file has no query_pre_attn_scalar (transformers assumes 256): llama.cpp scales by
+    # head_dim, but by hidden / heads for the 27B (62 layers)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    cfg["query_pre_attn_scalar"] = hidden // heads if cfg.get("num_hidden_layers") == 62 else cfg["head_dim"]
     end = tok.convert_tokens_to_ids("<end_of_turn>")
     eos = cfg.get("eos_token_id")
     ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
