@@ -1,10 +1,13 @@
-.PHONY: setup test lint bench generate serve
+.PHONY: setup test test-fast lint bench generate serve
 
 setup:
 	bash scripts/setup.sh
 
 test:
 	.venv/bin/python -m pytest -q
+
+test-fast:
+	.venv/bin/python -m pytest -q -m "not slow"
 
 lint:
 	.venv/bin/ruff check radixserve tests

@@ -66,6 +66,33 @@ def ops(request):
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", help="the full soak (3,000 requests) instead of CI's bounded one (600)")
 
+
+# What makes a test slow, found in its source or its fixtures' (so a new test needs no mark): a
+# server or engine process (directly, through a module's Servers helper or frontend_lang's
+# Runtime), a Ray cluster, any other subprocess, or the real SmolLM2 weights. A module whose
+# helpers start them all says so itself (test_data_parallel.py: pytestmark).
+_SLOW_SIGNS = ("ServerProcess(", "EngineProcess(", "Servers(", "Runtime(", "ray.init", "subprocess", "smollm2_dir")
+
+
+def _slow(fn: object) -> bool:
+    import inspect
+
+    try:
+        source = inspect.getsource(fn)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+    return any(sign in source for sign in _SLOW_SIGNS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`slow` on every test that starts a process or loads the real model (`pytest -m "not slow"`:
+    the fast loop, every module's in-process tests)."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        fixtures = [d.func for ds in defs.values() for d in ds]
+        if item.get_closest_marker("smollm2") or any(_slow(f) for f in [getattr(item, "function", None), *fixtures]):
+            item.add_marker(pytest.mark.slow)
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paris is the capital of France, and Berlin is the capital of Germany.",

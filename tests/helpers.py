@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from server_helpers import scaled
 
 from radixserve.attention import create_backend
 from radixserve.batch import ForwardBatch
@@ -51,7 +52,7 @@ def hf_logits_and_greedy(path: Path, ids: list[int], new_tokens: int) -> tuple[t
 def assert_no_leak(engine: Any) -> None:
     """Once idle: no request holds KV, every slot is free or cached, and the page ownership
     and radix-tree invariants hold."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while time.monotonic() < deadline:
         s = engine.stats()
         if s.running == 0 and s.waiting == 0:

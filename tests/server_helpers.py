@@ -19,6 +19,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scaled(seconds: float) -> float:
+    """A test's deadline times RADIXSERVE_TEST_TIMEOUT_SCALE (default 1): a loaded or slow
+    machine raises it instead of failing on a readiness wait."""
+    return seconds * float(os.environ.get("RADIXSERVE_TEST_TIMEOUT_SCALE", "1"))
+
+
 MAX_BODY = 65536  # the small --max-request-bytes of the shared test server
 USER = [{"role": "user", "content": "Agents call tools and read JSON."}]
 
@@ -30,7 +36,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", str(model), "--port", str(self.port), *args]
         self.log = log
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()}")
@@ -46,7 +52,7 @@ class ServerProcess:
     def get(self, path: str, key: str | None = None) -> tuple[int, dict]:
         req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with urllib.request.urlopen(req, timeout=scaled(60)) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -56,14 +62,14 @@ class ServerProcess:
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=120) as r:
+            with urllib.request.urlopen(req, timeout=scaled(120)) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
     def wait_idle(self, key: str | None = None) -> dict:
         """Once nothing runs: the server's KV accounting (from /server_info)."""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while True:
             _, info = self.get("/server_info", key)
             kv = info["kv"]
@@ -76,7 +82,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(scaled(timeout))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

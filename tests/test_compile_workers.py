@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 from grammar_fakes import compiles, fake, fake_cache
+from server_helpers import scaled
 
 from grammars import GrammarError, GrammarSpec, create_backend
 from grammars.base import bitmask_words
@@ -64,7 +65,7 @@ def _gone(pids: list[int]) -> bool:
 
 def _wait_busy(cache: CompileCache, n: int) -> list[int]:
     """The pids of the workers compiling, once n of them are."""
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while len(cache.worker_pids(busy=True)) < n and time.monotonic() < deadline:
         time.sleep(0.005)
     busy = cache.worker_pids(busy=True)
@@ -238,7 +239,7 @@ def test_workers_die_with_their_parent_process(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not _gone(list(family)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(list(family)), [psutil.Process(p).cmdline() for p in family if psutil.pid_exists(p)]

@@ -11,11 +11,14 @@ import signal
 import time
 
 import pytest
+from server_helpers import scaled
 
 from radixserve import SamplingParams
 from radixserve.config import RouterConfig
 from radixserve.engine.data_parallel import DataParallelEngine
 from radixserve.routing import make_router
+
+pytestmark = pytest.mark.slow  # every test here starts engine processes (replicas)
 
 SYSTEM = " ".join(f"Rule {i}: agents call tools, read JSON and branch." for i in range(60))
 QUESTIONS = [f"Question {i}: which tool first?" for i in range(8)]
@@ -147,7 +150,7 @@ def test_a_killed_replica_fails_its_started_stream_and_retries_what_had_not_star
             e.abort(r.rid)
         assert [r.load for r in e.replicas] == [0, 0]
 
-        deadline = time.monotonic() + 120  # restarted cold in the background
+        deadline = time.monotonic() + scaled(120)  # restarted cold in the background
         while not e.replicas[victim].healthy and time.monotonic() < deadline:
             time.sleep(0.2)
         assert e.replicas[victim].healthy and e.replicas[victim].restarts == 1

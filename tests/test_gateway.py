@@ -24,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, scaled
 
 from radixserve.engine.protocol import EngineStats
 from radixserve.server.metrics import Metrics, kv_cache_usage
@@ -329,7 +329,7 @@ def test_health_is_ready_then_503_draining_after_sigterm_until_the_running_reque
     body = {"input_ids": _ids(30, 5), "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
     t = threading.Thread(target=lambda: box.update(result=s.post("/generate", body)))
     t.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while _value(_scrape(s.url), RUNNING) == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _call(s.url, "/health")[:2] == (200, '{"status":"ok"}')

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CORPUS
-from server_helpers import MAX_BODY, USER, free_port
+from server_helpers import MAX_BODY, USER, free_port, scaled
 
 # before ray is imported: a one-machine cluster whose every socket is on 127.0.0.1, no usage stats
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -77,7 +77,7 @@ def test_radixserve_serve_ray_serves_on_a_local_cluster_and_stops(tiny_llama: Pa
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while time.monotonic() < deadline and proc.poll() is None and "radixserve ready on Ray Serve" not in log.read_text():
             time.sleep(0.5)
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
@@ -472,7 +472,7 @@ def test_a_dead_engine_fails_over_and_its_replica_is_replaced(cluster: Cluster):
         results = list(pool.map(lambda i: post(cluster.url, "/rr/v1/chat/completions", fork(400 + i)), range(6)))
     assert [s for s, _, _ in results] == [200] * 6, results  # round robin sent some to the dead one: retried
     assert all(h["x-radixserve-replica"] != victim for _, h, _ in results)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while victim in cluster.replicas("rr") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert victim not in cluster.replicas("rr")  # its health check failed: Serve replaced it
@@ -500,7 +500,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster: Cluster
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "replica_failed", events[-3:]
     status, _, _ = post(cluster.url, "/v1/chat/completions", fork(700))
     assert status == 200
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while any(map(alive, (info["server_pid"], info["engine_pid"]))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(info["server_pid"]) and not alive(info["engine_pid"])  # they died with the replica's process

@@ -15,7 +15,7 @@ from helpers import assert_no_leak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error, response_schema_conformance
-from server_helpers import MAX_BODY, USER, ServerProcess
+from server_helpers import MAX_BODY, USER, ServerProcess, scaled
 
 from radixserve import SamplingParams
 
@@ -417,7 +417,7 @@ def test_a_consumer_that_stops_reading_gets_its_request_aborted_and_its_kv_freed
         finished = tiny_engine.stats().finished
         stream = tiny_engine.submit([5, 6, 7], params, max_backlog=8)
         await anext(stream)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while tiny_engine.snapshot().finished == finished and time.monotonic() < deadline:  # not reading meanwhile
             await asyncio.sleep(0.02)
         return [d async for d in stream]
@@ -445,7 +445,7 @@ def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_
         body = json.dumps({"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
         sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                      f"{body}".encode())
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while time.monotonic() < deadline:  # the request starts, stalls, and is cut off
             kv = server.get("/server_info")[1]["kv"]
             if kv["finished"] >= 1 and kv["running"] == 0:

@@ -12,7 +12,7 @@ import socket
 import time
 
 import pytest
-from server_helpers import USER, ServerProcess
+from server_helpers import USER, ServerProcess, scaled
 
 from radixserve import SamplingParams
 from radixserve.limits import MAX_JSON_DEPTH
@@ -194,7 +194,7 @@ def test_idle_slow_and_flooding_connections_are_closed_or_refused_and_descriptor
             break
         time.sleep(0.2)
     assert closed_after is not None and closed_after < 40, closed_after  # well before its headers ended
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while _fds(tight.proc.pid) > base and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _fds(tight.proc.pid) <= base
@@ -230,7 +230,7 @@ def test_metrics_need_a_key_and_a_tenant_sees_only_its_own_counters_and_random_r
         pass
     time.sleep(0.3)
     sock.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while (used := tight.get("/server_info", "key-bob")[1]["tenant"])["requests"] == bob_done["tenant"]["requests"]:
         assert time.monotonic() < deadline, used
         time.sleep(0.05)

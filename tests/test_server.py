@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from server_helpers import USER, ServerProcess
+from server_helpers import USER, ServerProcess, scaled
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_llama
 
     t = threading.Thread(target=long_request)
     t.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while s.get("/server_info")[1]["kv"]["running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     s.proc.send_signal(15)
