@@ -1,5 +1,5 @@
 """`radixserve bench tools` against a scripted OpenAI-compatible server: every count is checked
-against answers whose validity is known (the real-model figures are in the README)."""
+against answers whose validity is known (the real-model figures are in docs/structured-outputs.md)."""
 
 from __future__ import annotations
 

@@ -460,7 +460,7 @@ def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_
         assert server.stop() == 0
 
 
-# -- overload and isolation benchmark (its mechanics; the numbers are in the README) ---------------
+# -- overload and isolation benchmark (its mechanics; the numbers are in docs/benchmarks.md) ---------------
 def test_bench_reliability_rejects_the_burst_excess_and_shows_no_cross_tenant_hit(tiny_llama, tmp_path):
     import argparse
     from pathlib import Path

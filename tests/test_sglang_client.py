@@ -1,6 +1,6 @@
 """Opt-in: SGLang's own frontend (sglang==0.5.23, `import sglang as sgl`) runs the programs of
 tests/sglang_programs.py against `radixserve serve`. It needs a separate venv with SGLang's
-client (the README's "SGLang's own client" section); set RADIXSERVE_SGLANG_PYTHON to its python."""
+client (docs/agents.md, "SGLang's own client"); set RADIXSERVE_SGLANG_PYTHON to its python."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from server_helpers import ServerProcess
 
 SGLANG_PYTHON = os.environ.get("RADIXSERVE_SGLANG_PYTHON")
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON, reason="opt-in: set RADIXSERVE_SGLANG_PYTHON to a python with "
-                                "sglang==0.5.23 (see the README)")
+                                "sglang==0.5.23 (see docs/agents.md)")
 
 
 def test_sglangs_own_frontend_runs_the_programs_against_radixserve(smollm2_dir, tmp_path):
