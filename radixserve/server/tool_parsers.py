@@ -181,11 +181,13 @@ class CallStream:
         self.text = ""
         self.released = 0  # chars of `text` given out as content
         self.calls: list[ToolCall] = []  # given out
+        self._scanned = 0  # where the next tagged call may start (the end of the last one)
+        self._fences = 0  # where the next fence may start (the end of the last closed one, which held text)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content to send now, calls completed now) after `text` more of the answer."""
         self.text += text
-        new = self._complete()[len(self.calls):]
+        new = self._complete()
         if self.one_call:
             new = new[: max(0, 1 - len(self.calls))]
         self.calls += new
@@ -195,10 +197,14 @@ class CallStream:
         return out, new
 
     def _complete(self) -> list[ToolCall]:
+        """The tagged calls closed since the last feed."""
         if self.fmt not in ("hermes", "qwen3_coder"):
             return []
-        pattern = _TAGGED if self.fmt == "hermes" else _XML_CALL
-        return [c for m in pattern.finditer(self.text) for c in _BY_NAME[self.fmt](m.group(0), self.tools)[1]]
+        found = []
+        for m in (_TAGGED if self.fmt == "hermes" else _XML_CALL).finditer(self.text, self._scanned):
+            found += _BY_NAME[self.fmt](m.group(0), self.tools)[1]
+            self._scanned = m.end()
+        return found
 
     def _safe(self) -> int:
         """How much of the text so far is content whatever comes next (trailing spaces held)."""
@@ -212,9 +218,18 @@ class CallStream:
         for marker in self._MARKERS[self.fmt]:
             at = t.find(marker)
             if marker == "```":  # a closed fence that holds no calls is text
-                at = _open_fence(t, self.tools)
+                at = self._open_fence()
             cut = min(cut, at if at >= 0 else len(t) - partial_tail(t, marker))
         return len(t[:cut].rstrip())
+
+    def _open_fence(self) -> int:
+        """Where the first fence that may hold calls starts: one not closed yet, or closed around
+        calls (-1: none)."""
+        for m in _ANY_FENCE.finditer(self.text, self._fences):
+            if _hermes(m.group(0), self.tools)[1]:
+                return m.start()
+            self._fences = m.end()
+        return self.text.find("```", self._fences)
 
 
 def _opens(text: str, marker: str) -> bool:
@@ -227,17 +242,6 @@ def partial_tail(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
-
-
-def _open_fence(text: str, tools: dict[str, Any]) -> int:
-    """Where the first fence that may hold calls starts: one not closed yet, or closed around
-    calls (-1: none)."""
-    at = 0
-    for m in _ANY_FENCE.finditer(text):
-        if _hermes(m.group(0), tools)[1]:
-            return m.start()
-        at = m.end()
-    return text.find("```", at)
 
 
 _BY_NAME: dict[str, Callable[[str, dict[str, Any]], Parsed]] = {
