@@ -70,8 +70,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.args = (head_dim, max_position, theta, scaling)
         self.freq_factors: torch.Tensor | None = None  # a GGUF file's rope_freqs (see rope_inv_freq)
-        self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+        # one half of rotate-half's table: its two halves are equal (Gemma 3's 32K context, two
+        # tables of 256 dims: 67 MiB instead of 134)
+        self.register_buffer("cos", torch.empty(max_position, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_position, head_dim // 2), persistent=False)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -81,9 +83,8 @@ class RotaryEmbedding(nn.Module):
             return
         inv = rope_inv_freq(head_dim, theta, scaling, self.freq_factors).to(self.cos.device)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv.device), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         if tuple(factors.shape) != (self.args[0] // 2,):
@@ -92,10 +93,9 @@ class RotaryEmbedding(nn.Module):
         self.reset_buffers()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of the step's positions, (T, head_dim / 2) fp32 (the table's halves are
-        equal): indexed once per step and shared by every layer."""
-        half = self.cos.shape[-1] // 2
-        return self.cos[positions, :half], self.sin[positions, :half]
+        """(cos, sin) of the step's positions, (T, head_dim / 2) fp32: indexed once per step and
+        shared by every layer."""
+        return self.cos[positions], self.sin[positions]
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
