@@ -12,6 +12,7 @@ test-fast:
 lint:
 	.venv/bin/ruff check radixserve tests
 	.venv/bin/lint-imports
+	.venv/bin/python -m mypy
 
 bench:
 	.venv/bin/radixserve bench offline --kv-cache-tokens 20000 --json bench_offline.json

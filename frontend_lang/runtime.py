@@ -119,7 +119,7 @@ class _Stream:
         self._cond.notify_all()
         for loop, fut in self._waiters:
             try:
-                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+                loop.call_soon_threadsafe(_wake, fut)
             except RuntimeError:  # that reader's event loop is closed: nobody to wake
                 pass
         self._waiters.clear()
@@ -153,7 +153,7 @@ class _Stream:
         (logprobs of held-back text)."""
         with self._cond:
             events, done = self.events[seen:], self.done
-        chunks = []
+        chunks: list[Any] = []
         for tags, chunk, meta in events:
             seen += 1
             if chunk is None:
@@ -716,3 +716,9 @@ def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | 
 
 
 __all__ = ["ForkGroup", "ProgramState", "SglFunction", "flush_cache", "function", "get_server_info", "set_default_backend"]
+
+
+def _wake(fut: Any) -> None:
+    """Resolve a waiter's future (on its loop) unless it already is."""
+    if not fut.done():
+        fut.set_result(None)

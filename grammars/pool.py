@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, cast
 
 from grammars import errors
 from grammars.base import BackendFactory
@@ -157,7 +157,7 @@ class CompilePool:
         for job in list(self._queues.waiting()):
             if now - job.queued_at > self.timeout_s and not (starting and self._queues.is_runnable(job)):
                 self._queues.remove(job)
-                self._fail(job, errors.busy(job.spec, self.timeout_s, self._queues.limit))
+                self._fail(cast(Job, job), errors.busy(cast(Job, job).spec, self.timeout_s, self._queues.limit))
 
     def _watch(self, now: float) -> None:
         for w in list(self._workers):
@@ -265,7 +265,7 @@ class CompilePool:
     def _fail_queued(self, why: str) -> None:
         for job in list(self._queues.waiting()):
             self._queues.remove(job)
-            self._fail(job, errors.other(job.spec, why))
+            self._fail(cast(Job, job), errors.other(cast(Job, job).spec, why))
 
     def _fail(self, job: Job, error: GrammarError) -> None:
         self._outbox.append(lambda: job.result.set_exception(error))

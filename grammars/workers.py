@@ -47,7 +47,7 @@ def _without_main() -> Iterator[None]:
     library functions. NOTE: hides __main__.__spec__ and __file__ only while a process starts."""
     main = sys.modules["__main__"]
     with _MAIN_LOCK:
-        saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+        saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
         main.__dict__.pop("__file__", None)
         main.__spec__ = None
         try:

@@ -46,7 +46,7 @@ class TorchFlashBackend(AttnBackend):
 
     def _windowed(self, batch: ForwardBatch, window: int) -> dict:
         """The batch as a sliding-window layer reads it, planned once per step and window."""
-        key = ("window", window)
+        key = f"window{window}"
         if key not in batch.attn_meta:
             batch.attn_meta[key] = {}
             self._plan(batch, batch.attn_meta[key], window)
@@ -119,8 +119,8 @@ class TorchFlashBackend(AttnBackend):
         group = heads // kv_heads
         if "dec_lens" in meta:  # the native kernel writes out[rows] itself
             lse = torch.empty(b, heads) if meta["dec_groups"] else None  # only a fork group's merge needs it
-            scales = dict(k_scale=p.k_scale[layer], v_scale=p.v_scale[layer]) if p.quantized else {}
-            decode_attention_cpu(q, p.k[layer], p.v[layer], out, rows, idx, meta["dec_lens"], lse=lse, **scales)
+            ks, vs = (p.k_scale[layer], p.v_scale[layer]) if p.quantized else (None, None)
+            decode_attention_cpu(q, p.k[layer], p.v[layer], out, rows, idx, meta["dec_lens"], lse=lse, k_scale=ks, v_scale=vs)
             if lse is None:
                 return
             o, lse = out.index_select(0, rows).view(b, kv_heads, group, dim), lse.view(b, kv_heads, group)

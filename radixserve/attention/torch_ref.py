@@ -45,7 +45,7 @@ class TorchRefBackend(AttnBackend):
         group = heads // kv_heads
         meta = batch.attn_meta
         if window:  # decode rows keep their last `window` slots; chunks get the band mask
-            meta = meta.setdefault(("window", window), {})
+            meta = meta.setdefault(f"window{window}", {})
             if "extend" not in meta:
                 self._plan(batch, meta, window)
         out = torch.empty_like(q)

@@ -76,7 +76,7 @@ class TritonBackend(AttnBackend):
         """A sliding-window layer: decode rows through the decode kernel over their last
         `window` slots; chunks in torch under the band mask (the extend kernel has no window)."""
         dev, seqs = q.device, batch.attn_meta["seqs"]
-        key = ("window", window)
+        key = f"window{window}"
         if key not in batch.attn_meta:
             dec = [r.windowed(window) for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]
             batch.attn_meta[key] = _decode_meta(dec, dev) if dec else None
@@ -87,9 +87,9 @@ class TritonBackend(AttnBackend):
                 continue
             w = s.windowed(window)
             rows, slots = slice(w.q_start, w.q_start + w.q_len), torch.tensor(w.slots, dtype=torch.int64, device=dev)
-            kv = [x.index_select(0, slots).transpose(0, 1)[None] for x in (kp, vp)]
+            k, v = (x.index_select(0, slots).transpose(0, 1)[None] for x in (kp, vp))
             bias = band_bias(w.q_len, w.kv_len, window, torch.float32, dev)
-            out[rows] = plain_attention_lse(q[rows].transpose(0, 1)[None], *kv, bias=bias)[0][0].transpose(0, 1)
+            out[rows] = plain_attention_lse(q[rows].transpose(0, 1)[None], k, v, bias=bias)[0][0].transpose(0, 1)
 
 
 def _compact(seqs: list[SeqView]) -> tuple[torch.Tensor, list[SeqView]]:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 
 def bearer(key: str | None) -> dict[str, str]:
     """The request headers that send an API key (none for an open server)."""
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@overload
+def percentile(xs: list[float], q: float) -> float: ...
+
+
+@overload
+def percentile(xs: list[float], q: float, empty: float | None) -> float | None: ...
 
 
 def percentile(xs: list[float], q: float, empty: float | None = float("nan")) -> float | None:

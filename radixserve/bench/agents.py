@@ -162,7 +162,8 @@ def run_openai(url: str, api_key: str | None, program: str, kwargs: list[dict[st
         from openai import AsyncOpenAI
     except ImportError:
         raise ValueError("bench agents: the baseline needs the openai package (pip install openai)") from None
-    fn: Callable[..., Awaitable[None]] = {"panel": panel_openai, "react": react_openai}[program]
+    programs: dict[str, Callable[..., Awaitable[None]]] = {"panel": panel_openai, "react": react_openai}
+    fn = programs[program]
     for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -84,7 +84,8 @@ async def _group(engine: Any, group: list[tuple[list[int], Any]]) -> tuple[float
 def _interleaved(off: Any, on: Any, groups: list[list[tuple[list[int], Any]]]) -> dict[str, Any]:
     """Each group on `off`, then on `on`, then on `on` and `off` again (the machine's drift hits
     both alike); the speculating engine's counters over its runs."""
-    secs, toks, outs = {"off": 0.0, "on": 0.0}, {"off": 0, "on": 0}, {"off": [], "on": []}
+    secs, toks = {"off": 0.0, "on": 0.0}, {"off": 0, "on": 0}
+    outs: dict[str, list[Any]] = {"off": [], "on": []}
     before = on.stats()
     for g in groups:  # each group twice, ABBA: whichever engine runs right after the other runs ~20% faster here
         for name, engine in (("off", off), ("on", on), ("on", on), ("off", off)):
@@ -97,7 +98,9 @@ def _interleaved(off: Any, on: Any, groups: list[list[tuple[list[int], Any]]]) -
     def delta(field: str) -> int:
         return getattr(after, field) - getattr(before, field)
 
-    d = EngineStats(**{f: delta(f) for f in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifies", "spec_emitted_tokens")})
+    fields = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifies", "spec_emitted_tokens")
+    counts: dict[str, Any] = {f: delta(f) for f in fields}
+    d = EngineStats(**counts)
     off_rate, on_rate = toks["off"] / secs["off"], toks["on"] / secs["on"]
     return {"off_tok_s": off_rate, "on_tok_s": on_rate, "ratio": on_rate / off_rate,
             "acceptance": d.spec_acceptance_rate, "draft_tokens": d.spec_draft_tokens,

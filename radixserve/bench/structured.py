@@ -100,7 +100,8 @@ def coverage(model_dir: str, subsets: dict[str, list[dict[str, Any]]], timeout: 
     for backend in ("xgrammar", "outlines", "auto"):
         pool = _pool(model_dir)
         for name, rows in subsets.items():
-            ok, cold, warm, reasons = 0, [], [], {}
+            ok, cold, warm = 0, [], []
+            reasons: dict[str, int] = {}
             for row in rows:
                 fut = pool.submit(_compile_one, backend, row["schema"])
                 try:

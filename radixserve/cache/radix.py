@@ -30,7 +30,7 @@ from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch,
 class Node:
     __slots__ = ("ns", "owner", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority")
 
-    def __init__(self, ns: Namespace | None, key: list[int], slots: list[int], parent: Node | None, owner: str | None = None) -> None:
+    def __init__(self, ns: Namespace, key: list[int], slots: list[int], parent: Node | None, owner: str | None = None) -> None:
         self.ns = ns
         self.owner = owner  # the tenant charged for these tokens (for PUBLIC nodes: whoever inserted them)
         self.key = key
@@ -44,6 +44,8 @@ class Node:
     def __repr__(self) -> str:
         return f"Node({self.ns}, len={len(self.key)}, lock={self.lock_ref}, t={self.last_access})"
 
+
+_ROOT = Namespace("", None)  # the root's: no tenant's (the root holds no tokens and is never a child)
 
 # Eviction order: the smallest key goes first.
 EVICTION_POLICIES: dict[str, Callable[[Node], Any]] = {
@@ -65,7 +67,7 @@ class RadixCache(PrefixCache):
         self._clear()
 
     def _clear(self) -> None:
-        self.root = Node(None, [], [], None)
+        self.root = Node(_ROOT, [], [], None)
         self.root.lock_ref = 1  # never evicted
         self._cached = 0
         self._evictable = 0

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -88,11 +88,12 @@ class DataParallelEngine(RequestFront):
                 e.shutdown()
             raise next(e for e in errors if e is not None)
         self.replicas = [Replica(i, e) for i, e in enumerate(started)]
-        first = started[0]
-        for name in ("model_name", "model_path", "context_len", "vocab_size", "model_vocab_size", "eos_ids",
-                     "num_slots", "dtype", "device", "quantization", "weight_bytes", "default_max_new_tokens",
-                     "load_seconds", "load_peak_rss", "cpu_kernels"):
-            setattr(self, name, getattr(first, name))
+        first = started[0]  # what the replicas share, as the first one reports it
+        self.model_name, self.model_path, self.quantization = first.model_name, first.model_path, first.quantization
+        self.context_len, self.vocab_size, self.model_vocab_size = first.context_len, first.vocab_size, first.model_vocab_size
+        self.eos_ids, self.num_slots, self.dtype, self.device = first.eos_ids, first.num_slots, first.dtype, first.device
+        self.weight_bytes, self.default_max_new_tokens = first.weight_bytes, first.default_max_new_tokens
+        self.load_seconds, self.load_peak_rss, self.cpu_kernels = first.load_seconds, first.load_peak_rss, first.cpu_kernels
         self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet
         self._running: dict[str, int] = {}  # rid -> replica, submitted
         for r in self.replicas:
@@ -147,7 +148,7 @@ class DataParallelEngine(RequestFront):
                 self._placed[req.rid] = self._choose(req, None, exclude=tried)
 
     async def submit(self, prompt: Req, params: SamplingParams | None = None, *,
-                     max_backlog: int | None = None) -> AsyncIterator[Delta]:
+                     max_backlog: int | None = None) -> AsyncGenerator[Delta, None]:
         """Stream the request from its replica. Nothing received yet when that replica died: it
         runs again on another one; part of an answer received: the stream ends with an error."""
         req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)
@@ -181,7 +182,7 @@ class DataParallelEngine(RequestFront):
             if i >= 0:
                 self._release(i)
 
-    async def _stream(self, i: int, req: Req, max_backlog: int | None) -> AsyncIterator[Delta | None]:
+    async def _stream(self, i: int, req: Req, max_backlog: int | None) -> AsyncGenerator[Delta | None, None]:
         """Replica i's deltas; a single None if it died before the first one."""
         engine = self.replicas[i].engine
         if engine is None:

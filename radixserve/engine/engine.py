@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -199,8 +199,8 @@ class Engine(RequestFront):
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
-        reqs = [self.make_req(p, sp, **ns) for p, sp in zip(prompts, plist)]
+        reqs = [self.make_req(p, sp, tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
+                for p, sp in zip(prompts, plist)]
         for req in reqs:
             self.prepare_grammar_sync(req)
         results: dict[str, Output] = {}
@@ -237,7 +237,7 @@ class Engine(RequestFront):
         cache_salt: str | None = None,
         public_prefix_len: int | None = None,
         max_backlog: int | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Stream one request's deltas. Leaving the iteration early aborts the request. With
         `max_backlog`, a consumer that lets more deltas than that pile up unread (a client that
         stopped reading) gets the request aborted: its KV is freed, the deltas past the cap
@@ -245,8 +245,8 @@ class Engine(RequestFront):
         if isinstance(prompt, Req):
             req = prompt
         else:
-            ns = dict(tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
-            req = self.make_req(prompt, params, rid, priority, **ns)
+            req = self.make_req(prompt, params, rid, priority, tenant=tenant, cache_salt=cache_salt,
+                                public_prefix_len=public_prefix_len)
         await self.prepare_grammar(req)
         stream = DeltaStream(lambda: self.abort(req.rid), max_backlog)
         self.add(req, stream.sink)

@@ -8,7 +8,7 @@ so both refuse the same input with the same InvalidParam.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from radixserve.engine.outputs import Delta
@@ -43,7 +43,7 @@ class DeltaStream:
             return
         self._q.put_nowait(d)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Until the final delta; leaving early aborts the request."""
         finished = False
         try:

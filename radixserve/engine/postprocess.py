@@ -80,8 +80,9 @@ class PostProcessor:
                 j = 0
                 while j < len(toks):
                     req.append_token(toks[j], self.eos_ids, self.context_len)
-                    if lps[j] is not None:
-                        req.output_logprobs.append(lps[j])
+                    lp = lps[j]
+                    if lp is not None:
+                        req.output_logprobs.append(lp)
                     size = len(req.token_ids)
                     self._text(req, st, toks[j])
                     j += 1
@@ -107,7 +108,8 @@ class PostProcessor:
     def _text(self, req: Req, st: _Stream, tok: int) -> None:
         st.detok.add(tok)
         if req.grammar is not None and not req.grammar_active:
-            req.grammar_active = req.params.grammar_after in st.detok.text  # reasoning done: constrain from here
+            after = req.params.grammar_after
+            req.grammar_active = after is None or after in st.detok.text  # reasoning done: constrain from here
         elif req.grammar is not None:
             _advance_grammar(req, tok)
             if req.finish_reason is None and self.jump_forward:

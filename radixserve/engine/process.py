@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import aclosing
@@ -142,7 +142,7 @@ class EngineProcess(RequestFront):
                 raise reply.error.exception()
 
     async def submit(self, prompt: Req, params: SamplingParams | None = None, *,
-                     max_backlog: int | None = None) -> AsyncIterator[Delta]:
+                     max_backlog: int | None = None) -> AsyncGenerator[Delta, None]:
         """Stream one request's deltas (as Engine.submit: leaving early aborts it; a consumer
         that lets more than max_backlog deltas pile up has the request aborted)."""
         req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)

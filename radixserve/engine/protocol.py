@@ -11,7 +11,7 @@ and are built into a `Req` on the engine side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -216,11 +216,13 @@ class EngineClient(Protocol):
     context_len: int
     vocab_size: int
     tokenizer: Any
-    pid: int  # the engine core's process
     weight_bytes: int
     load_seconds: float  # the model's load, and the engine process's peak RSS by its end
     load_peak_rss: int
     cpu_kernels: str  # kernels.cpu's build in use ("" on a GPU or without them)
+
+    @property
+    def pid(self) -> int: ...  # the engine core's process (a data-parallel engine: its first replica's)
 
     def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                  priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,
@@ -232,7 +234,7 @@ class EngineClient(Protocol):
     async def prepare_grammar(self, req: Req) -> None: ...
 
     def submit(self, prompt: Req, params: SamplingParams | None = None, *,
-               max_backlog: int | None = None) -> AsyncIterator[Delta]: ...
+               max_backlog: int | None = None) -> AsyncGenerator[Delta, None]: ...
 
     def abort(self, rid: str) -> None: ...
 

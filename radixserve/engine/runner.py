@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttnBackend, sampler: Sampler, device: torch.device) -> None:
-        self.model = model
+        self.model: Any = model  # a registry class (models/): forward, compute_logits
         self.backend = backend
         self.sampler = sampler
         self.device = device

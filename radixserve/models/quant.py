@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,12 @@ def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
     if len(kinds) != 1 or len({p.k for p in parts}) != 1:
         raise ValueError(f"cannot fuse quantized weights of kinds {sorted(kinds)}")
     return QuantTensor(parts[0].kind, torch.cat([p.raw for p in parts]), sum(p.n for p in parts), parts[0].k,
-                       lambda: [p.done() for p in parts])
+                       lambda: _done_all(parts))
+
+
+def _done_all(parts: list[QuantTensor]) -> None:
+    for p in parts:
+        p.done()
 
 
 def packed_shape(kind: str, n: int, k: int) -> tuple[int, int, int]:
@@ -155,6 +161,9 @@ QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
 # -- modules ---------------------------------------------------------------------------------
 class QuantLinear(nn.Module):
     """nn.Linear's interface over a packed quantized weight (see the module docstring)."""
+
+    packed: torch.Tensor
+    native: Any
 
     def __init__(self, n: int, k: int, kind: str, bias: bool, float_out: bool = False,
                  packed: torch.Tensor | None = None) -> None:
@@ -226,7 +235,7 @@ class SplitQuantLinear(nn.Module):
         """After the weights are in, before the parts' own `finish`: each part's bias becomes a
         view of its slice."""
         at = 0
-        for p in self.parts:
+        for p in cast(list[QuantLinear], list(self.parts)):
             if self.bias is not None:
                 p.bias = nn.Parameter(self.bias.detach()[at:at + p.out_features], requires_grad=False)
             at += p.out_features
@@ -241,6 +250,8 @@ class SplitQuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """An embedding table kept quantized: a lookup dequantizes only the rows it reads."""
+
+    packed: torch.Tensor
 
     def __init__(self, num: int, dim: int, kind: str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -297,10 +308,12 @@ def quantize_model(model: nn.Module, method: str) -> int:
             head = name == "lm_head"
             setattr(parent, name, quant_linear(child, quantize_int8 if head else quantizer, float_out=head))
             n += 1
-    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings and isinstance(head, QuantLinear):
-        emb = QuantEmbedding(head.out_features, head.in_features, head.kind, inner.embed_tokens.weight.dtype)
-        emb.packed = head.packed
+    inner: Any = getattr(model, "model", None)
+    tail: Any = getattr(model, "lm_head", None)
+    cfg: Any = getattr(model, "cfg", None)
+    if cfg is not None and cfg.tie_word_embeddings and isinstance(tail, QuantLinear):
+        emb = QuantEmbedding(tail.out_features, tail.in_features, tail.kind, inner.embed_tokens.weight.dtype)
+        emb.packed = tail.packed
         inner.embed_tokens = emb
     return n
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 from ray import serve
 from ray.exceptions import RayActorError
@@ -82,7 +83,7 @@ class RadixServeIngress:
         except _TooLarge as e:
             err = too_large(self.max_request_bytes, e.args[0])
             return _response(path, 413, err.message, err.code or "request_too_large", {"Connection": "close"})
-        headers = end_to_end([(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw], REQUEST_FRAMING)
+        headers = end_to_end(tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw), REQUEST_FRAMING)
         env = Envelope(request.method, path, headers, body, route_key(headers, body))
         try:
             opened = await self._open(env)
@@ -114,7 +115,7 @@ class RadixServeIngress:
     async def _open(self, env: Envelope) -> _Opened | None:
         """Send the request until a replica answers with a head and its first body bytes."""
         for attempt in range(1, self.attempts + 1):
-            gen = self._replicas.forward.remote(env)
+            gen = cast(DeploymentResponseGenerator, self._replicas.forward.remote(env))
             try:
                 head = await gen.__anext__()
                 chunks, complete = await self._first(gen, head)

@@ -50,14 +50,15 @@ def build_app(options: Mapping[str, Any] | None = None, replicas: int = 2, *, ra
     args = parse(list(spec.argv))
     router = router_config(args)
     per_replica = args.max_queued_requests + args.max_running_requests * args.data_parallel  # its server refuses first
-    engine = RadixServeReplica.options(
+    engine = RadixServeReplica.options(  # type: ignore[attr-defined]  # a serve.deployment, typed by Ray as its class
         num_replicas=replicas, max_ongoing_requests=per_replica,
         ray_actor_options=ray_actor_options or _replica_resources(args.device),
         health_check_period_s=health_check_period_s, health_check_timeout_s=health_check_timeout_s,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,
+        request_router_config=RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,  # type: ignore[arg-type]
                                                   request_router_kwargs=dataclasses.asdict(router)),
     ).bind(spec)
-    return RadixServeIngress.options(max_ongoing_requests=per_replica * replicas).bind(engine, args.max_request_bytes)
+    return RadixServeIngress.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=per_replica * replicas).bind(engine, args.max_request_bytes)
 
 
 def _replica_resources(device: str) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
-Replica = Hashable
+Replica = Any  # any hashable id: a replica's index (DataParallelEngine), a Ray replica's id string
 
 
 def block_hashes(namespace: Hashable, prefix: Sequence[int] | str, block: int, max_blocks: int) -> list[int]:

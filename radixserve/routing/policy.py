@@ -24,7 +24,7 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from radixserve.config import RouterConfig
@@ -139,7 +139,7 @@ class LeastLoaded(Router):
         return min(loads, key=loads.__getitem__)
 
 
-POLICIES: dict[str, type[Router]] = {c.name: c for c in (PrefixAffinity, RoundRobin, Random, LeastLoaded)}
+POLICIES: dict[str, Callable[[RouterConfig], Router]] = {c.name: c for c in (PrefixAffinity, RoundRobin, Random, LeastLoaded)}
 
 
 def make_router(cfg: RouterConfig) -> Router:

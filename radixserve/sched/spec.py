@@ -176,13 +176,14 @@ class NgramProposer:
                 d.forced_from = len(draft)
                 draft += forced[: room - ok]
         stops = p.stop_strs
-        if stops and draft and self.decode is not None:
+        decode = self.decode
+        if stops and draft and decode is not None:
             tail = req.token_ids[-8:]
-            before = self.decode(tail)
+            before = decode(tail)
             counts = [before.count(s) for s in stops]
 
             def stops_in(j: int) -> bool:
-                text = self.decode(tail + draft[:j])
+                text = decode(tail + draft[:j])
                 return any(text.count(s) > c for s, c in zip(stops, counts))
 
             if stops_in(len(draft)):

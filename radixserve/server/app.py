@@ -200,7 +200,7 @@ async def abort_request(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     tenant = state.authenticate(request)
     body = await read_body(request, AbortRequest)
-    for rid in (engine_rids(tenant, body.rid, 1)[0], body.rid):  # the caller's rid, or a server-made one
+    for rid in ((engine_rids(tenant, body.rid, 1) or [body.rid])[0], body.rid):  # the caller's rid, or a server-made one
         req = state.active.get(rid)
         if req is not None and req.tenant == tenant.id:  # another tenant's request is as good as unknown
             state.engine.abort(rid)

@@ -42,7 +42,7 @@ def _completion_logprobs(state: ServerState, lps: list[TokenLogprob] | None, off
         s = state.token_text(lp.token_id)
         tokens.append(s)
         offset += len(s)
-    tops = [{state.token_text(t): v for v, t in lp.top} for lp in lps]
+    tops: list[dict[str, float] | None] = [{state.token_text(t): v for v, t in lp.top} for lp in lps]
     return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
 
 
@@ -83,13 +83,13 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
         resp = CompletionResponse(cid, created, state.model_name, choices, usage(outs, n_prompts))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
     sse = await SSEWriter.open(request)
-    outs: list[Output | None] = [None] * len(flight.reqs)
+    finals: list[Output | None] = [None] * len(flight.reqs)
     started = [False] * len(flight.reqs)
     offsets = [0] * len(flight.reqs)  # text_offset runs on across a choice's chunks
     async for i, d in state.merged(flight):
         reason = None
         if d.finished and d.output is not None:
-            outs[i] = d.output
+            finals[i] = d.output
             reason = finish_reason(d.output) if d.output.finish_reason != "error" else "error"
         text = (echo(i) if not started[i] else "") + d.text
         started[i] = True
@@ -99,6 +99,6 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
         if text or reason or lps:
             await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
     if include_usage(b):
-        await sse.send(CompletionResponse(cid, created, state.model_name, [], usage([o for o in outs if o], n_prompts)))
+        await sse.send(CompletionResponse(cid, created, state.model_name, [], usage([o for o in finals if o], n_prompts)))
     await sse.done()
     return sse.response

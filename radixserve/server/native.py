@@ -110,7 +110,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, state: ServerState, body: GenerateRequest, flight: Flight) -> web.StreamResponse:
     sse = await SSEWriter.open(request)
-    req, text, ids, n_lps = flight.reqs[0], "", [], 0
+    req, text, n_lps = flight.reqs[0], "", 0
+    ids: list[int] = []
     async for _, d in state.merged(flight):
         # text and output_ids are cumulative (SGLang's shape); logprobs are those of the new tokens only
         text, ids = text + d.text, ids + d.token_ids

@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -71,7 +71,7 @@ def sampling_params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int
         json_schema=json_schema[0] if json_schema else None, strict_json_schema=bool(json_schema and json_schema[1]),
         regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag,
         grammar_after=b.grammar_after if b.grammar_after is not None else grammar_after,
-        logit_bias=b.logit_bias,
+        logit_bias=cast(dict[int | str, float] | None, b.logit_bias),  # str keys, as OpenAI sends them
     )
 
 

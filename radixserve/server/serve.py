@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_ray(args)
     from radixserve.engine.process import EngineProcess
+    from radixserve.engine.protocol import EngineClient
     from radixserve.server.auth import Auth
 
     t0 = time.monotonic()
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if len(auth.tenants) <= 1 and kwargs.get("grammar_tenant_compiles") is None:  # no other tenant to be fair to
         kwargs["grammar_tenant_compiles"] = kwargs["grammar_compile_workers"]
     routing = router_config(args)
+    engine: EngineClient
     if routing.data_parallel > 1:  # N engine processes behind this server, requests routed by prefix and load
         from radixserve.engine.data_parallel import DataParallelEngine
 

@@ -5,7 +5,7 @@ client: the handler leaves, which aborts the request and frees its KV."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 from aiohttp import web
@@ -17,7 +17,7 @@ class SSEWriter:
         self.write_timeout = write_timeout
 
     @classmethod
-    async def open(cls, request: web.Request) -> SSEWriter:
+    async def open(cls, request: web.Request) -> Self:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)

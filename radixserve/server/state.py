@@ -8,7 +8,7 @@ import asyncio
 import functools
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -164,8 +164,8 @@ class ServerState:
         if rids is not None and any(r in self.active for r in rids):
             raise ApiError(400, f"rid: {opts.rid!r} is already in flight", param="rid")
         flight = Flight(self.admission.enter(tenant, len(prompts), opts.rename.get("n", "n")), arrival)
-        for r in rids or ():
-            self.active[r] = None  # claimed before the first await: a concurrent twin gets the 400
+        for rid in rids or ():
+            self.active[rid] = None  # claimed before the first await: a concurrent twin gets the 400
         try:
             flight.reqs = await self.off_loop(self._make_reqs, tenant, prompts, params, rids, opts, priority)
             texts = None
@@ -204,7 +204,8 @@ class ServerState:
 
     def _make_reqs(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]], params: Sequence[SamplingParams],
                    rids: list[str] | None, opts: RequestOptions, priority: int) -> list[Req]:
-        reqs, rendered = [], {}
+        reqs: list[Req] = []
+        rendered: dict[int, Any] = {}
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if callable(p):
                 p = rendered.setdefault(id(p), p())
@@ -216,7 +217,7 @@ class ServerState:
                 raise value_error(e, opts.rename) from None
         return reqs
 
-    async def run(self, req: Req, ticket: Ticket, arrival: float) -> AsyncIterator[Delta]:
+    async def run(self, req: Req, ticket: Ticket, arrival: float) -> AsyncGenerator[Delta, None]:
         """Stream one request. Leaving early (a vanished client) aborts it, freeing its KV."""
         ttft: float | None = None
         out: Output | None = None
@@ -259,7 +260,7 @@ class ServerState:
             for task in tasks:
                 task.cancel()
 
-    async def merged(self, flight: Flight) -> AsyncIterator[tuple[int, Delta]]:
+    async def merged(self, flight: Flight) -> AsyncGenerator[tuple[int, Delta], None]:
         """Deltas of several requests as they come, tagged with the request's index. The queue is
         bounded: a consumer that stops reading stops the pumps, so each request's own backlog
         (max_stream_backlog) fills and aborts it."""

@@ -123,7 +123,7 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
             from xgrammar.builtin_structural_tag import get_model_structural_tag
         except ImportError:  # an xgrammar without builtin tags: the calls are parsed, not constrained
             return None
-        specs = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in offered]
+        specs: list[Any] = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in offered]
         tag = get_model_structural_tag(_BUILTIN_TAGS[fmt], tools=specs, tool_choice="auto", reasoning="disabled",
                                        max_whitespace_cnt=2, parallel_tool_calls=not one_call)
         return json.dumps(tag.model_dump(mode="json"))
@@ -216,7 +216,7 @@ def _refs(s: Any, names: dict[tuple[str, str], str], at: str) -> Any:
         return [_refs(x, names, at) for x in s]
     if not isinstance(s, dict):
         return s
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in s.items():
         if k == "$ref" and isinstance(v, str):
             out[k] = _ref(v, names, at)
