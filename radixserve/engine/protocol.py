@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from radixserve.config import EngineConfig
 from radixserve.engine.outputs import Delta
 from radixserve.request import InvalidParam, Req, SamplingParams
 
@@ -220,6 +221,10 @@ class EngineClient(Protocol):
     load_seconds: float  # the model's load, and the engine process's peak RSS by its end
     load_peak_rss: int
     cpu_kernels: str  # kernels.cpu's build in use ("" on a GPU or without them)
+    quantization: str  # what the weights are ("none", or the kinds held, e.g. "q4_k+q6_k")
+    dtype: Any  # the activations' torch.dtype, and the device they are on
+    device: Any
+    config: EngineConfig  # as built from the flags (/server_info reports it)
 
     @property
     def pid(self) -> int: ...  # the engine core's process (a data-parallel engine: its first replica's)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
-from radixserve.engine.protocol import EngineDied
+from radixserve.engine.protocol import EngineClient, EngineDied
 from radixserve.request import Req, SamplingParams, TokenLogprob
 from radixserve.server import access_log, tool_parsers
 from radixserve.server.admission import Admission, Ticket
@@ -93,7 +93,7 @@ class TenantUsage:
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineClient
     config: ServerConfig
     auth: Auth
     model_name: str
