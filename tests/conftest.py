@@ -168,36 +168,43 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
     return cfg
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A folder per architecture: random weights (seeded), config.json, tokenizer, chat template."""
+def make_tiny_model(folder: Path, arch: str, cfg: dict, tok_dir: Path, seed: int) -> Path:
+    """A model folder: `cfg` as config.json (the dialect as written), random weights (seeded;
+    Gemma's norms moved off w = 0, its scale of 1 + w), the tokenizer files of `tok_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("tiny")
-    tok_dir = root / "tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
+    if arch == "Gemma3ForCausalLM":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+    model.save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps(cfg))  # keep the dialect we wrote
+    for f in tok_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, int]:
+    """The trained tiny tokenizer's folder, its vocabulary size and its EOS id."""
+    tok_dir = tmp_path_factory.mktemp("tiny") / "tokenizer"
     vocab = _train_tokenizer(tok_dir)
     eos = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
-    out = {}
-    for i, arch in enumerate(ARCHS):
-        d = root / arch
-        cfg_dict = _config(arch, vocab, eos)
-        (d).mkdir()
-        (d / "config.json").write_text(json.dumps(cfg_dict))
-        cfg = AutoConfig.from_pretrained(str(d))
-        torch.manual_seed(1234 + i)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        if arch == "Gemma3ForCausalLM":  # its norms start at w = 0 (a scale of 1 + w): move them off it
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name.endswith("norm.weight"):
-                        p.normal_(0.0, 0.3)
-        model.save_pretrained(str(d))
-        (d / "config.json").write_text(json.dumps(cfg_dict))  # keep the dialect we wrote
-        for f in tok_dir.iterdir():
-            (d / f.name).write_bytes(f.read_bytes())
-        out[arch] = d
-    return out
+    return tok_dir, vocab, eos
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_tokenizer: tuple[Path, int, int]) -> dict[str, Path]:
+    """A folder per architecture: random weights (seeded), config.json, tokenizer, chat template."""
+    tok_dir, vocab, eos = tiny_tokenizer
+    return {arch: make_tiny_model(tok_dir.parent / arch, arch, _config(arch, vocab, eos), tok_dir, 1234 + i)
+            for i, arch in enumerate(ARCHS)}
 
 
 @pytest.fixture(scope="session")

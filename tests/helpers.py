@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +77,21 @@ class Sink:
 
     async def write_eof(self) -> None:
         pass
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(posts: dict[str, Any]) -> AsyncIterator[str]:
+    """An aiohttp server on a free local port answering POSTs with the given handlers
+    (path -> handler), for as long as the block runs; yields its base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

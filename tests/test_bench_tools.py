@@ -8,6 +8,7 @@ import json
 import types
 
 from aiohttp import web
+from helpers import scripted_server
 
 from radixserve.bench import tools
 
@@ -48,19 +49,10 @@ def test_bench_tools_counts_calls_made_valid_and_text_answers_against_a_scripted
         return web.json_response({"choices": [{"message": _answer(body["messages"][-1]["content"])}]})
 
     async def go() -> tuple[list[str], list[tools.Tally]]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
+        async with scripted_server({"/v1/chat/completions": chat}) as url:
             args = types.SimpleNamespace(url=[url, url + "/missing"], name=["a"], api_key=[], model="m",
                                          max_tokens=64, concurrency=3, limit=0)
             return await tools.bench(args)
-        finally:
-            await runner.cleanup()
 
     names, (t, broken) = asyncio.run(go())
     assert len(tools.PROMPTS) >= 40 and sum(e is not None for _, e in tools.PROMPTS) == 30

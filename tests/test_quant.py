@@ -592,6 +592,16 @@ def test_a_llama3_gguf_takes_its_rope_scaling_from_rope_freqs(tiny_llama, tmp_pa
     assert (_logits(without, prompt) - theirs).abs().max().item() > 1e-2  # the scaling matters past 64 tokens
 
 
+def _model_dims(w, cfg: dict) -> None:
+    """The shape keys every llama.cpp architecture writes, from a config.json."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+
+
 def _llama_metadata(w, folder) -> None:
     """What llama.cpp's converter writes about a Llama model and its byte-level BPE tokenizer."""
     import json
@@ -601,12 +611,7 @@ def _llama_metadata(w, folder) -> None:
     vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t["content"] for t in tj["added_tokens"] if t["special"]}
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    _model_dims(w, cfg)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg["head_dim"])
@@ -664,12 +669,7 @@ def _gemma_gguf(path, folder, vocab: int) -> None:
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    _model_dims(w, cfg)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -778,44 +778,29 @@ def _llama_cpp_sources():
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"])
-def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_computes(arch, tmp_path, monkeypatch):
+def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_computes(arch, tiny_tokenizer, tmp_path,
+                                                                                    monkeypatch):
     """The tiny models converted by llama.cpp's convert_hf_to_gguf.py (its pre-tokenizer check
     told what a tiny trained tokenizer is; nothing else touched): prompt logits and greedy
     tokens against transformers on the folder it was made from (Llama with llama3 rope scaling,
     written by the converter as rope_freqs; Gemma 3 past its window, six layers so its fixed
     pattern holds, its softmax scale head_dim as llama.cpp's)."""
-    import json
     import subprocess
     import sys
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from radixserve.models.loader import load_model
-    from tests.conftest import _config, _train_tokenizer
+    from tests.conftest import _config, make_tiny_model
     from tests.helpers import hf_logits_and_greedy
 
     sources = _llama_cpp_sources()
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    vocab = _train_tokenizer(tmp_path / "tok")
-    eos = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
-    folder = tmp_path / arch
-    folder.mkdir()
+    tok_dir, vocab, eos = tiny_tokenizer
     cfg = _config(arch, vocab, eos)
     if arch == "Gemma3ForCausalLM":
         cfg.pop("layer_types")
         cfg.update(num_hidden_layers=6, query_pre_attn_scalar=cfg["head_dim"])
         cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1e6}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if arch.startswith("Gemma") and name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(str(folder))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    for f in (tmp_path / "tok").iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    folder = make_tiny_model(tmp_path / arch, arch, cfg, tok_dir, 3)
     out = tmp_path / f"{arch}.gguf"
     subprocess.run([sys.executable, "-c", _CONVERTER, str(sources), str(folder), "--outfile", str(out), "--outtype", "f32"],
                    check=True, capture_output=True)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from helpers import scripted_server
 from server_helpers import USER, ServerProcess, scaled
 
 
@@ -391,20 +392,10 @@ def test_bench_compare_counts_structured_outputs_that_do_not_parse_instead_of_dy
         return web.json_response({"usage": {"completion_tokens": 2}})
 
     async def go() -> dict:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
+        async with scripted_server({"/v1/chat/completions": chat, "/v1/completions": completions}) as url:
             args = types.SimpleNamespace(url=[url, url], name=["a", "b"], api_key=[], model="m", workloads="json",
                                          seed=1, repeats=1, scale=0.05)
             return await compare.compare(args)
-        finally:
-            await runner.cleanup()
 
     results = asyncio.run(go())
     assert results["json"]["a"] > 0 and 0 < results["json"]["a unparsed"] < 16

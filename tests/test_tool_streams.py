@@ -76,32 +76,35 @@ def test_answers_that_may_be_all_calls_are_held_whole(fmt, pieces):
 
 
 class _Recording(Sink):
-    """A sink that notes how much had been written when each engine delta was taken."""
+    """A sink that also stands in for the engine: it streams TWO_CALLS one token per delta
+    (`merged` as ServerState.merged, `run` as ServerState.run) and notes how much had been
+    written to it when each delta was taken."""
 
     def __init__(self) -> None:
         super().__init__()
         self.at: list[int] = []
 
+    def _deltas(self):
+        for d in _deltas(TWO_CALLS, _out(TWO_CALLS)):
+            self.at.append(len(self.data))
+            yield d
 
-def _recorded(pieces: list[str], sink: _Recording):
-    out = _out(pieces)
-    for d in _deltas(pieces, out):
-        sink.at.append(len(sink.data))
-        yield d
+    async def merged(self, flight):
+        for d in self._deltas():
+            yield 0, d
+
+    async def run(self, req, ticket, arrival):
+        for d in self._deltas():
+            yield d
 
 
 def test_chat_streams_text_then_each_call_as_a_tool_call_delta_as_it_completes(monkeypatch):
     sink = _Recording()
     monkeypatch.setattr(sse.SSEWriter, "open", _opens_into(sink))
-
-    async def merged(flight):
-        for d in _recorded(TWO_CALLS, sink):
-            yield 0, d
-
     tools = [{"type": "function", "function": {"name": n, "parameters": FN}} for n in ("f", "g")]
     b = decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "stream": True}).encode(),
                     ChatCompletionRequest)
-    state = SimpleNamespace(model_name="m", merged=merged)
+    state = SimpleNamespace(model_name="m", merged=sink.merged)
     asyncio.run(chat._chat_stream(None, state, b, SimpleNamespace(), chat.chat_plan(b, None)))
     datas = [line.removeprefix("data: ") for line in sink.data.decode().split("\n\n") if line.startswith("data: ")]
     assert datas[-1] == "[DONE]"
@@ -125,12 +128,7 @@ def test_chat_streams_text_then_each_call_as_a_tool_call_delta_as_it_completes(m
 def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
     sink = _Recording()
     monkeypatch.setattr(responses_stream.EventWriter, "open", _opens_into(sink))
-
-    async def run(req, ticket, arrival):
-        for d in _recorded(TWO_CALLS, sink):
-            yield d
-
-    state = SimpleNamespace(model_name="m", run=run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
+    state = SimpleNamespace(model_name="m", run=sink.run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
     plan = responses.plan_of(_request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")]), None)
     resp = responses._new_response(state, plan.body)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
@@ -156,12 +154,7 @@ def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
 def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
     sink = _Recording()
     monkeypatch.setattr(anthropic_stream.EventWriter, "open", _opens_into(sink))
-
-    async def merged(flight):
-        for d in _recorded(TWO_CALLS, sink):
-            yield 0, d
-
-    state = SimpleNamespace(model_name="m", merged=merged)
+    state = SimpleNamespace(model_name="m", merged=sink.merged)
     b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
     asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), None, "msg_1"))
