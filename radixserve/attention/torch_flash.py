@@ -54,8 +54,9 @@ class TorchFlashBackend(AttnBackend):
 
     def _plan(self, batch: ForwardBatch, meta: dict, window: int) -> None:
         dev = batch.input_ids.device
-        meta["extend"] = [(w, _slots(w.slots[: w.prefix_len], dev)) for s in batch.seqs if s.q_len > 1 and not s.as_rows
-                          for w in [s.windowed(window)]]
+        meta["extend"] = [(w, _slots(w.slots[: w.prefix_len], dev),
+                           band_bias(w.q_len, w.kv_len, window, self.pool.dtype, dev) if window and w.kv_len > window else None)
+                          for s in batch.seqs if s.q_len > 1 and not s.as_rows for w in [s.windowed(window)]]
         owned = [(n, r.windowed(window)) for n, s in enumerate(batch.seqs) if s.q_len == 1 or s.as_rows
                  for r in (s.rows() if s.as_rows else [s])]
         if not owned:
@@ -103,11 +104,11 @@ class TorchFlashBackend(AttnBackend):
         out = torch.empty_like(q)
         if "dec_rows" in meta:
             self._decode(q, layer, meta, out)
-        for s, prefix in meta["extend"]:
+        for s, prefix, band in meta["extend"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
             read = self.pool.read(layer, prefix) if s.prefix_len else None
-            if window and s.kv_len > window:
-                out[rows] = _extend_window(q[rows], k[rows], v[rows], read, window)
+            if band is not None:
+                out[rows] = _extend_window(q[rows], k[rows], v[rows], read, band.to(q.dtype))
             else:
                 out[rows] = _extend(q[rows], k[rows], v[rows], read)
         return out
@@ -153,14 +154,14 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _extend_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   prefix: tuple[torch.Tensor, torch.Tensor] | None, window: int) -> torch.Tensor:
-    """A chunk over its (windowed) prefix and itself in one pass, under the band mask: query i
-    (at position P + i, P the prefix rows) sees key j where P + i - window < j <= P + i; every
-    query sees itself, so no row is wholly masked."""
+                   prefix: tuple[torch.Tensor, torch.Tensor] | None, band: torch.Tensor) -> torch.Tensor:
+    """A chunk over its (windowed) prefix and itself in one pass, under the band mask (`band_bias`:
+    query i, at position P + i with P the prefix rows, sees key j where P + i - window < j <= P + i;
+    every query sees itself, so no row is wholly masked)."""
     if prefix is not None:
         k, v = torch.cat([prefix[0].to(k.dtype), k]), torch.cat([prefix[1].to(v.dtype), v])
     return attention_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                         bias=band_bias(q.shape[0], k.shape[0], window, q.dtype, q.device))[0][0].transpose(0, 1)
+                         bias=band)[0][0].transpose(0, 1)
 
 
 def band_bias(n: int, length: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

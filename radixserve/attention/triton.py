@@ -75,20 +75,19 @@ class TritonBackend(AttnBackend):
                   window: int) -> None:
         """A sliding-window layer: decode rows through the decode kernel over their last
         `window` slots; chunks in torch under the band mask (the extend kernel has no window)."""
-        dev, seqs = q.device, batch.attn_meta["seqs"]
         key = f"window{window}"
-        if key not in batch.attn_meta:
+        if key not in batch.attn_meta:  # planned once per step and window, for every windowed layer
+            dev, seqs = q.device, batch.attn_meta["seqs"]
             dec = [r.windowed(window) for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]
-            batch.attn_meta[key] = _decode_meta(dec, dev) if dec else None
-        if batch.attn_meta[key] is not None:
-            decode_attention_triton(q, kp, vp, out, *batch.attn_meta[key])
-        for s in seqs:
-            if s.q_len == 1 or s.as_rows:
-                continue
-            w = s.windowed(window)
-            rows, slots = slice(w.q_start, w.q_start + w.q_len), torch.tensor(w.slots, dtype=torch.int64, device=dev)
+            ext = [s.windowed(window) for s in seqs if s.q_len > 1 and not s.as_rows]
+            batch.attn_meta[key] = (_decode_meta(dec, dev) if dec else None,
+                                    [(slice(w.q_start, w.q_start + w.q_len), torch.tensor(w.slots, dtype=torch.int64, device=dev),
+                                      band_bias(w.q_len, w.kv_len, window, torch.float32, dev)) for w in ext])
+        decode, extends = batch.attn_meta[key]
+        if decode is not None:
+            decode_attention_triton(q, kp, vp, out, *decode)
+        for rows, slots, bias in extends:
             k, v = (x.index_select(0, slots).transpose(0, 1)[None] for x in (kp, vp))
-            bias = band_bias(w.q_len, w.kv_len, window, torch.float32, dev)
             out[rows] = plain_attention_lse(q[rows].transpose(0, 1)[None], k, v, bias=bias)[0][0].transpose(0, 1)
 
 

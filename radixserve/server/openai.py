@@ -295,27 +295,23 @@ class _LiveChoice(reasoning.LiveParts):
         self.delta.reasoning_content = (self.delta.reasoning_content or "") + text
 
     async def content_delta(self, index: int, text: str) -> None:
-        self.delta.content = (self.delta.content or "") + text
+        if text:
+            self.delta.content = (self.delta.content or "") + text
 
     async def tool_call(self, index: int, call: ToolCall) -> None:
         self.delta.tool_calls = [*(self.delta.tool_calls or []), ToolCallDelta(self.n_calls, call.id, call.function)]
         self.n_calls += 1
 
-    def finish(self, out: Output) -> str:
+    async def finish(self, out: Output) -> str:
         """The rest of the answer once it is whole (held text that is content, calls only the
         whole answer shows) into the delta; returns the finish reason."""
-        reason = finish_reason(out)
-        a = reasoning.answer(out.text, reason, self.plan.parser, self.plan.mode, self.plan.offered,
-                             self.plan.tool_format, self.plan.one_call, self.streamed_calls())
-        rest = self.rest(a.content or "")
-        if rest:
-            self.delta.content = (self.delta.content or "") + rest
+        a, reason = plan_answer(out, self.plan, self.streamed_calls())
+        await self.content_delta(0, self.rest(a.content or ""))
         sent = {c.id for c in self.streamed_calls()}
         for call in a.calls:
             if call.id not in sent:
-                self.delta.tool_calls = [*(self.delta.tool_calls or []), ToolCallDelta(self.n_calls, call.id, call.function)]
-                self.n_calls += 1
-        return "tool_calls" if a.calls and reason == "stop" else reason
+                await self.tool_call(0, call)
+        return reason
 
     def take(self) -> ChatDelta | None:
         d, self.delta = self.delta, ChatDelta()
@@ -345,7 +341,7 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
                 continue
         await live[i].feed(d.text, d.finished)
         if d.finished and d.output is not None:
-            reason = live[i].finish(d.output)
+            reason = await live[i].finish(d.output)
         delta = live[i].take()
         if delta is not None or lps or reason:
             await sse.send(chunk([ChatChunkChoice(i, delta or ChatDelta(), reason, lps)]))
@@ -359,12 +355,17 @@ def include_usage(b: _OpenAISampling) -> bool:
     return b.stream_options is not None and b.stream_options.include_usage
 
 
+def plan_answer(o: Output, plan: ChatPlan, streamed: list[ToolCall] | None = None) -> tuple[reasoning.Answer, str]:
+    """A finished output as the plan reads it (reasoning.answer), and its finish reason:
+    "tool_calls" when it stopped after calls."""
+    reason = finish_reason(o)
+    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call, streamed)
+    return a, "tool_calls" if a.calls and reason == "stop" else reason
+
+
 def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatChoice:
     """Tool calls and JSON are read from the content only, never from the reasoning."""
-    reason = finish_reason(o)
-    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call)
-    if a.calls and reason == "stop":
-        reason = "tool_calls"
+    a, reason = plan_answer(o, plan)
     message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)
     return ChatChoice(i, message, reason, _chat_logprobs(state, o.logprobs))
 
