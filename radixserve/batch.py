@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.cache.allocator import WindowTables
 from radixserve.request import Req
 from radixserve.sched.scheduler import SchedulePlan
 
@@ -29,6 +30,7 @@ class SeqView:
     prefix_len: int  # KV tokens before them
     slots: list[int]  # KV slots, len == prefix_len + q_len
     as_rows: bool = False  # each fed token attends as a decode row would (a draft; text jump-forward forced)
+    window_slots: list[int] | None = None  # with a window pool: its slots for the last len(...) of `slots`
 
     @property
     def kv_len(self) -> int:
@@ -39,12 +41,18 @@ class SeqView:
         included): without the leading slots no fed token's window reaches. A decode row keeps
         its last `window` slots; a longer chunk still needs the band mask within."""
         drop = max(0, self.prefix_len - window + 1) if window else 0
+        if window and self.window_slots is not None:  # in the window pool's slots
+            keep = self.kv_len - drop
+            return SeqView(self.q_start, self.q_len, self.prefix_len - drop, self.window_slots[len(self.window_slots) - keep :],
+                           self.as_rows)
         return self if drop == 0 else SeqView(self.q_start, self.q_len, self.prefix_len - drop, self.slots[drop:], self.as_rows)
 
     def rows(self) -> list[SeqView]:
         """Each fed token as a one-row view over the slots up to it (causal): a draft's rows then
         attend exactly as the decodes they stand for would."""
-        return [SeqView(self.q_start + j, 1, self.prefix_len + j, self.slots[: self.prefix_len + j + 1])
+        w = self.window_slots
+        return [SeqView(self.q_start + j, 1, self.prefix_len + j, self.slots[: self.prefix_len + j + 1], False,
+                        None if w is None else w[: len(w) - (self.q_len - 1 - j)])
                 for j in range(self.q_len)]
 
 
@@ -72,6 +80,11 @@ class ForwardBatch:
     seqs: list[SeqView]
     attn_backend: AttnBackend
     attn_meta: dict[str, Any] = field(default_factory=dict)  # owned by the backend
+    window_out_slots: torch.Tensor | None = None  # with a window pool: where the windowed layers write
+
+    def out_for(self, window: int) -> torch.Tensor:
+        """Where a layer with this window (0: full attention) writes its new K/V."""
+        return self.window_out_slots if window and self.window_out_slots is not None else self.out_slots
 
     @classmethod
     def from_plan(
@@ -80,16 +93,24 @@ class ForwardBatch:
         slots_of: Callable[[Req], list[int]],
         backend: AttnBackend,
         device: torch.device,
+        window: WindowTables | None = None,
     ) -> ForwardBatch:
+        """`window`: the sliding-window layers' own pool, where they have one (each sequence then
+        carries the window pool's slots of the positions its queries see)."""
         ids: list[int] = []
         pos: list[int] = []
         out: list[int] = []
+        wout: list[int] = []
         seqs: list[SeqView] = []
         for it in plan.items:
             end = it.start + it.length
             slots = slots_of(it.req)[:end]
             as_rows = it.spec is not None or (it.start >= it.req.prompt_len and it.length <= MAX_ROW_EXTEND)
-            seqs.append(SeqView(len(ids), it.length, it.start, slots, as_rows))
+            wslots = None
+            if window is not None:
+                wslots = window.slots(slots[max(0, it.start - window.reach) : end])
+                wout.extend(wslots[len(wslots) - it.length :])
+            seqs.append(SeqView(len(ids), it.length, it.start, slots, as_rows, wslots))
             ids.extend(it.fed_ids)
             pos.extend(range(it.start, end))
             out.extend(slots[it.start : end])
@@ -97,6 +118,7 @@ class ForwardBatch:
         def as_tensor(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.int64, device=device)
 
-        batch = cls(as_tensor(ids), as_tensor(pos), as_tensor(out), seqs, backend)
+        batch = cls(as_tensor(ids), as_tensor(pos), as_tensor(out), seqs, backend,
+                    window_out_slots=as_tensor(wout) if window is not None else None)
         backend.prepare(batch)
         return batch

@@ -60,6 +60,10 @@ class CacheConfig:
                                          "with an fp32 scale per (token, KV head)", KV_CACHE_DTYPES)
     page_size: int = option(1, "tokens per KV page; the prefix cache shares whole pages only")
     disable_radix_cache: bool = option(False, "turn off prefix sharing (the radix cache), e.g. for A/B runs")
+    swa_full_tokens_ratio: float = option(0.5, "sliding-window layers (Gemma 3, Mistral): their own KV pool's tokens "
+                                               "per token of the full pool (at least one request's window and chunk)")
+    disable_hybrid_swa_memory: bool = option(False, "keep the sliding-window layers' KV in the one pool, for every "
+                                                    "position (no window pool)")
     radix_eviction_policy: str = option("lru", "prefix-cache eviction: lru, or priority (lowest request priority "
                                                "first, then LRU)", EVICTION_POLICIES)
     tenant_max_cached_tokens: Mapping[str, int] = field(default_factory=dict, metadata={
@@ -75,6 +79,8 @@ class CacheConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value}")
         if not 0 < self.kv_mem_fraction <= 1:
             raise ValueError(f"kv_mem_fraction: must be in (0, 1], got {self.kv_mem_fraction}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {self.swa_full_tokens_ratio}")
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ def test_the_fused_decode_step_is_offered_only_a_pool_in_the_activations_dtype()
     assert offered == {None: True, torch.int8: True, torch.float8_e4m3fn: True, torch.bfloat16: False}
 
 
-def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int) -> torch.Tensor:
+def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int, layer: int = 0) -> torch.Tensor:
     """Dense softmax per row over the slots at positions (p - window, p], p the row's position."""
     out, row = torch.empty_like(q), 0
     group = q.shape[1] // pool.k[0].shape[1]
@@ -214,7 +214,7 @@ def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int) -> torch.
         for j in range(q_len):
             p = len(slots) - q_len + j
             seen = torch.tensor(slots[max(0, p - window + 1) : p + 1])
-            k, v = (x.repeat_interleave(group, 1) for x in pool.read(0, seen))  # (L, heads, dim)
+            k, v = (x.repeat_interleave(group, 1) for x in pool.read(layer, seen))  # (L, heads, dim)
             s = torch.einsum("hd,lhd->hl", q[row], k) * q.shape[-1] ** -0.5
             out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
             row += 1
@@ -245,3 +245,41 @@ def test_a_sliding_window_layer_sees_only_its_window_in_each_backend(name, nativ
     want = _windowed_oracle(pool, spec, q, window)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     assert ((full - _windowed_oracle(pool, spec, q, 10**6)).norm() / full.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize(("name", "native", "kv_dtype"),
+                         [("torch", True, None), ("torch", False, None), ("torch_ref", True, None), ("triton", True, None),
+                          ("torch", True, torch.int8), ("triton", True, torch.int8)],
+                         ids=["torch-native", "torch-gather", "torch_ref", "triton", "torch-int8", "triton-int8"])
+def test_a_window_pool_is_written_and_read_through_its_own_slots_in_each_backend(name, native, kv_dtype, monkeypatch):
+    """Layer 0 a sliding-window layer with a pool of its own (its slots a permutation of the full
+    ones), layer 1 a full layer holding the same K/V: the windowed layer stores at the batch's
+    window slots and reads its window through them, as the full layer's rows say it should."""
+    if name == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    heads, kv_heads, dim, window = 6, 2, 32, 24
+    spec = _mixed_spec(random.Random(5), 2048)
+    pool = KVPool(2, 2048, kv_heads, dim, torch.float32, torch.device("cpu"), kv_dtype, (window, 0), 2048)
+    assert pool.window_slots == 2048 and pool.pad_for(window) == pool.window_pad_slot
+    g = torch.Generator().manual_seed(9)
+    perm = torch.randperm(2048, generator=g)
+    k, v = torch.randn(2048, kv_heads, dim, generator=g), torch.randn(2048, kv_heads, dim, generator=g)
+    pool.store(1, torch.arange(2048), k, v)
+    pool.store(0, perm, k, v)
+    backend = create_backend(name, pool, torch.device("cpu"))
+    batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed=4)
+    for s in batch.seqs:  # what ForwardBatch.from_plan gives each sequence: its window's slots in the window pool
+        s.window_slots = perm[torch.tensor(s.slots[max(0, s.prefix_len - (window - 1)) :])].tolist()
+    batch.window_out_slots = perm[batch.out_slots]
+    cpu.set_enabled(native)
+    try:
+        backend.prepare(batch)
+        got = backend.forward(q, k, v, 0, batch, window=window)
+        full = backend.forward(q, k, v, 1, batch)
+    finally:
+        cpu.set_enabled(True)
+    assert backend.native_decode(batch) is None  # one slot table cannot serve both pools
+    want = _windowed_oracle(pool, spec, q, window, layer=1)
+    tol = 1e-5 if kv_dtype is None else KV_TOL[kv_dtype]  # a chunk's own rows come unquantized from its inputs
+    assert ((got - want).norm() / want.norm()).item() < tol
+    assert ((full - _windowed_oracle(pool, spec, q, 10**6, layer=1)).norm() / full.norm()).item() < tol

@@ -36,10 +36,10 @@ def test_chunked_prefill_splits_long_prompts_and_mixes_with_decodes(tiny_llama):
         seen: list[tuple[int, int]] = []
         orig = engine.runner.run
 
-        def spy(plan, slots_of):
+        def spy(plan, *tables):
             decodes = sum(1 for it in plan.items if it.is_decode)
             seen.append((plan.num_tokens - decodes, decodes))
-            return orig(plan, slots_of)
+            return orig(plan, *tables)
 
         engine.runner.run = spy
         long = list(range(3, 203))

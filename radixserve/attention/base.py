@@ -19,7 +19,9 @@ class AttnBackend(ABC):
       flat rows. Writes k/v into the pool at `batch.out_slots`, then lets each sequence's
       rows attend causally to its slots (prefix + itself). Returns (T, heads, D). With a
       `window` > 0 (a sliding-window layer) a query at position p sees positions > p - window
-      only (`SeqView.windowed`); the pool still holds every position, for the full layers.
+      only (`SeqView.windowed`). Where those layers have a pool of their own (KVPool
+      window_slots), they write at `batch.out_for(window)` and their windowed views carry
+      that pool's slots.
     - The model knows nothing of slots; the backend never frees or allocates them.
     """
 

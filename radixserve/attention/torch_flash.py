@@ -65,7 +65,7 @@ class TorchFlashBackend(AttnBackend):
         groups, shared = _fork_groups(dec, [n for n, _ in owned], dev)
         rest = [s.slots[n:] for s, n in zip(dec, shared)]
         width = max(len(r) for r in rest)
-        idx = torch.full((len(dec), width), self.pool.pad_slot, dtype=torch.int64)
+        idx = torch.full((len(dec), width), self.pool.pad_for(window), dtype=torch.int64)
         for i, r in enumerate(rest):
             idx[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
         meta["dec_rows"] = torch.tensor([s.q_start for s in dec], device=dev)
@@ -89,17 +89,19 @@ class TorchFlashBackend(AttnBackend):
 
     def native_decode(self, batch: ForwardBatch) -> NativeDecode | None:
         """The fused step stores and reads a pool in the activations' dtype, or an int8 / fp8 one
-        with its scales; None for another float dtype (a bf16 pool under an fp32 model)."""
+        with its scales; None for another float dtype (a bf16 pool under an fp32 model), and
+        where the sliding-window layers have a pool of their own (one slot table serves all)."""
         meta = batch.attn_meta
         pool = self.pool
-        if "dec_lens" not in meta or meta["extend"] or meta["dec_groups"] or (pool.kv_dtype != pool.dtype and not pool.quantized):
+        if ("dec_lens" not in meta or meta["extend"] or meta["dec_groups"] or pool.window_slots
+                or (pool.kv_dtype != pool.dtype and not pool.quantized)):
             return None
         return NativeDecode(pool.k, pool.v, batch.out_slots, meta["dec_rows"], meta["dec_idx"], meta["dec_lens"],
                             pool.k_scale, pool.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
                 window: int = 0) -> torch.Tensor:
-        self.pool.store(layer, batch.out_slots, k, v)
+        self.pool.store(layer, batch.out_for(window), k, v)
         meta = self._windowed(batch, window) if window else batch.attn_meta
         out = torch.empty_like(q)
         if "dec_rows" in meta:

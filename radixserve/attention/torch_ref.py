@@ -29,7 +29,7 @@ class TorchRefBackend(AttnBackend):
         ]
         if dec:
             width = max(s.kv_len for s in dec)
-            idx = torch.full((len(dec), width), self.pool.pad_slot, dtype=torch.int64)
+            idx = torch.full((len(dec), width), self.pool.pad_for(window), dtype=torch.int64)
             for i, s in enumerate(dec):
                 idx[i, : s.kv_len] = torch.tensor(s.slots, dtype=torch.int64)
             lens = torch.tensor([s.kv_len for s in dec])
@@ -40,7 +40,7 @@ class TorchRefBackend(AttnBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, window: int = 0
     ) -> torch.Tensor:
-        self.pool.store(layer, batch.out_slots, k, v)
+        self.pool.store(layer, batch.out_for(window), k, v)
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         meta = batch.attn_meta

@@ -41,7 +41,6 @@ class TritonBackend(AttnBackend):
         if self.pool.kv_dtype != self.pool.dtype:
             touched, seqs = _compact(seqs)
             batch.attn_meta["touched"] = touched.to(dev)
-        batch.attn_meta["seqs"] = seqs
         dec = [r for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]  # drafts: as decodes
         ext = [s for s in seqs if s.q_len > 1 and not s.as_rows]
         if dec:
@@ -52,16 +51,21 @@ class TritonBackend(AttnBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
                 window: int = 0) -> torch.Tensor:
-        meta = batch.attn_meta
-        if "touched" in meta:
-            self.pool.store(layer, batch.out_slots, k, v)
+        meta = self._windowed(batch, window) if window else batch.attn_meta
+        out_slots = batch.out_for(window)
+        if meta.get("touched") is not None:
+            self.pool.store(layer, out_slots, k, v)
             kp, vp = self.pool.read(layer, meta["touched"])
         else:
             kp, vp = self.pool.k[layer], self.pool.v[layer]
-            store_kv_triton(kp, vp, batch.out_slots, k, v)
+            store_kv_triton(kp, vp, out_slots, k, v)
         out = torch.empty_like(q)
-        if window:
-            self._windowed(q, kp, vp, out, batch, window)
+        if window:  # chunks in torch under the band mask (the extend kernel has no window)
+            if meta["decode"] is not None:
+                decode_attention_triton(q, kp, vp, out, *meta["decode"])
+            for rows, slots, bias in meta["extends"]:
+                k, v = (x.index_select(0, slots).transpose(0, 1)[None] for x in (kp, vp))
+                out[rows] = plain_attention_lse(q[rows].transpose(0, 1)[None], k, v, bias=bias)[0][0].transpose(0, 1)
             return out
         if "decode" in meta:
             rows, table, lens = meta["decode"]
@@ -71,24 +75,26 @@ class TritonBackend(AttnBackend):
             extend_attention_triton(q, kp, vp, out, starts, q_lens, prefix_lens, table, longest)
         return out
 
-    def _windowed(self, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, out: torch.Tensor, batch: ForwardBatch,
-                  window: int) -> None:
-        """A sliding-window layer: decode rows through the decode kernel over their last
-        `window` slots; chunks in torch under the band mask (the extend kernel has no window)."""
+    def _windowed(self, batch: ForwardBatch, window: int) -> dict:
+        """A sliding-window layer's plan, made once per step and window: decode rows over their
+        last `window` slots (in the window pool's slots where it has its own), chunks with the
+        band mask; compacted like the full layers' when the pool is not in the activations' dtype."""
         key = f"window{window}"
-        if key not in batch.attn_meta:  # planned once per step and window, for every windowed layer
-            dev, seqs = q.device, batch.attn_meta["seqs"]
+        if key not in batch.attn_meta:
+            dev, seqs = batch.input_ids.device, batch.seqs
             dec = [r.windowed(window) for s in seqs if s.q_len == 1 or s.as_rows for r in (s.rows() if s.as_rows else [s])]
             ext = [s.windowed(window) for s in seqs if s.q_len > 1 and not s.as_rows]
-            batch.attn_meta[key] = (_decode_meta(dec, dev) if dec else None,
-                                    [(slice(w.q_start, w.q_start + w.q_len), torch.tensor(w.slots, dtype=torch.int64, device=dev),
-                                      band_bias(w.q_len, w.kv_len, window, torch.float32, dev)) for w in ext])
-        decode, extends = batch.attn_meta[key]
-        if decode is not None:
-            decode_attention_triton(q, kp, vp, out, *decode)
-        for rows, slots, bias in extends:
-            k, v = (x.index_select(0, slots).transpose(0, 1)[None] for x in (kp, vp))
-            out[rows] = plain_attention_lse(q[rows].transpose(0, 1)[None], k, v, bias=bias)[0][0].transpose(0, 1)
+            touched = None
+            if self.pool.kv_dtype != self.pool.dtype:
+                touched, both = _compact(dec + ext)
+                touched, dec, ext = touched.to(dev), both[: len(dec)], both[len(dec) :]
+            batch.attn_meta[key] = {
+                "touched": touched,
+                "decode": _decode_meta(dec, dev) if dec else None,
+                "extends": [(slice(w.q_start, w.q_start + w.q_len), torch.tensor(w.slots, dtype=torch.int64, device=dev),
+                             band_bias(w.q_len, w.kv_len, window, torch.float32, dev)) for w in ext],
+            }
+        return batch.attn_meta[key]
 
 
 def _compact(seqs: list[SeqView]) -> tuple[torch.Tensor, list[SeqView]]:

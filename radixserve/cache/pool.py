@@ -5,6 +5,11 @@ or int8 / fp8 e4m3 with an fp32 scale per (slot, KV head) in `k_scale[layer]` an
 `v_scale[layer]` (kernels/kv_quant.py). Writing quantizes; backends read either in place
 (the native CPU decode kernels take the pool and its scales) or through `read`, which
 returns the rows in the activations' dtype.
+
+With `window_slots` > 0 the sliding-window layers (those with a window in `layer_windows`)
+have tensors of their own size, indexed by the window pool's slots (cache/allocator
+WindowedAllocator): they keep only the KV their windows still see. Every other layer is
+indexed by the full slots.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ def kv_cache_dtype(name: str, activations: torch.dtype) -> torch.dtype:
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer, stored as dtype: with their scales if it is quantized."""
+    """K and V of one token in `num_layers` layers, stored as dtype: with their scales if it is quantized."""
     row = head_dim * torch.empty((), dtype=dtype).element_size()
     if is_quantized(dtype):
         row += torch.empty((), dtype=SCALE_DTYPE).element_size()
@@ -63,26 +68,46 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         kv_dtype: torch.dtype | None = None,
+        layer_windows: tuple[int, ...] = (),
+        window_slots: int = 0,
     ) -> None:
         self.num_slots = num_slots
+        self.window_slots = window_slots  # 0: one pool for every layer
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         self.quantized = is_quantized(self.kv_dtype)
         # One extra zeroed slot, never allocated, that padded gathers point at. The rest is
         # left uninitialized (no multi-GB memset at start): a slot is read only once written.
         self.pad_slot = num_slots
+        self.window_pad_slot = window_slots
+        windowed = [bool(window_slots and layer_windows and layer_windows[i]) for i in range(num_layers)]
 
         def tensors(*shape: int, dtype: torch.dtype) -> list[torch.Tensor]:
-            return [torch.empty(num_slots + 1, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            return [torch.empty((window_slots if w else num_slots) + 1, *shape, dtype=dtype, device=device) for w in windowed]
 
         self.k, self.v = tensors(kv_heads, head_dim, dtype=self.kv_dtype), tensors(kv_heads, head_dim, dtype=self.kv_dtype)
         self.k_scale: list[torch.Tensor] = tensors(kv_heads, dtype=SCALE_DTYPE) if self.quantized else []
         self.v_scale: list[torch.Tensor] = tensors(kv_heads, dtype=SCALE_DTYPE) if self.quantized else []
         for t in self.k + self.v + self.k_scale + self.v_scale:
-            t[self.pad_slot].zero_()  # a zero scale: the pad slot reads as zeros when quantized too
-        self.bytes_per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.kv_dtype)
-        log.info("KV pool: %d slots x %d layers, %.1f MiB (%s)", num_slots, num_layers,
-                 num_slots * self.bytes_per_token / 2**20, str(self.kv_dtype).removeprefix("torch."))
+            t[-1].zero_()  # the pad slot; a zero scale: it reads as zeros when quantized too
+        n_win = sum(windowed)
+        self.bytes_per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.kv_dtype)  # every layer
+        self.window_bytes_per_token = kv_bytes_per_token(n_win, kv_heads, head_dim, self.kv_dtype)  # in the window pool
+        kind = str(self.kv_dtype).removeprefix("torch.")
+        if n_win:
+            log.info("KV pool: %d slots x %d full layers and %d window slots x %d sliding-window layers, %.1f MiB (%s)",
+                     num_slots, num_layers - n_win, window_slots, n_win, self.nbytes / 2**20, kind)
+        else:
+            log.info("KV pool: %d slots x %d layers, %.1f MiB (%s)", num_slots, num_layers, self.nbytes / 2**20, kind)
+
+    @property
+    def nbytes(self) -> int:
+        w = self.window_bytes_per_token
+        return self.num_slots * (self.bytes_per_token - w) + self.window_slots * w
+
+    def pad_for(self, window: int) -> int:
+        """The zeroed pad slot of a layer with this window (0: a full-attention layer)."""
+        return self.window_pad_slot if window and self.window_slots else self.pad_slot
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.quantized:

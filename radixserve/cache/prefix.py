@@ -15,6 +15,7 @@ the caller's namespace.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -39,20 +40,26 @@ class PrefixMatch:
 class PrefixCache(ABC):
     page_size: int = 1
     shares: bool = True  # False: never holds anything (the cache manager skips mid-request inserts)
+    reach: int = 0  # sliding-window layers: positions before its own a query sees (0: no such layers)
 
     def aligned(self, n: int) -> int:
         return n - n % self.page_size
 
     @abstractmethod
-    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0) -> PrefixMatch:
+    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0, whole: bool = False) -> PrefixMatch:
         """Longest cached prefix of `tokens` (page-aligned) in namespace `ns`, the first
-        `public_len` tokens looked up in PUBLIC. Marks the matched path as recently used."""
+        `public_len` tokens looked up in PUBLIC. Marks the matched path as recently used. With
+        sliding-window layers, only as far as a query can start from (the window before the
+        end holds its window KV), unless `whole` (the caller holds that window KV itself)."""
 
     @abstractmethod
-    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0) -> int:
+    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0,
+               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None) -> int:
         """Offer `tokens` (a whole number of pages) with their KV `slots`. Returns n: the first
         n slots duplicate what the cache already holds and stay the caller's to free; the
-        cache owns slots[n:] from now on. `priority` feeds the priority eviction policy."""
+        cache owns slots[n:] from now on. `priority` feeds the priority eviction policy.
+        Sliding-window layers: the caller holds window KV for tokens from `window_from` on only
+        (RadixCache says how the rest and `on_revive` are used)."""
 
     @abstractmethod
     def lock(self, handle: Any) -> None:
@@ -64,6 +71,30 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, n: int) -> list[int]:
         """Free at least n unlocked cached slots if possible; returns them for the allocator."""
+
+    def lock_window(self, handle: Any) -> None:  # noqa: B027 (no window here: nothing to pin)
+        """Pin the window KV that a query right after `handle` sees (sliding-window layers)."""
+
+    def unlock_window(self, handle: Any) -> None:  # noqa: B027
+        """Let go of `lock_window`'s pin."""
+
+    def evict_window(self, n: int) -> list[int]:
+        """Drop the window KV of at least n cached tokens no window lock covers, if possible
+        (their full-attention KV stays cached); returns their slots."""
+        return []
+
+    def window_slots(self) -> list[int]:
+        """Slots of the cached tokens that hold their window KV (integrity checks)."""
+        return []
+
+    @property
+    def window_tokens(self) -> int:
+        """Cached tokens that still hold their window KV."""
+        return 0
+
+    @property
+    def window_evictable_tokens(self) -> int:
+        return 0
 
     @abstractmethod
     def reset(self) -> list[int]:
@@ -113,13 +144,15 @@ class NullPrefixCache(PrefixCache):
 
     shares = False
 
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, window: int = 0) -> None:
         self.page_size = page_size
+        self.reach = max(window - 1, 0)
 
-    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0) -> PrefixMatch:
+    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0, whole: bool = False) -> PrefixMatch:
         return PrefixMatch(0, [])
 
-    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0) -> int:
+    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0,
+               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None) -> int:
         return len(slots)
 
     def lock(self, handle: Any) -> None:

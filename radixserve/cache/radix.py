@@ -15,6 +15,18 @@ NOTE: lock counts are path counts: locking a node adds one to it and to every an
 `lock_ref(parent) >= lock_ref(child)` and a node is evictable iff `lock_ref == 0`. Only
 leaves are evicted; a parent becomes a leaf (and a candidate) when its last child goes.
 A split keeps the lower half as the original node object, so handles stay valid.
+
+Sliding-window layers (`window` > 0, Gemma 3, Mistral): their KV sits in a second pool
+(cache/allocator.WindowedAllocator) and a query sees only the `window` positions up to its
+own, so a node's window KV is needed only while some query may still see it. A node holds its
+full-attention KV for as long as it is cached, and its window KV until `evict_window` drops it
+(a tombstone, `windowed` False). A cached prefix is usable only where the `window - 1`
+positions before its end still have window KV: `match` cuts a match back to the deepest such
+end (SGLang's SWA radix cache does the same). A request pins that window with `lock_window`:
+a range lock over [end - window + 1, end), whose start is made a node boundary when it is
+taken, so later splits keep it exact (both halves of a split node lie inside every window
+lock that covered it). An insert of tokens the tree holds as tombstones, by a caller that
+still has their window KV, gives that window KV to the tree (`on_revive`).
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch,
 
 
 class Node:
-    __slots__ = ("ns", "owner", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority")
+    __slots__ = ("ns", "owner", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority", "windowed",
+                 "window_lock")
 
     def __init__(self, ns: Namespace, key: list[int], slots: list[int], parent: Node | None, owner: str | None = None) -> None:
         self.ns = ns
@@ -40,6 +53,8 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.priority = 0
+        self.windowed = True  # holds its sliding-window layers' KV (False: dropped, a tombstone)
+        self.window_lock = 0  # window locks covering this node (requests whose queries still see it)
 
     def __repr__(self) -> str:
         return f"Node({self.ns}, len={len(self.key)}, lock={self.lock_ref}, t={self.last_access})"
@@ -55,7 +70,8 @@ EVICTION_POLICIES: dict[str, Callable[[Node], Any]] = {
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, page_size: int = 1, eviction: str = "lru", quotas: Mapping[str, int] | None = None) -> None:
+    def __init__(self, page_size: int = 1, eviction: str = "lru", quotas: Mapping[str, int] | None = None,
+                 window: int = 0) -> None:
         if page_size < 1:
             raise ValueError(f"page_size: must be at least 1, got {page_size}")
         if eviction not in EVICTION_POLICIES:
@@ -63,6 +79,7 @@ class RadixCache(PrefixCache):
         self.page_size = page_size
         self._evict_key = EVICTION_POLICIES[eviction]
         self.quotas: dict[str, int] = dict(quotas or {})  # tenant -> max cached tokens
+        self.reach = max(window - 1, 0)  # positions before its own a sliding-window query sees
         self._evicted = 0
         self._clear()
 
@@ -71,6 +88,8 @@ class RadixCache(PrefixCache):
         self.root.lock_ref = 1  # never evicted
         self._cached = 0
         self._evictable = 0
+        self._window_tokens = 0  # in nodes that hold their window KV
+        self._window_evictable = 0  # of those, in nodes no window lock covers
         self._tick = 0
         self._version = getattr(self, "_version", 0) + 1
         self.tenant_tokens: Counter[str | None] = Counter()
@@ -92,13 +111,13 @@ class RadixCache(PrefixCache):
     def _child_key(self, tokens: list[int], i: int) -> Any:
         return tokens[i] if self.page_size == 1 else tuple(tokens[i : i + self.page_size])
 
-    def _walk(self, ns: Namespace, tokens: list[int], public_len: int, priority: int | None) -> tuple[Node, int, list[list[int]]]:
+    def _walk(self, ns: Namespace, tokens: list[int], public_len: int, priority: int | None) -> tuple[Node, int, list[Node]]:
         """Follow `tokens` down the tree, splitting the edge where the match ends inside it.
-        Returns the deepest matched node, the matched length and the slot chunks on the path."""
+        Returns the deepest matched node, the matched length and the nodes on the path."""
         total = self.aligned(len(tokens))
         plen = self.aligned(min(public_len, total))
         self._tick += 1
-        node, i, chunks = self.root, 0, []
+        node, i, path = self.root, 0, []
         while i < total:
             child, n = self._step(node, ns, tokens, i, plen, total)
             if child is None or n == 0:
@@ -108,9 +127,9 @@ class RadixCache(PrefixCache):
             child.last_access = self._tick
             if priority is not None:
                 child.priority = max(child.priority, priority)
-            chunks.append(child.slots)
+            path.append(child)
             node, i = child, i + n
-        return node, i, chunks
+        return node, i, path
 
     def _step(self, node: Node, ns: Namespace, tokens: list[int], i: int, plen: int, total: int) -> tuple[Node | None, int]:
         """The child of `node` that tokens[i:] continues into (PUBLIC below plen, `ns` after),
@@ -127,15 +146,33 @@ class RadixCache(PrefixCache):
         assert parent is not None
         upper = Node(self._intern(child.ns), child.key[:n], child.slots[:n], parent, child.owner)
         upper.lock_ref, upper.last_access, upper.priority = child.lock_ref, child.last_access, child.priority
+        upper.windowed, upper.window_lock = child.windowed, child.window_lock
         parent.children[(child.ns, self._child_key(child.key, 0))] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
         upper.children[(child.ns, self._child_key(child.key, 0))] = child
         return upper
 
-    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0) -> PrefixMatch:
-        node, n, chunks = self._walk(ns, tokens, public_len, None)
-        slots = chunks[0] if len(chunks) == 1 else [s for c in chunks for s in c]
+    def match(self, ns: Namespace, tokens: list[int], public_len: int = 0, whole: bool = False) -> PrefixMatch:
+        node, n, path = self._walk(ns, tokens, public_len, None)
+        if self.reach and not whole:
+            path = self._usable(path)
+            node, n = (path[-1], sum(len(x.key) for x in path)) if path else (self.root, 0)
+        slots = path[0].slots if len(path) == 1 else [s for x in path for s in x.slots]
         return PrefixMatch(n, list(slots), node)
+
+    def _usable(self, path: list[Node]) -> list[Node]:
+        """The longest head of a matched path whose end a query can start from: the `reach`
+        positions before it hold their window KV (a run of windowed nodes at least that long,
+        or reaching back to the root)."""
+        best, run, at_root = 0, 0, True
+        for i, node in enumerate(path):
+            if not node.windowed:
+                run, at_root = 0, False
+                continue
+            run += len(node.key)
+            if at_root or run >= self.reach:
+                best = i + 1
+        return path[:best]
 
     def branches(self, ns: Namespace, tokens: list[int], public_len: int, context: int, limit: int) -> list[list[int]]:
         # Walk `tokens` down without splitting or touching anything; then, from the deepest point
@@ -189,21 +226,45 @@ class RadixCache(PrefixCache):
         return self._version
 
     # -- insert -----------------------------------------------------------------------------
-    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0) -> int:
+    def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0,
+               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None) -> int:
+        """`window_from` (page-aligned): the caller holds window KV for tokens from there on
+        only; new nodes before it are tombstones. Tombstones the insert duplicates from there on
+        take the caller's window KV: `on_revive(its slots, the node's slots)` moves it over."""
         total = len(tokens)
         if total % self.page_size or len(slots) != total:
             raise ValueError(f"insert: {total} tokens with {len(slots)} slots (page size {self.page_size})")
-        node, dup, _ = self._walk(ns, tokens, public_len, priority)
+        node, dup, path = self._walk(ns, tokens, public_len, priority)
+        if self.reach and on_revive is not None:
+            self._revive(path, slots, window_from, on_revive)
         plen = self.aligned(min(public_len, total))
         i = dup
-        while i < total:  # the rest is new: one node for the public part, one for the private
+        while i < total:  # the rest is new: one node for the public part, one for the private (each cut at window_from)
             cur, end = (PUBLIC, plen) if i < plen else (ns, total)
+            if i < window_from < end:
+                end = window_from
             child = Node(self._intern(cur), tokens[i:end], slots[i:end], node, ns.tenant)
             child.last_access, child.priority = self._tick, priority
+            child.windowed = i >= window_from
             node.children[(child.ns, self._child_key(tokens, i))] = child
             self._account(child, +1)
             node, i = child, end
         return dup
+
+    def _revive(self, path: list[Node], slots: list[int], window_from: int, on_revive: Callable[[list[int], list[int]], None]) -> None:
+        at = 0
+        for node in path:
+            end = at + len(node.key)
+            if not node.windowed and end > window_from:
+                if at < window_from:  # only its part from window_from on: cut there
+                    self._split(node, window_from - at)
+                    at = window_from
+                on_revive(slots[at:end], node.slots)
+                node.windowed = True
+                self._window_tokens += len(node.key)
+                if node.window_lock == 0:
+                    self._window_evictable += len(node.key)
+            at = end
 
     def _account(self, node: Node, sign: int) -> None:
         self._version += 1
@@ -211,6 +272,9 @@ class RadixCache(PrefixCache):
         self._cached += n
         self._evictable += n  # new and removed nodes are unlocked
         self.tenant_tokens[node.owner] += n
+        if node.windowed:
+            self._window_tokens += n
+            self._window_evictable += n
 
     # -- locks ------------------------------------------------------------------------------
     def lock(self, handle: Any) -> None:
@@ -231,6 +295,64 @@ class RadixCache(PrefixCache):
                 self._evictable += len(node.key)
             node = node.parent
 
+    def _window_range(self, handle: Node) -> tuple[int, int]:
+        end = 0
+        node: Node | None = handle
+        while node is not None and node is not self.root:
+            end += len(node.key)
+            node = node.parent
+        return self.aligned(max(end - self.reach, 0)), end
+
+    def lock_window(self, handle: Any) -> None:
+        """Pin the window KV a query right after `handle` sees: the nodes covering
+        [end - reach, end) (page-aligned down), the node at the start split so it begins there."""
+        if not self.reach:
+            return
+        start, b = self._window_range(handle)
+        node = handle
+        while node is not self.root and b > start:
+            a = b - len(node.key)
+            if a < start:
+                self._split(node, start - a)
+                a = start
+            if node.window_lock == 0 and node.windowed:
+                self._window_evictable -= len(node.key)
+            node.window_lock += 1
+            node, b = node.parent, a
+
+    def unlock_window(self, handle: Any) -> None:
+        if not self.reach:
+            return
+        start, b = self._window_range(handle)
+        node = handle
+        while node is not self.root and b > start:
+            if node.window_lock <= 0:
+                raise RuntimeError(f"window unlock of a node without a window lock {node!r}")
+            node.window_lock -= 1
+            if node.window_lock == 0 and node.windowed:
+                self._window_evictable += len(node.key)
+            node, b = node.parent, b - len(node.key)
+
+    def evict_window(self, n: int) -> list[int]:
+        """Drop the window KV of at least n tokens if possible, from nodes no window lock covers
+        (least recently used first; the nodes stay, as tombstones); returns their slots."""
+        heap = [(self._evict_key(x), id(x), x) for x in self._nodes()
+                if x is not self.root and x.windowed and x.window_lock == 0]
+        heapq.heapify(heap)
+        dropped: list[int] = []
+        while heap and len(dropped) < n:
+            node = heapq.heappop(heap)[2]
+            node.windowed = False
+            self._version += 1
+            self._window_tokens -= len(node.key)
+            self._window_evictable -= len(node.key)
+            dropped.extend(node.slots)
+        return dropped
+
+    def window_slots(self) -> list[int]:
+        """Slots of every node that holds its window KV."""
+        return [s for x in self._nodes() if x is not self.root and x.windowed for s in x.slots]
+
     # -- eviction ---------------------------------------------------------------------------
     def _over_quota(self, tenant: str | None) -> bool:
         quota = self.quotas.get(tenant) if tenant is not None else None
@@ -246,10 +368,10 @@ class RadixCache(PrefixCache):
         return freed
 
     def _evict_from(self, n: int, freed: list[int], eligible: Callable[[Node], bool]) -> None:
-        heap = [(self._evict_key(x), id(x), x) for x in self._leaves() if eligible(x)]
+        heap = [(x.windowed, self._evict_key(x), id(x), x) for x in self._leaves() if eligible(x)]  # tombstones first
         heapq.heapify(heap)
         while heap and len(freed) < n:
-            _, _, node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[3]
             if node.lock_ref or node.children or not eligible(node):
                 continue
             parent = node.parent
@@ -261,7 +383,7 @@ class RadixCache(PrefixCache):
             self._evicted += len(node.key)
             freed.extend(node.slots)
             if parent is not self.root and not parent.children and parent.lock_ref == 0 and eligible(parent):
-                heapq.heappush(heap, (self._evict_key(parent), id(parent), parent))
+                heapq.heappush(heap, (parent.windowed, self._evict_key(parent), id(parent), parent))
 
     def _nodes(self) -> list[Node]:
         out, stack = [], [self.root]
@@ -295,12 +417,20 @@ class RadixCache(PrefixCache):
         return self._evicted
 
     @property
+    def window_tokens(self) -> int:
+        return self._window_tokens
+
+    @property
+    def window_evictable_tokens(self) -> int:
+        return self._window_evictable
+
+    @property
     def namespaces(self) -> int:
         return len(self._namespaces)
 
     def check_integrity(self) -> list[int]:
         slots: list[int] = []
-        cached = evictable = 0
+        cached = evictable = windowed = window_evictable = 0
         tenants: Counter[str | None] = Counter()
         per_ns: Counter[Namespace] = Counter()
         for node in self._nodes():
@@ -315,6 +445,10 @@ class RadixCache(PrefixCache):
             _check(len(node.key) == len(node.slots) > 0, f"{node!r} has {len(node.slots)} slots for {len(node.key)} tokens")
             _check(len(node.key) % self.page_size == 0, f"{node!r} is not a whole number of pages")
             _check(node.lock_ref >= 0, f"{node!r} has a negative lock count")
+            _check(0 <= node.window_lock <= node.lock_ref, f"{node!r} has a window lock without its path lock")
+            _check(self.reach > 0 or (node.windowed and not node.window_lock), f"{node!r} has window state without a window")
+            windowed += len(node.key) if node.windowed else 0
+            window_evictable += len(node.key) if node.windowed and not node.window_lock else 0
             slots.extend(node.slots)
             cached += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
@@ -324,6 +458,9 @@ class RadixCache(PrefixCache):
         _check(len(set(slots)) == len(slots), "a slot is held by two cached tokens")
         _check(cached == self._cached, f"cached count {self._cached} != {cached} in the tree")
         _check(evictable == self._evictable, f"evictable count {self._evictable} != {evictable} in the tree")
+        _check(windowed == self._window_tokens, f"window-KV count {self._window_tokens} != {windowed} in the tree")
+        _check(window_evictable == self._window_evictable,
+               f"window-evictable count {self._window_evictable} != {window_evictable} in the tree")
         _check(per_ns == {ns: e[1] for ns, e in self._namespaces.items()}, "namespace node counts do not match the tree")
         _check(+tenants == +self.tenant_tokens, f"per-tenant counts {dict(self.tenant_tokens)} != {dict(tenants)}")
         return slots

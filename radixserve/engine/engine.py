@@ -18,7 +18,7 @@ from grammars.spec import GrammarSpec
 from kernels import cpu as cpu_kernels
 from kernels.kv_quant import is_quantized
 from radixserve.attention import create_backend
-from radixserve.cache.allocator import SlotAllocator
+from radixserve.cache.allocator import SlotAllocator, WindowedAllocator
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
@@ -85,9 +85,14 @@ class Engine(RequestFront):
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         a = self.arch
-        self.pool = KVPool(a.num_layers, self._pool_slots(), a.num_kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype)
+        self.window = max(a.layer_windows, default=0) if not cfg.cache.disable_hybrid_swa_memory else 0
+        slots, window_slots = self._pool_slots()
+        self.pool = KVPool(a.num_layers, slots, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype,
+                           a.layer_windows, window_slots)
         self.num_slots = self.pool.num_slots
-        self.cache = CacheManager(SlotAllocator(self.pool.num_slots, cfg.cache.page_size), self._prefix_cache())
+        ps = cfg.cache.page_size
+        allocator = WindowedAllocator(slots, window_slots, ps) if window_slots else SlotAllocator(slots, ps)
+        self.cache = CacheManager(allocator, self._prefix_cache())
         self.scheduler = Scheduler(cfg.sched, self.cache, self._proposer())
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # nothing started yet: see on_idle below
@@ -127,27 +132,38 @@ class Engine(RequestFront):
     def _prefix_cache(self) -> PrefixCache:
         c = self.config.cache
         if c.disable_radix_cache:
-            return NullPrefixCache(c.page_size)
-        return RadixCache(c.page_size, c.radix_eviction_policy, c.tenant_max_cached_tokens)
+            return NullPrefixCache(c.page_size, self.window)
+        return RadixCache(c.page_size, c.radix_eviction_policy, c.tenant_max_cached_tokens, self.window)
 
-    def _pool_slots(self) -> int:
-        """Tokens: kv_cache_tokens, else kv_cache_memory_mb's bytes, else kv_mem_fraction of the
-        free memory, over the bytes a token takes in the KV dtype (scales included)."""
+    def _pool_slots(self) -> tuple[int, int]:
+        """(full slots, window slots). Tokens: kv_cache_tokens, else kv_cache_memory_mb's bytes,
+        else kv_mem_fraction of the free memory, over the bytes a token takes in the KV dtype
+        (scales included). With sliding-window layers in a pool of their own (unless
+        disable_hybrid_swa_memory), that pool holds swa_full_tokens_ratio as many tokens, and
+        at least what one request's window and prefill chunk need (0: no such pool)."""
         c, a = self.config, self.arch
-        per_token = kv_bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        windowed = sum(1 for w in a.layer_windows if w) if self.window else 0
+        ratio = c.cache.swa_full_tokens_ratio if windowed else 0.0
+        layer_bytes = kv_bytes_per_token(1, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        per_token = layer_bytes * (a.num_layers - windowed + ratio * windowed)
         if c.cache.kv_cache_tokens is not None:
             n = c.cache.kv_cache_tokens
         elif c.cache.kv_cache_memory_mb is not None:
-            n = (c.cache.kv_cache_memory_mb << 20) // per_token
+            n = int((c.cache.kv_cache_memory_mb << 20) // per_token)
         else:
-            n = int(available_memory_bytes(self.device) * c.cache.kv_mem_fraction) // per_token
+            n = int(available_memory_bytes(self.device) * c.cache.kv_mem_fraction // per_token)
         given = "kv_cache_tokens" if c.cache.kv_cache_memory_mb is None else "kv_cache_memory_mb"
         if c.sched.max_total_tokens is not None and c.sched.max_total_tokens < n:
             n, given = c.sched.max_total_tokens, "max_total_tokens"
-        n -= n % c.cache.page_size
+        ps = c.cache.page_size
+        n -= n % ps
         if n < 1:
-            raise ValueError(f"{given}: the KV pool would hold {n} tokens ({per_token} bytes each); give it at least one page")
-        return n
+            raise ValueError(f"{given}: the KV pool would hold {n} tokens ({per_token:.0f} bytes each); give it at least one page")
+        if not windowed:
+            return n, 0
+        floor = self.window + c.sched.chunked_prefill_size + 2 * ps  # one request's window and chunk, page-rounded
+        w = min(n, max(int(n * ratio), floor))
+        return n, w - w % ps
 
     # -- grammars ---------------------------------------------------------------------------
     def grammars(self) -> Any:
@@ -296,6 +312,10 @@ class Engine(RequestFront):
             engine_rss_bytes=_rss_bytes() if self.own_process else 0,
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_bytes_per_token=self.pool.bytes_per_token,
+            kv_window_total_slots=self.pool.window_slots,
+            kv_window_free_slots=self.cache.windowed.window.num_free if self.cache.windowed is not None else 0,
+            kv_window_cached_tokens=prefix.window_tokens if self.cache.windowed is not None else 0,
+            kv_pool_bytes=self.pool.nbytes,
             **vars(c),
         )
 

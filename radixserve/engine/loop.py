@@ -135,7 +135,8 @@ class EngineLoop:
         request writes the same K/V to the same slots). A failure after sampling has advanced
         seeded generators: a seeded request rerun this way may then sample differently."""
         try:
-            result = self.runner.run(plan, self.scheduler.cache.slots)
+            cache = self.scheduler.cache
+            result = self.runner.run(plan, cache.slots, cache.window_tables)
         except Exception as e:
             if len(plan.items) > 1:
                 log.warning("a forward step of %d requests failed (%r); running them one at a time", len(plan.items), e)

@@ -60,6 +60,10 @@ class EngineStats:
     engine_rss_bytes: int = 0  # the engine process's resident memory (0 for an engine in the caller's process)
     kv_dtype: str = ""  # what the KV pool stores: the activations' dtype, bfloat16, int8 or float8_e4m3fn
     kv_bytes_per_token: int = 0  # K and V of one token in every layer, scales included
+    kv_window_total_slots: int = 0  # the sliding-window layers' own pool (0: they share the one pool)
+    kv_window_free_slots: int = 0
+    kv_window_cached_tokens: int = 0  # cached tokens that still hold their window KV
+    kv_pool_bytes: int = 0  # both pools, scales included
 
     @classmethod
     def sum(cls, parts: list[EngineStats]) -> EngineStats:

@@ -12,6 +12,7 @@ from torch import nn
 
 from radixserve.attention.base import AttnBackend
 from radixserve.batch import ForwardBatch
+from radixserve.cache.allocator import WindowTables
 from radixserve.engine.sampler import Sampler, logprob_entries
 from radixserve.request import Req, TokenLogprob
 from radixserve.sched.scheduler import PlanItem, SchedulePlan
@@ -43,14 +44,14 @@ class ModelRunner:
             torch.set_flush_denormal(True)  # denormals make CPU elementwise ops several times slower
 
     @torch.inference_mode()
-    def run(self, plan: SchedulePlan, slots_of: Callable[[Req], list[int]]) -> StepResult:
+    def run(self, plan: SchedulePlan, slots_of: Callable[[Req], list[int]], window: WindowTables | None = None) -> StepResult:
         """A sampling item samples its last fed row; one with a draft samples every row (row j:
         the token after the pending one and draft[:j]) and keeps the rows up to the first draft
         token the sampler did not produce, plus the token it produced there instead. Draft
         tokens jump-forward would append (`Draft.forced_from`) are kept without a check."""
         if self.fault_hook is not None:
             self.fault_hook(plan)
-        batch = ForwardBatch.from_plan(plan, slots_of, self.backend, self.device)
+        batch = ForwardBatch.from_plan(plan, slots_of, self.backend, self.device, window)
         sampling = [i for i, it in enumerate(plan.items) if it.samples and it.req.max_new_tokens > 0]
         row_reqs = [plan.items[i].req for i in sampling for _ in range(1 + len(plan.items[i].draft))]
         row_drafts = [plan.items[i].draft[:j] for i in sampling for j in range(1 + len(plan.items[i].draft))]

@@ -12,6 +12,11 @@ longer path. At release the computed part is offered once more; whatever the cac
 adopt, and every allocated-but-not-computed slot, goes back to the allocator. With pages,
 the request's slots after cached_len fill its pages in order, so len(slots) % page_size
 tells how much of its last page is still unused.
+
+Sliding-window layers (a WindowedAllocator): each page also holds a window page until no
+query can see it. The request's own pages below `window_from` have dropped theirs (`slide`,
+after every step: a query at position p sees p - reach .. p); its cached prefix's window is
+pinned with the prefix cache's window lock until the request is `reach` positions past it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.cache.allocator import SlotAllocator
+from radixserve.cache.allocator import SlotAllocator, WindowedAllocator, WindowTables
 from radixserve.cache.prefix import DEFAULT_TENANT, Namespace, PrefixCache
 from radixserve.request import Req
 
@@ -29,6 +34,8 @@ class _Entry:
     slots: list[int]
     handle: Any  # the locked prefix-cache path
     cached: int  # == req.cached_len
+    window_from: int = 0  # own pages before this position have dropped their window KV
+    window_locked: bool = False  # holds the prefix cache's window lock on handle
 
 
 class CacheManager:
@@ -39,6 +46,11 @@ class CacheManager:
         self.prefix = prefix
         self.page_size = allocator.page_size
         self._table: dict[str, _Entry] = {}
+        self.windowed: WindowedAllocator | None = allocator if isinstance(allocator, WindowedAllocator) else None
+        self.reach = prefix.reach if self.windowed is not None else 0
+        if self.windowed is not None and not self.reach:
+            raise ValueError("a window pool needs a prefix cache built with the model's window")
+        self.window_tables = WindowTables(self.windowed.window_slots, self.reach) if self.windowed is not None else None
 
     # -- queries ----------------------------------------------------------------------------
     def slots(self, req: Req) -> list[int]:
@@ -55,6 +67,12 @@ class CacheManager:
     def in_use(self) -> int:
         """Slots held by requests (not by the prefix cache)."""
         return self.allocator.num_used - self.prefix.cached_tokens
+
+    def window_available(self) -> int:
+        """Window-pool slots that could be had now (free, or droppable from cached tokens)."""
+        if self.windowed is None:
+            return 0
+        return self.windowed.window.num_free + self.prefix.window_evictable_tokens
 
     @staticmethod
     def namespace(req: Req) -> Namespace:
@@ -82,7 +100,8 @@ class CacheManager:
         """Match and lock the cached prefix; the request then feeds only the rest."""
         m = self.prefix.match(self.namespace(req), req.token_ids[: self.match_limit(req)], req.public_prefix_len)
         self.prefix.lock(m.handle)
-        self._table[req.rid] = _Entry(list(m.slots), m.handle, m.length)
+        self.prefix.lock_window(m.handle)
+        self._table[req.rid] = _Entry(list(m.slots), m.handle, m.length, m.length, True)
         req.cached_len = req.computed_len = m.length
 
     def alloc(self, req: Req, n: int, evict: bool = True) -> bool:
@@ -96,10 +115,13 @@ class CacheManager:
             if got is None and not evict:
                 return False
             if got is None:
-                need = -(-(n - spare) // self.page_size) * self.page_size - self.allocator.num_free
-                freed = self.prefix.evict(need)
+                full, _ = self.allocator.short(n - spare)
+                freed = self.prefix.evict(full) if full else []
                 if freed:
                     self.allocator.free(freed)
+                _, window = self.allocator.short(n - spare)  # what is still missing after that eviction
+                if window and self.windowed is not None:
+                    self.windowed.drop_window(self.prefix.evict_window(window))
                 got = self.allocator.alloc(n - spare)
                 if got is None:
                     return False
@@ -135,17 +157,48 @@ class CacheManager:
             return
         ns = self.namespace(req)
         tokens = req.token_ids[:done]
-        dup = self.prefix.insert(ns, tokens, entry.slots[:done], req.public_prefix_len, req.priority)
+        dup = self._insert(req, entry, done)
         if dup > entry.cached:
             self.allocator.free(entry.slots[entry.cached : dup])  # ours duplicated someone else's
-        m = self.prefix.match(ns, tokens, req.public_prefix_len)
+        m = self.prefix.match(ns, tokens, req.public_prefix_len, whole=True)
         if m.length != done:
             raise RuntimeError(f"prefix cache lost {req.rid}'s tokens: matched {m.length} of {done} just inserted")
         entry.slots[:done] = m.slots
         self.prefix.lock(m.handle)
-        self.prefix.unlock(entry.handle)
-        entry.handle, entry.cached = m.handle, done
+        self.prefix.lock_window(m.handle)
+        self._unlock(entry)
+        entry.handle, entry.cached, entry.window_locked = m.handle, done, True
+        entry.window_from = max(entry.window_from, done)
         req.cached_len = done
+
+    def _insert(self, req: Req, entry: _Entry, done: int) -> int:
+        """Offer the request's first `done` tokens to the prefix cache (see PrefixCache.insert)."""
+        revive = self.windowed.move_window if self.windowed is not None else None
+        return self.prefix.insert(self.namespace(req), req.token_ids[:done], entry.slots[:done], req.public_prefix_len,
+                                  req.priority, max(entry.window_from, entry.cached), revive)
+
+    def _unlock(self, entry: _Entry) -> None:
+        if entry.window_locked:
+            self.prefix.unlock_window(entry.handle)
+            entry.window_locked = False
+        self.prefix.unlock(entry.handle)
+
+    def slide(self, req: Req) -> None:
+        """After a step, with sliding-window layers: drop the window KV of the request's own pages
+        that no query of its can see any more (all before computed_len - reach), and its window
+        lock on the cached prefix once it is that far past it."""
+        entry = self._table.get(req.rid)
+        if self.windowed is None or entry is None:
+            return
+        seen_from = req.computed_len - self.reach  # the next query (at computed_len) sees from here on
+        if entry.window_locked and seen_from >= entry.cached:
+            self.prefix.unlock_window(entry.handle)
+            entry.window_locked = False
+        dead = self.prefix.aligned(min(seen_from, len(entry.slots)))
+        lo = max(entry.window_from, entry.cached)
+        if dead > lo:
+            self.windowed.drop_window(entry.slots[lo:dead])
+            entry.window_from = dead
 
     def release(self, req: Req) -> None:
         """Give back everything the request holds. Safe to call for a never-admitted request."""
@@ -154,11 +207,11 @@ class CacheManager:
             return
         slots, cached = entry.slots, entry.cached
         done = max(self.prefix.aligned(min(req.computed_len, len(slots))), cached)
-        dup = self.prefix.insert(self.namespace(req), req.token_ids[:done], slots[:done], req.public_prefix_len, req.priority)
+        dup = self._insert(req, entry, done)
         own = slots[cached : max(dup, cached)] + slots[done:]
         if own:
             self.allocator.free(own)
-        self.prefix.unlock(entry.handle)
+        self._unlock(entry)
         req.computed_len = req.cached_len = 0
 
     def flush(self) -> int:
@@ -189,3 +242,23 @@ class CacheManager:
         total = self.allocator.size // ps
         if len(owner) != total:
             raise RuntimeError(f"KV integrity: {total - len(owner)} of {total} pages are owned by nobody (leaked)")
+        if self.windowed is not None:
+            self._check_windows()
+
+    def _check_windows(self) -> None:
+        """Each window page is free or held by exactly one page in use that should have one: a
+        cached node that still holds its window KV, or a request's own page from window_from on."""
+        w, ps = self.windowed, self.page_size
+        assert w is not None
+        should = {s // ps for s in self.prefix.window_slots()}
+        for entry in self._table.values():
+            should |= {s // ps for s in entry.slots[max(entry.window_from, entry.cached) :]}
+        held = w.window_pages()
+        if set(held) != should:
+            raise RuntimeError(f"KV integrity: pages {sorted(set(held) ^ should)[:8]} hold a window page they should not, "
+                               "or lack one they need")
+        taken = list(held.values())
+        if len(set(taken)) != len(taken) or set(taken) & w.window.free_pages():
+            raise RuntimeError("KV integrity: a window page is held twice, or held and free")
+        if len(taken) + len(w.window.free_pages()) != w.window.size // ps:
+            raise RuntimeError("KV integrity: window pages are owned by nobody (leaked)")

@@ -1,6 +1,10 @@
 """PrefillAdder: admits prefill chunks under a per-iteration token budget and a memory
 reservation for what running requests will still need. The last request admitted is the
-one that gets chunked; the next iteration continues it before admitting anyone new."""
+one that gets chunked; the next iteration continues it before admitting anyone new.
+
+With sliding-window layers in a pool of their own, admission also keeps to that pool: a
+request holds at most its window and a chunk of it at a time (what lies further back drops
+its window KV as the request moves on)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ class PrefillAdder:
         self.headroom = cache.available() - sum(self.reservation(r) for r in running)
         self.slots_left = cfg.max_running_requests - len(running)
         self.idle = not running
+        self.windowed = cache.windowed is not None
+        step = cfg.chunked_prefill_size + 2 * cache.page_size  # a chunk, page-rounded at both ends
+        self.window_span = cache.reach + step  # the most of the window pool one request holds
+        if self.windowed:
+            self.window_room = cache.window_available() - sum(min(self.reservation(r), step) for r in running)
 
     @property
     def can_admit(self) -> bool:
@@ -43,16 +52,21 @@ class PrefillAdder:
         """Admit a waiting request and allocate its first chunk; 0 means stop admitting."""
         if not self.can_admit:
             return 0
-        before = self.cache.available()
+        before, before_window = self.cache.available(), self.cache.window_available()
         self.cache.admit(req)
         pinned = before - self.cache.available()  # cached tokens this admission locked: no longer evictable
         need = req.extend_len + self._decode_share(req) + pinned
         n = min(req.extend_len, self.budget)
         # With nothing running, admit whatever fits at all: waiting for memory would deadlock.
         fits = need <= self.headroom or (self.idle and req.extend_len <= self.cache.available())
+        if self.windowed:
+            window_need = min(need - pinned, self.window_span) + before_window - self.cache.window_available()
+            fits = fits and (window_need <= self.window_room or self.idle)
         if not fits or not self.cache.alloc(req, n):
             self.cache.release(req)
             return 0
+        if self.windowed:
+            self.window_room -= window_need
         self.budget -= n
         self.headroom -= need
         self.slots_left -= 1

@@ -220,6 +220,7 @@ class Scheduler:
                 c.decode_tokens += k
                 assert self.proposer is not None
                 self.proposer.observe(req, item.spec, acc)
+                self.cache.slide(req)
                 continue
             req.computed_len = item.start + item.length
             if item.is_decode:
@@ -228,6 +229,7 @@ class Scheduler:
                 c.prefill_tokens_computed += item.length
                 if req.finish_reason is None:
                     self.cache.cache_prefix(req)  # reusable before the request finishes
+            self.cache.slide(req)
 
     def reap(self) -> list[Req]:
         """Release every request that has a finish reason; returns them."""

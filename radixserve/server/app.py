@@ -145,8 +145,13 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 def _kv_pool(s: EngineStats) -> dict[str, Any]:
-    """What the KV pool stores and holds: its dtype, a token's bytes (scales included), its tokens."""
-    return {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots}
+    """What the KV pool stores and holds: its dtype, a token's bytes (scales included), its tokens;
+    with sliding-window layers in a pool of their own, that pool's tokens."""
+    out = {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots,
+           "kv_pool_bytes": s.kv_pool_bytes}
+    if s.kv_window_total_slots:
+        out["kv_window_capacity_tokens"] = s.kv_window_total_slots
+    return out
 
 
 def _spec_config(c: Any, device: str) -> dict[str, Any] | None:
