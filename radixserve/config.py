@@ -170,7 +170,8 @@ class ServerConfig:
                                                 "from content; a JSON or tool-call constraint starts after it "
                                                 "(server/reasoning.py)", ("qwen3", "deepseek_r1"))
     tool_call_parser: str = option("auto", "how the model writes tool calls (tool_choice auto): auto (from its chat "
-                                           "template), hermes, llama3_json, mistral or qwen3_coder (server/tool_parsers.py)",
+                                           "template), hermes, llama3_json, mistral (its v11 form where the template "
+                                           "writes [ARGS]) or qwen3_coder (server/tool_parsers.py)",
                                    ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder"))
 
 

@@ -106,6 +106,8 @@ class PostProcessor:
         return kept
 
     def _text(self, req: Req, st: _Stream, tok: int) -> None:
+        if req.finish_reason is FinishReason.STOP and req.finish_matched == tok:
+            return  # the EOS or stop token that ended it: in output_ids, not in the text (as vLLM and SGLang trim it)
         st.detok.add(tok)
         if req.grammar is not None and not req.grammar_active:
             after = req.params.grammar_after

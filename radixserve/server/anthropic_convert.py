@@ -237,6 +237,7 @@ def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingPara
                                  temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
     after = reasoning.grammar_after(conv.parser, schema is not None or tag is not None)
     params = sampling_params(chat, b.max_tokens, 0, 0, False, schema, tag, grammar_after=after)
+    params.skip_special_tokens = not tools.keeps_markers(conv.mode, conv.tool_format)
     rename = {**RENAME, "json_schema": field}
     if tag is not None:  # the call schema's compile errors name the tool
         rename["structural_tag"] = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)

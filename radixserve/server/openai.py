@@ -245,7 +245,11 @@ def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     constrained = any(x is not None for x in (plan.schema, plan.tag, b.regex, b.ebnf))
     after = reasoning.grammar_after(plan.parser, constrained)
-    return [sampling_params(b, max_tokens, i, top, b.logprobs, plan.schema, plan.tag, after) for i in range(b.n)]
+    params = [sampling_params(b, max_tokens, i, top, b.logprobs, plan.schema, plan.tag, after) for i in range(b.n)]
+    if tools.keeps_markers(plan.mode, plan.tool_format):
+        for p in params:
+            p.skip_special_tokens = False
+    return params
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

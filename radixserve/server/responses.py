@@ -130,6 +130,7 @@ def plan_of(b: CreateResponseRequest, reasoning_parser: str | None, tool_format:
     sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
     after = reasoning.grammar_after(parser, schema is not None or tag is not None)
     params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, tag, grammar_after=after)
+    params.skip_special_tokens = not tools.keeps_markers(mode, tool_format)
     return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs,
                 tool_format, tag is not None)
 

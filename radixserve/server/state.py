@@ -116,11 +116,15 @@ class ServerState:
     @functools.cached_property
     def tool_format(self) -> str:
         """How the model writes tool calls: --tool-call-parser, else its chat template's own format
-        where the template takes tools (else the tagged form radixserve's tool prompt teaches)."""
-        if self.config.tool_call_parser != "auto":
-            return self.config.tool_call_parser
+        where the template takes tools (else the tagged form radixserve's tool prompt teaches).
+        Mistral's parser takes the v11 form where the template writes it."""
         template = getattr(self.engine.tokenizer, "chat_template", None)
-        return tool_parsers.for_template(template if isinstance(template, str) and "tools" in template else None)
+        template = template if isinstance(template, str) and "tools" in template else None
+        found = tool_parsers.for_template(template)
+        chosen = self.config.tool_call_parser
+        if chosen == "auto" or (chosen == "mistral" and found == "mistral_v11"):
+            return found
+        return chosen
 
     def engine_down(self) -> str | None:
         """Why the engine core is gone (its process died), or None while it serves."""

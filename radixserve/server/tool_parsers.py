@@ -8,8 +8,11 @@ not offered, or one that does not parse, stays content.
                  wrote no tags, a fenced ```json block holding only calls (Qwen2.5-Coder)
     llama3_json  Llama 3.x: an answer that is only calls, {"name": ..., "parameters": {...}},
                  after an optional <|python_tag|>, several separated by ";"
-    mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (v3), or
-                 [TOOL_CALLS]name[ARGS]{...} (v11 and later)
+    mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (v3: Mistral 7B v0.3, Nemo), or
+                 [TOOL_CALLS]name[ARGS]{...} (v11 and later: Small 3.x, Devstral, Magistral);
+                 `mistral_v11` is the same parser, chosen where the template writes [ARGS] (its
+                 auto-mode constraint then holds that form). The markers are special tokens: a
+                 request with tools in auto mode keeps them in the decoded text (tools.keeps_markers).
     qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>,
                  each VALUE read by its parameter's schema type (a string as written)
 """
@@ -43,7 +46,7 @@ def for_template(template: str | None) -> str:
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:
-        return "mistral"
+        return "mistral_v11" if "[ARGS]" in t else "mistral"
     if "<|python_tag|>" in t or ("ipython" in t and '"parameters"' in t):
         return "llama3_json"
     return "hermes"
@@ -174,7 +177,7 @@ class CallStream:
     end of the text so far) is held until it is known not to be one."""
 
     _MARKERS = {"hermes": ("<tool_call>", "```"), "qwen3_coder": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
-                "llama3_json": ("<|python_tag|>",)}
+                "mistral_v11": ("[TOOL_CALLS]",), "llama3_json": ("<|python_tag|>",)}
 
     def __init__(self, fmt: str, tools: list[Any], one_call: bool) -> None:
         self.fmt, self.tools, self.one_call = fmt, {t.name: t for t in tools}, one_call
@@ -212,7 +215,7 @@ class CallStream:
         head = t.lstrip()
         if self.fmt == "llama3_json" and (not head or head[0] == "{" or _opens(head, "<|python_tag|>")):
             return 0  # an answer that may be all calls
-        if self.fmt == "mistral" and head[:1] == "[":
+        if self.fmt in MISTRAL and head[:1] == "[":
             return 0
         cut = len(t)
         for marker in self._MARKERS[self.fmt]:
@@ -244,5 +247,6 @@ def partial_tail(text: str, tag: str) -> int:
     return 0
 
 
+MISTRAL = ("mistral", "mistral_v11")
 _BY_NAME: dict[str, Callable[[str, dict[str, Any]], Parsed]] = {
-    "hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "qwen3_coder": _qwen3_coder}
+    "hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "mistral_v11": _mistral, "qwen3_coder": _qwen3_coder}

@@ -114,10 +114,16 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
         qwen3_coder  `<tool_call>\n<function=<tool>>\n` + <parameter=...> XML per its schema
                      (xgrammar's qwen_3_coder tag)
 
-    None for mistral (its marker is a special token the text may not show: parsed, not
-    constrained) and where this xgrammar has no builtin tag for the format."""
+        mistral      the special token [TOOL_CALLS] (a token trigger), then a JSON list of calls
+                     (call_schema items; one with `one_call`); nothing after it
+        mistral_v11  [TOOL_CALLS] + an offered tool's name + the special token [ARGS] + its
+                     arguments, per call
+
+    None where this xgrammar has no builtin tag for the format."""
     if not offered:
         return None
+    if fmt in tool_parsers.MISTRAL:
+        return json.dumps({"type": "structural_tag", "format": _mistral_tags(offered, fmt, one_call)})
     if fmt in _BUILTIN_TAGS:
         try:
             from xgrammar.builtin_structural_tag import get_model_structural_tag
@@ -138,6 +144,31 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
     fenced = [f'{_FENCE}{t.name}"' for t in offered]  # a fence engages at an offered tool's name only
     fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>", *fenced], "tags": tags, "stop_after_first": one_call}
     return json.dumps({"type": "structural_tag", "format": fmt_})
+
+
+def _mistral_tags(offered: list[Tool], fmt: str, one_call: bool) -> dict[str, Any]:
+    marker = {"type": "token", "token": "[TOOL_CALLS]"}
+    if fmt == "mistral":  # v3: one list of calls
+        root = json.loads(call_schema(offered))
+        defs = root.pop("$defs", None)
+        calls: dict[str, Any] = {"type": "array", "items": root, "minItems": 1, **({"maxItems": 1} if one_call else {}),
+                                 **({"$defs": defs} if defs else {})}
+        content: dict[str, Any] = {"type": "json_schema", "json_schema": calls, "max_whitespace_cnt": 2}
+    else:  # v11: name[ARGS]{...}, each call after its own marker
+        content = {"type": "or", "elements": [
+            {"type": "sequence", "elements": [{"type": "const_string", "value": t.name}, {"type": "token", "token": "[ARGS]"},
+                                              {"type": "json_schema", "json_schema": _hoisted(t), "max_whitespace_cnt": 2}]}
+            for t in offered]}
+    return {"type": "token_triggered_tags", "trigger_tokens": ["[TOOL_CALLS]"],
+            "tags": [{"type": "tag", "begin": marker, "content": content, "end": ""}],
+            "stop_after_first": one_call or fmt == "mistral"}
+
+
+def keeps_markers(mode: str, fmt: str) -> bool:
+    """Whether an answer must be decoded with its special tokens: tool calls in auto mode whose
+    format marks them with special tokens (Mistral's [TOOL_CALLS], [ARGS]), which the parser
+    and the call stream read."""
+    return mode == "auto" and fmt in tool_parsers.MISTRAL
 
 
 _BUILTIN_TAGS = {"llama3_json": "llama", "qwen3_coder": "qwen_3_coder"}  # our format -> xgrammar's model key
