@@ -72,7 +72,7 @@ BackendFactory = Callable[[], Backend]  # picklable (a module-level function or 
 
 def check_backend(owner: str, backend: str) -> None:
     if backend != owner:
-        raise GrammarError(f"a grammar compiled by {backend!r} cannot be loaded by the {owner!r} backend")
+        raise GrammarError(None, f"a grammar compiled by {backend!r} cannot be loaded by the {owner!r} backend")
 
 
 def bitmask_words(vocab_size: int) -> int:

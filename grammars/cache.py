@@ -131,7 +131,7 @@ class CompileCache:
         except GrammarError as e:
             entry.set_exception(e)
         except BaseException as e:
-            entry.set_exception(GrammarError(f"{spec.kind}: {e!r}", spec.kind))
+            entry.set_exception(GrammarError(spec.kind, repr(e)))
         else:
             entry.set_result(compiled)
 

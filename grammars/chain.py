@@ -23,8 +23,8 @@ class Chain(Backend):
                 if missing:
                     ptr, kw = missing[0]
                     errors.append(GrammarError(
-                        f"json_schema: {kw} at {ptr} cannot be enforced (backend {b.name}); "
-                        "drop it, or send a non-strict schema to have it enforced only as far as possible", "json_schema"))
+                        "json_schema", f"{kw} at {ptr} cannot be enforced (backend {b.name}); "
+                        "drop it, or send a non-strict schema to have it enforced only as far as possible"))
                     continue
             try:
                 return b.compile(spec)
@@ -36,4 +36,4 @@ class Chain(Backend):
         for b in self.backends:
             if b.name == backend:
                 return b.deserialize(backend, data)
-        raise GrammarError(f"a grammar compiled by {backend!r} cannot be loaded by the {self.name!r} backend")
+        raise GrammarError(None, f"a grammar compiled by {backend!r} cannot be loaded by the {self.name!r} backend")

@@ -13,13 +13,12 @@ class NotCompiled(GrammarError):
 
 
 def timeout(spec: GrammarSpec, timeout_s: float) -> GrammarError:
-    return GrammarError(f"{spec.kind}: compiling the grammar took longer than the grammar_compile_timeout of {timeout_s:g} s",
-                        spec.kind)
+    return GrammarError(spec.kind, "compiling the grammar took longer than the grammar_compile_timeout of "
+                                   f"{timeout_s:g} s")
 
 
 def memory(spec: GrammarSpec, memory_mb: int) -> GrammarError:
-    return GrammarError(f"{spec.kind}: compiling the grammar used more than the grammar_compile_memory_mb of {memory_mb} MiB",
-                        spec.kind)
+    return GrammarError(spec.kind, f"compiling the grammar used more than the grammar_compile_memory_mb of {memory_mb} MiB")
 
 
 def busy(spec: GrammarSpec, timeout_s: float, per_tenant: int) -> NotCompiled:

@@ -89,7 +89,7 @@ class OutlinesBackend(Backend):
         try:
             return OutlinesCompiled(Index.from_binary(data), self._stop)
         except Exception as e:
-            raise GrammarError(f"the compiled outlines index could not be loaded: {e}") from None
+            raise GrammarError(None, f"the compiled outlines index could not be loaded: {e}") from None
 
     def compile(self, spec: GrammarSpec) -> Compiled:
         from outlines_core import Index
@@ -104,13 +104,13 @@ class OutlinesBackend(Backend):
             elif spec.kind == "choice":
                 pattern = "|".join(re.escape(o) for o in json.loads(spec.source))
             else:
-                raise GrammarError(f"{spec.kind}: not supported by the outlines backend", spec.kind)
+                raise GrammarError(spec.kind, "not supported by the outlines backend")
             return OutlinesCompiled(Index(pattern, self._vocabulary()), self._stop)
         except GrammarError:
             raise
         except Exception as e:
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GrammarError(f"{spec.kind}: outlines could not compile it: {text}", spec.kind) from None
+            raise GrammarError(spec.kind, f"outlines could not compile it: {text}") from None
 
 
 @cache

@@ -218,8 +218,8 @@ class CompilePool:
                 result = (str(header.get("backend")), payload)
                 self._outbox.append(lambda: job.result.set_result(result))
             else:
-                param = header.get("param")
-                self._fail(job, GrammarError(str(header.get("message")), param if isinstance(param, str) else None))
+                field = header.get("field")
+                self._fail(job, GrammarError(field if isinstance(field, str) else None, str(header.get("message"))))
             if w.rss() - w.ready_rss > self.memory_mb << 20:
                 self._kill(w, None)  # it kept what its compiles used: retire it, a fresh one starts on demand
         else:

@@ -11,12 +11,15 @@ KINDS = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
 
 
 class GrammarError(ValueError):
-    """A grammar that cannot be compiled or enforced; the message names the problem (and the
-    schema keyword and its JSON pointer where there is one)."""
+    """A grammar that cannot be compiled or enforced: `field` is the request field at fault (None
+    where no one field is, e.g. a compiled grammar that cannot be loaded), `message` the problem
+    (with the schema keyword and its JSON pointer where there is one); str() reads
+    'field: message', as radixserve's InvalidParam does."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise GrammarError(f"grammar kind {self.kind!r} is not one of {', '.join(KINDS)}")
+            raise GrammarError(None, f"grammar kind {self.kind!r} is not one of {', '.join(KINDS)}")
 
     @classmethod
     def json_schema(cls, schema: str | dict[str, Any], strict: bool = True) -> GrammarSpec:
@@ -36,9 +39,9 @@ class GrammarSpec:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema: not valid JSON: {e}", "json_schema") from None
+                raise GrammarError("json_schema", f"not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise GrammarError("json_schema: a JSON schema must be an object or a boolean", "json_schema")
+            raise GrammarError("json_schema", "a JSON schema must be an object or a boolean")
         # Key order is kept: it is the order the output's keys are generated in.
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), strict)
 
@@ -48,18 +51,18 @@ class GrammarSpec:
             try:
                 tag = json.loads(tag)
             except json.JSONDecodeError as e:
-                raise GrammarError(f"structural_tag: not valid JSON: {e}", "structural_tag") from None
+                raise GrammarError("structural_tag", f"not valid JSON: {e}") from None
         if not isinstance(tag, dict):
-            raise GrammarError("structural_tag: expected a JSON object", "structural_tag")
+            raise GrammarError("structural_tag", "expected a JSON object")
         for i, s in enumerate(tag.get("structures", [])):
             if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
-                raise GrammarError(f"structural_tag.structures[{i}]: needs string begin and end", "structural_tag")
+                raise GrammarError(f"structural_tag.structures[{i}]", "needs string begin and end")
         return cls("structural_tag", json.dumps(tag, separators=(",", ":")))
 
     @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:
         if not options or not all(isinstance(o, str) and o for o in options):
-            raise GrammarError("choices: need a non-empty list of non-empty strings", "choices")
+            raise GrammarError("choices", "need a non-empty list of non-empty strings")
         return cls("choice", json.dumps(list(options)))
 
     @property

@@ -72,9 +72,9 @@ def _compile(backend: Any, job_id: int, spec: Any, memory_mb: int) -> bytes:
         if len(payload) > memory_mb << 20:
             raise errors.memory(spec, memory_mb)
     except GrammarError as e:
-        return encode({"type": "error", "job": job_id, "message": str(e), "param": e.param})
+        return encode({"type": "error", "job": job_id, "message": e.message, "field": e.field})
     except BaseException as e:  # any other failure fails this grammar, not the worker
-        return encode({"type": "error", "job": job_id, "message": f"{spec.kind}: {e!r}", "param": spec.kind})
+        return encode({"type": "error", "job": job_id, "message": repr(e), "field": spec.kind})
     return encode({"type": "ok", "job": job_id, "backend": compiled.backend}, payload)
 
 

@@ -63,7 +63,7 @@ class XGrammarBackend(Backend):
         try:  # checks the tokenizer too: a grammar compiled for another vocabulary is refused
             return XGrammarCompiled(xgr.CompiledGrammar.deserialize_json(data.decode(), self._info))
         except Exception as e:
-            raise GrammarError(f"the compiled xgrammar grammar could not be loaded: {_first_line(e)}") from None
+            raise GrammarError(None, f"the compiled xgrammar grammar could not be loaded: {_first_line(e)}") from None
 
     def compile(self, spec: GrammarSpec) -> Compiled:
         c = self._compiler
@@ -80,11 +80,11 @@ class XGrammarBackend(Backend):
                 options = json.loads(spec.source)
                 compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
             else:
-                raise GrammarError(f"{spec.kind}: not supported by the xgrammar backend yet", spec.kind)
+                raise GrammarError(spec.kind, "not supported by the xgrammar backend yet")
         except GrammarError:
             raise
         except Exception as e:  # xgrammar reports bad grammars as RuntimeError / ValueError
-            raise GrammarError(f"{spec.kind}: could not compile: {_first_line(e)}", spec.kind) from None
+            raise GrammarError(spec.kind, f"could not compile: {_first_line(e)}") from None
         return XGrammarCompiled(compiled)
 
 

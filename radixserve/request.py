@@ -91,12 +91,12 @@ class SamplingParams:
                  ("structural_tag", self.structural_tag))
         given = [(k, v) for k, v in kinds if v is not None]
         if len(given) > 1:
-            raise GrammarError(f"{given[1][0]}: give at most one of json_schema, regex, ebnf, structural_tag", given[1][0])
+            raise GrammarError(given[1][0], "give at most one of json_schema, regex, ebnf, structural_tag")
         if not given:
             return None
         kind, source = given[0]
         if not isinstance(source, str) or not source:
-            raise GrammarError(f"{kind}: expected a non-empty string", kind)
+            raise GrammarError(kind, "expected a non-empty string")
         if kind == "json_schema":
             return GrammarSpec.json_schema(_json_text(kind, source), strict=self.strict_json_schema)
         if kind == "structural_tag":
@@ -193,9 +193,9 @@ def _json_text(kind: str, source: str) -> Any:
     try:
         return loads(source)
     except TooDeep as e:
-        raise GrammarError(f"{kind}: {e}", kind) from None
+        raise GrammarError(kind, str(e)) from None
     except json.JSONDecodeError as e:
-        raise GrammarError(f"{kind}: not valid JSON: {e}", kind) from None
+        raise GrammarError(kind, f"not valid JSON: {e}") from None
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:

@@ -13,20 +13,24 @@ import time
 
 import pytest
 
+from grammars.spec import GrammarError
 from radixserve import Engine, SamplingParams
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.process import EngineProcess
 from radixserve.engine.protocol import (
     Abort,
     AddRequest,
-    Call,
+    CheckIntegrity,
     Deltas,
     EngineClient,
     EngineInfo,
     EngineStats,
     ErrorInfo,
+    FlushCache,
     FromEngine,
+    GetStats,
     InvalidParam,
+    PrepareGrammar,
     Reply,
     Shutdown,
     ToEngine,
@@ -62,7 +66,7 @@ def test_every_message_round_trips_typed():
     out = Output("r1", "hi", [5, 1], "stop", 3, 2, 1, matched_stop="END", logprobs=lps, error=None)
     stats = EngineStats(kv_total_slots=10, kv_free_slots=4, cache_hit_rate=0.5, finished=2, engine_rss_bytes=1 << 30)
     to_engine = [AddRequest("r1", [1, 2, 3], params, 7, priority=-2, tenant="t", cache_salt="s", public_prefix_len=2),
-                 Abort("r1"), Call(4, "prepare_grammar", params, "t"), Shutdown()]
+                 Abort("r1"), PrepareGrammar(4, params, "t"), GetStats(5), FlushCache(6), CheckIntegrity(7), Shutdown()]
     from_engine = [EngineInfo("m", "/p", 128, 100, 104, [2], 4096, "bfloat16", "cpu", 123, "q4_1+q8_0", 1 << 20, "int8", 2176),
                    Deltas([Delta("r1", "h", [5], lps[:1], cached_tokens=1), Delta("r1", "i", [1], [], True, out, 1)], stats),
                    Reply(4, stats=stats), Reply(5, value=17), Reply(6, error=ErrorInfo("invalid_param", "bad", "regex"))]
@@ -73,7 +77,12 @@ def test_every_message_round_trips_typed():
             assert dec.decode(enc.encode(m)) == m
     err = ErrorInfo.of(InvalidParam("top_p", "0 is out of range (0, 1]"))
     assert (err.kind, err.field, err.message) == ("invalid_param", "top_p", "0 is out of range (0, 1]")
-    assert isinstance(err.exception(), ValueError) and str(err.exception()) == "0 is out of range (0, 1]"
+    back = err.exception()  # the same class, its field carried as is (nothing parses the message)
+    assert isinstance(back, InvalidParam) and (back.field, back.message) == ("top_p", "0 is out of range (0, 1]")
+    grammar = ErrorInfo.of(GrammarError("structural_tag.structures[0]", "needs string begin and end")).exception()
+    assert isinstance(grammar, GrammarError) and grammar.field == "structural_tag.structures[0]"
+    assert str(grammar) == "structural_tag.structures[0]: needs string begin and end"
+    assert type(ErrorInfo.of(GrammarError(None, "cannot be loaded")).exception().field) is type(None)
     assert isinstance(ErrorInfo.of(RuntimeError("busy")).exception(), RuntimeError)
 
 

@@ -229,7 +229,7 @@ class DataParallelEngine(RequestFront):
         """Each replica's stats by index (a restarting one: empty)."""
         return [r.engine.snapshot() if r.engine is not None else EngineStats() for r in self.replicas]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any] | None:
         """For /server_info: the router and each replica's process, health, load, restarts and KV."""
         snaps = self.replica_snapshots()
         with self._lock:

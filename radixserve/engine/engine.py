@@ -25,7 +25,7 @@ from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.front import DeltaStream, Prompt, RequestFront
 from radixserve.engine.jump_forward import forced_after
-from radixserve.engine.loop import EngineLoop
+from radixserve.engine.loop import EngineLoop, Stop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.protocol import EngineStats
@@ -114,7 +114,7 @@ class Engine(RequestFront):
 
     def stop_loop(self) -> None:
         """Abort every request and end the loop (from any thread; does not wait)."""
-        self._loop.inbox.put(("stop",))
+        self._loop.inbox.put(Stop())
 
     def add(self, req: Req, sink: Callable[[Delta], None]) -> None:
         """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""

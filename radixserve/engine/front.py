@@ -105,6 +105,10 @@ class RequestFront:
         check_admissible(req, self.context_len, self.num_slots)
         return req
 
+    def describe(self) -> dict[str, Any] | None:
+        """The replicas behind this front, for /server_info (one engine: None)."""
+        return None
+
     def route(self, req: Req, hint: str | None = None) -> None:
         """Choose where the request will run, before its grammar is prepared and it is submitted
         (`hint`: the client's prompt_cache_key). One engine has one place: nothing to choose."""

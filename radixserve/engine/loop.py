@@ -1,7 +1,7 @@
 """The engine loop: drain commands, schedule, run, post-process (engine.postprocess), stream.
 
-Callers talk to it only through `inbox` (commands in) and per-request sinks (deltas out). It
-runs on its own thread in-process, or on the main thread of the engine process.
+Callers talk to it only through `inbox` (commands in: Add, Abort, Stop) and per-request sinks
+(deltas out). It runs on its own thread in-process, or on the main thread of the engine process.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from radixserve.engine.outputs import Delta
 from radixserve.engine.postprocess import PostProcessor
@@ -23,12 +24,31 @@ Sink = Callable[[Delta], None]
 IDLE_S = 10.0  # how long the loop waits with no work before its on_idle hook (deferred start-up work) runs
 
 
+@dataclass(frozen=True)
+class Add:
+    req: Req
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish every request (abort) and end the loop."""
+
+
+Command = Add | Abort | Stop
+
+
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, post: PostProcessor) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.post = post
-        self.inbox: queue.Queue[tuple] = queue.Queue()
+        self.inbox: queue.Queue[Command] = queue.Queue()
         self.lock = threading.Lock()  # held while the loop mutates state; stats() reads under it
         self.steps = 0
         self.on_change: Callable[[], None] | None = None  # called under the lock after each step or command
@@ -42,15 +62,15 @@ class EngineLoop:
         self.thread.start()
 
     def add(self, req: Req, sink: Sink) -> None:
-        self.inbox.put(("add", req, sink))
+        self.inbox.put(Add(req, sink))
 
     def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
+        self.inbox.put(Abort(rid))
 
     def stop(self) -> None:
         """Finish every request (abort) and end the loop; waits for it to end."""
         if not self.stopped.is_set():
-            self.inbox.put(("stop",))
+            self.inbox.put(Stop())
         if self.thread.is_alive():
             self.thread.join()
 
@@ -89,7 +109,7 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _next(self, block: bool) -> tuple:
+    def _next(self, block: bool) -> Command:
         """The next command (queue.Empty if none and not `block`); a blocking wait runs `on_idle`
         once it has waited IDLE_S."""
         if not block:
@@ -102,16 +122,15 @@ class EngineLoop:
                 idle()
         return self.inbox.get()
 
-    def _handle(self, cmd: tuple) -> bool:
-        kind = cmd[0]
-        if kind == "add":
-            _, req, sink = cmd
-            if not self.post.open(req, sink):  # never two requests under one rid
+    def _handle(self, cmd: Command) -> bool:
+        """Apply one command; False once told to stop."""
+        if isinstance(cmd, Add):
+            if not self.post.open(cmd.req, cmd.sink):  # never two requests under one rid
                 return True
-            self.scheduler.add(req)
-        elif kind == "abort":
-            self.scheduler.abort(cmd[1])
-        elif kind == "stop":
+            self.scheduler.add(cmd.req)
+        elif isinstance(cmd, Abort):
+            self.scheduler.abort(cmd.rid)
+        else:
             self.post.abort_all()
             self._reap()
             return False

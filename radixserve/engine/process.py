@@ -43,12 +43,16 @@ from radixserve.engine.protocol import (
     Abort,
     AddRequest,
     Call,
+    CheckIntegrity,
     Deltas,
     EngineDied,
     EngineInfo,
     EngineStats,
     ErrorInfo,
+    FlushCache,
     FromEngine,
+    GetStats,
+    PrepareGrammar,
     Reply,
     Shutdown,
     ToEngine,
@@ -137,7 +141,7 @@ class EngineProcess(RequestFront):
         """Compile (or fetch) the request's grammar in the engine's compile workers; raises
         GrammarError (a ValueError naming the field). Its Add then finds it cached."""
         if req.grammar_spec is not None:
-            reply = await asyncio.wrap_future(self._call("prepare_grammar", req.params, req.tenant))
+            reply = await asyncio.wrap_future(self._call(lambda cid: PrepareGrammar(cid, req.params, req.tenant)))
             if reply.error is not None:
                 raise reply.error.exception()
 
@@ -165,7 +169,7 @@ class EngineProcess(RequestFront):
 
     # -- calls --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        reply = self._wait(self._call("stats"))
+        reply = self._wait(self._call(GetStats))
         assert reply.stats is not None
         return reply.stats
 
@@ -176,12 +180,13 @@ class EngineProcess(RequestFront):
         return [self._snapshot]
 
     def flush_cache(self) -> int:
-        return int(self._wait(self._call("flush_cache")).value or 0)
+        return int(self._wait(self._call(FlushCache)).value or 0)
 
     def check_integrity(self) -> None:
-        self._wait(self._call("check_integrity"))
+        self._wait(self._call(CheckIntegrity))
 
-    def _call(self, method: str, params: SamplingParams | None = None, tenant: str | None = None) -> Future[Reply]:
+    def _call(self, make: Callable[[int], Call]) -> Future[Reply]:
+        """Send the call `make` builds with a fresh call id; its Reply completes the future."""
         fut: Future[Reply] = Future()
         with self._lock:
             if self.dead is not None:
@@ -189,7 +194,7 @@ class EngineProcess(RequestFront):
                 return fut
             call_id = next(self._ids)
             self._calls[call_id] = fut
-        self._send(Call(call_id, method, params, tenant))
+        self._send(make(call_id))
         return fut
 
     @staticmethod
@@ -339,20 +344,17 @@ class _Core:
             self.add(msg)
         elif isinstance(msg, Abort):
             e.abort(msg.rid)
-        elif isinstance(msg, Call):
-            if msg.method == "prepare_grammar":
-                self.prepare_grammar(msg)
-                return
+        elif isinstance(msg, PrepareGrammar):
+            self.prepare_grammar(msg)
+        elif not isinstance(msg, Shutdown):
             try:
-                if msg.method == "stats":
+                if isinstance(msg, GetStats):
                     reply = Reply(msg.call_id, stats=e.stats())
-                elif msg.method == "flush_cache":
+                elif isinstance(msg, FlushCache):
                     reply = Reply(msg.call_id, value=e.flush_cache())
-                elif msg.method == "check_integrity":
+                else:
                     e.check_integrity()
                     reply = Reply(msg.call_id)
-                else:
-                    reply = Reply(msg.call_id, error=ErrorInfo("internal", f"no such call {msg.method!r}"))
             except Exception as err:
                 reply = Reply(msg.call_id, error=ErrorInfo.of(err))
             self.send(reply)
@@ -384,10 +386,9 @@ class _Core:
 
         entry.add_done_callback(compiled)
 
-    def prepare_grammar(self, msg: Call) -> None:
+    def prepare_grammar(self, msg: PrepareGrammar) -> None:
         e = self.engine
         try:
-            assert msg.params is not None
             spec = msg.params.grammar_spec()
             if spec is None:
                 self.send(Reply(msg.call_id))

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from grammars.spec import GrammarError
 from radixserve.config import EngineConfig
 from radixserve.engine.outputs import Delta
 from radixserve.request import InvalidParam, Req, SamplingParams
@@ -116,20 +117,34 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     rid: str
 
 
-class Call(msgspec.Struct, tag="call", frozen=True):
-    """A request for one Reply: method is stats, flush_cache, check_integrity or prepare_grammar."""
+class PrepareGrammar(msgspec.Struct, tag="prepare_grammar", frozen=True):
+    """Compile (or fetch) the grammar of a request's params; the reply says if it failed."""
 
     call_id: int
-    method: str
-    params: SamplingParams | None = None  # prepare_grammar: the request's params
+    params: SamplingParams
     tenant: str | None = None
+
+
+class GetStats(msgspec.Struct, tag="stats", frozen=True):
+    call_id: int
+
+
+class FlushCache(msgspec.Struct, tag="flush_cache", frozen=True):
+    call_id: int
+
+
+class CheckIntegrity(msgspec.Struct, tag="check_integrity", frozen=True):
+    call_id: int
+
+
+Call = PrepareGrammar | GetStats | FlushCache | CheckIntegrity  # each answered by one Reply with its call_id
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToEngine = AddRequest | Abort | Call | Shutdown
+ToEngine = AddRequest | Abort | PrepareGrammar | GetStats | FlushCache | CheckIntegrity | Shutdown
 
 
 # -- engine -> front ----------------------------------------------------------------------------
@@ -164,8 +179,9 @@ class Deltas(msgspec.Struct, tag="deltas", frozen=True):
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
-    """kind: invalid_param (a 4xx, `field` set), runtime (refused now, e.g. a flush while busy),
-    internal."""
+    """kind: invalid_param (an InvalidParam: a 4xx naming `field`), grammar (a GrammarError: a 4xx,
+    naming `field` where it has one), runtime (refused now, e.g. a flush while busy), internal.
+    The field travels as is: nothing downstream reads it back out of the message."""
 
     kind: str
     message: str
@@ -175,18 +191,19 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     def of(cls, e: BaseException) -> ErrorInfo:
         if isinstance(e, InvalidParam):
             return cls("invalid_param", e.message, e.field)
+        if isinstance(e, GrammarError):
+            return cls("grammar", e.message, e.field)
         if isinstance(e, ValueError):
-            field = getattr(e, "param", None)
-            return cls("invalid_param", str(e), field)
+            return cls("invalid_param", str(e), None)
         if isinstance(e, RuntimeError):
             return cls("runtime", str(e))
         return cls("internal", repr(e))
 
     def exception(self) -> Exception:
+        if self.kind == "grammar":
+            return GrammarError(self.field, self.message)
         if self.kind == "invalid_param":
-            from grammars.spec import GrammarError
-
-            return GrammarError(self.message, self.field)  # a ValueError; the message names the field
+            return InvalidParam(self.field, self.message) if self.field is not None else ValueError(self.message)
         if self.kind == "runtime":
             return RuntimeError(self.message)
         return RuntimeError(f"the engine failed: {self.message}")
@@ -252,6 +269,8 @@ class EngineClient(Protocol):
     def snapshot(self) -> EngineStats: ...
 
     def replica_snapshots(self) -> list[EngineStats]: ...  # per data-parallel replica; snapshot() is their sum
+
+    def describe(self) -> dict[str, Any] | None: ...  # data parallel: the router and each replica; one engine: None
 
     def route(self, req: Req, hint: str | None = None) -> None: ...  # choose the request's replica (one engine: no-op)
 

@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from radixserve.engine.data_parallel import DataParallelEngine
 from radixserve.engine.protocol import EngineStats
 from radixserve.request import SamplingParams
 from radixserve.server import access_log, anthropic, completions, native, openai, responses
@@ -108,8 +107,8 @@ async def server_info(request: web.Request) -> web.Response:
                      speculative_stats=spec_stats(e.snapshot()),
                      tenants={t: vars(u) for t, u in state.usage.items()},
                      open_connections=state.connections.open if state.connections else None)
-        if isinstance(e, DataParallelEngine):
-            extra["data_parallel"] = e.describe()
+        if (replicas := e.describe()) is not None:
+            extra["data_parallel"] = replicas
     else:
         extra["tenant"] = state.tenant_info(tenant)
     if request.query.get("check_integrity") in ("1", "true"):

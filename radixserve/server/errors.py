@@ -9,7 +9,6 @@ import msgspec
 from aiohttp import web
 
 from radixserve.limits import MAX_JSON_DEPTH
-from radixserve.request import InvalidParam
 from radixserve.server.protocol import ErrorDetail, ErrorResponse
 
 ERROR_TYPES = {
@@ -88,14 +87,12 @@ def deep_path(body: bytes, limit: int) -> str | None:
 
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> ApiError:
-    """Engine validation errors (InvalidParam) name their field: keep it as `param`, in the API's names."""
-    msg = str(e)
-    if isinstance(e, InvalidParam):
-        field, rest = e.field, e.message
-    else:  # a GrammarError reads 'kind: problem' too
-        field, sep, rest = msg.partition(": ")
-        if not sep or " " in field:
-            return ApiError(400, msg)
+    """A refused request (InvalidParam, GrammarError) as a 400 whose `param` is the field it
+    carries, in the API's names; a ValueError that names no field is a 400 without one."""
+    field: str | None = getattr(e, "field", None)
+    if field is None:
+        return ApiError(400, str(e))
+    rest = getattr(e, "message", str(e))
     rename = rename or {}
     name = rename.get(field, field)
     for old, new in rename.items():
