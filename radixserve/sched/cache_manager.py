@@ -34,7 +34,7 @@ class _Entry:
     slots: list[int]
     handle: Any  # the locked prefix-cache path
     cached: int  # == req.cached_len
-    window_from: int = 0  # own pages before this position have dropped their window KV
+    window_from: int = 0  # own pages (from `cached` on) before this position have dropped their window KV
     window_locked: bool = False  # holds the prefix cache's window lock on handle
 
 
@@ -168,7 +168,6 @@ class CacheManager:
         self.prefix.lock_window(m.handle)
         self._unlock(entry)
         entry.handle, entry.cached, entry.window_locked = m.handle, done, True
-        entry.window_from = max(entry.window_from, done)
         req.cached_len = done
 
     def _insert(self, req: Req, entry: _Entry, done: int) -> int:
