@@ -163,5 +163,5 @@ def test_responses_and_messages_ask_for_the_markers_and_the_token_triggered_call
         assert (params.structural_tag is not None and "token_triggered_tags" in params.structural_tag) is auto
     b = decode_body(json.dumps({"input": "hi", "tools": [{"type": "function", **WEATHER["function"]}]}).encode(),
                     CreateResponseRequest)
-    plan = responses.plan_of(b, None, fmt)
-    assert plan.params.skip_special_tokens is False and "[TOOL_CALLS]" in (plan.params.structural_tag or "")
+    _, params = responses.plan_of(b, None, fmt)
+    assert params.skip_special_tokens is False and "[TOOL_CALLS]" in (params.structural_tag or "")

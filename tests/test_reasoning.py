@@ -18,7 +18,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Output
 from radixserve.server import reasoning
 from radixserve.server.openai import chat_choice, chat_params, chat_plan
-from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 
 def _streamed(text: str, parser: str, seed: int) -> tuple[str, str, bool]:
@@ -75,7 +75,7 @@ def test_the_cli_choices_are_the_parsers_there_are():
 
 
 def _plan(parser: str | None, **body):
-    b = ChatCompletionRequest(messages=[], **body)
+    b = ChatCompletionRequest(messages=[ChatMessage("user", "hi")], **body)
     return b, chat_plan(b, parser)
 
 

@@ -20,7 +20,7 @@ from server_helpers import USER, ServerProcess
 
 from radixserve.engine.outputs import Delta, Output
 from radixserve.server import anthropic_convert as convert
-from radixserve.server import anthropic_stream, responses, responses_stream
+from radixserve.server import anthropic_stream, chat_core, responses, responses_stream
 from radixserve.server.anthropic_protocol import Message, MessagesRequest
 from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.responses_input import listed_items, to_messages
@@ -78,8 +78,9 @@ def _request(**body) -> CreateResponseRequest:
 
 
 def _respond(pieces: list[str], parser: str | None, reason: str = "stop", **body) -> openai.types.responses.Response:
-    plan = responses.plan_of(_request(**body), parser)
-    resp = responses._new_response(SimpleNamespace(model_name="m"), plan.body)
+    b = _request(**body)
+    plan, _ = responses.plan_of(b, parser)
+    resp = responses._new_response(SimpleNamespace(model_name="m"), b)
     responses.finish(resp, _out(pieces, reason), plan, ("rs_1", "msg_1"), Tok(pieces))
     return openai.types.responses.Response.model_validate_json(msgspec.json.encode(resp))
 
@@ -100,12 +101,12 @@ def test_a_response_starts_with_its_reasoning_item_and_counts_its_tokens(pieces,
 
 def test_a_required_tool_call_is_read_after_the_reasoning_and_constrained_only_there():
     tool = {"type": "function", "name": "f", "parameters": FN}
-    plan = responses.plan_of(_request(tools=[tool], tool_choice="required"), "qwen3")
-    assert plan.params.grammar_after == "</think>" and plan.params.json_schema
+    _, params = responses.plan_of(_request(tools=[tool], tool_choice="required"), "qwen3")
+    assert params.grammar_after == "</think>" and params.json_schema
     r = _respond(CALL, "qwen3", tools=[tool], tool_choice="required")
     assert [o.type for o in r.output] == ["reasoning", "function_call"]  # no message
     assert r.output[0].content[0].text == 'call f with {"x": 2}' and json.loads(r.output[1].arguments) == {"x": 1}
-    assert responses.plan_of(_request(text={"format": {"type": "json_object"}}), None).params.grammar_after is None
+    assert responses.plan_of(_request(text={"format": {"type": "json_object"}}), None)[1].grammar_after is None
 
 
 def test_a_response_cut_off_while_reasoning_is_its_reasoning_item_alone():
@@ -116,10 +117,10 @@ def test_a_response_cut_off_while_reasoning_is_its_reasoning_item_alone():
 
 
 def test_reasoning_effort_none_turns_thinking_off_in_the_template_and_the_split_off():
-    plan = responses.plan_of(_request(reasoning={"effort": "none"}, text={"format": {"type": "json_object"}}), "qwen3")
+    plan, params = responses.plan_of(_request(reasoning={"effort": "none"}, text={"format": {"type": "json_object"}}), "qwen3")
     assert plan.parser is None and plan.template_kwargs == {"enable_thinking": False}
-    assert plan.params.grammar_after is None  # the template closed the reasoning: constrained from the first token
-    assert responses.plan_of(_request(reasoning={"effort": "low"}), "qwen3").parser == "qwen3"
+    assert params.grammar_after is None  # the template closed the reasoning: constrained from the first token
+    assert responses.plan_of(_request(reasoning={"effort": "low"}), "qwen3")[0].parser == "qwen3"
 
 
 def test_a_reasoning_item_sent_back_is_listed_but_left_out_of_the_prompt():
@@ -146,10 +147,11 @@ def _stream_response(pieces: list[str], parser: str | None, monkeypatch, **body)
             yield d
 
     state = SimpleNamespace(model_name="m", run=run, engine=SimpleNamespace(tokenizer=Tok(pieces)))
-    plan = responses.plan_of(_request(**body), parser)
-    resp = responses._new_response(state, plan.body)
+    b = _request(**body)
+    plan, _ = responses.plan_of(b, parser)
+    resp = responses._new_response(state, b)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
-    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", plan, responses.Rendered(), flight, resp))
+    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", b, plan, chat_core.Rendered(), flight, resp))
     frames = _frames(sink)
     assert [name for name, _ in frames] == [data["type"] for _, data in frames]
     adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
@@ -219,7 +221,7 @@ def test_thinking_needs_a_parser_and_its_budget_is_checked_as_anthropic_checks_i
 def _message(pieces: list[str], parser: str | None, reason: str = "stop", **body) -> anthropic.types.Message:
     b = _msg(**body)
     conv = convert.conversation(b, parser)
-    blocks, stop, seq = convert.answer(_out(pieces, reason), conv, None)
+    blocks, stop, seq = convert.answer(_out(pieces, reason), conv, b)
     wire = msgspec.json.encode(Message("msg_1", "assistant", "m", blocks, stop, seq, convert.usage(_out(pieces))))
     return anthropic.types.Message.model_validate_json(wire)
 
@@ -265,7 +267,7 @@ def _stream_message(pieces: list[str], parser: str | None, monkeypatch, **body) 
     state = SimpleNamespace(model_name="m", merged=merged)
     b = _msg(**body)
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
-    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, parser), None, "msg_1"))
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, parser), b, "msg_1"))
     frames = _frames(sink)
     assert [name for name, _ in frames] == [data["type"] for _, data in frames]
     adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)  # the SDK drops pings

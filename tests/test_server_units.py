@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from grammars.spec import GrammarError
+from radixserve.request import InvalidParam
 from radixserve.server.admission import Admission
 from radixserve.server.auth import OPEN_TENANT, Auth, Tenant, load_tenants, request_priority
 from radixserve.server.errors import ApiError, decode_body, value_error
@@ -67,8 +69,12 @@ def test_decoding_errors_name_the_field():
         with pytest.raises(ApiError) as e:
             decode_body(body, ChatCompletionRequest)
         assert e.value.status == 400 and e.value.param == param, (body, e.value.message)
-    err = value_error(ValueError("max_new_tokens: prompt + max_new_tokens = 9 exceeds 8"), {"max_new_tokens": "max_tokens"})
+    err = value_error(InvalidParam("max_new_tokens", "prompt + max_new_tokens = 9 exceeds 8"), {"max_new_tokens": "max_tokens"})
     assert err.param == "max_tokens" and "max_new_tokens" not in err.message
+    err = value_error(GrammarError("structural_tag.structures[0]", "needs string begin and end"))
+    assert err.param == "structural_tag.structures[0]" and err.message == "structural_tag.structures[0]: needs string begin and end"
+    err = value_error(ValueError("not a field: a plain ValueError names none"))  # its message is never parsed for one
+    assert err.status == 400 and err.param is None
 
 
 def test_tool_calls_the_model_emits_are_parsed_out_of_its_text():

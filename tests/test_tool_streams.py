@@ -17,7 +17,7 @@ from helpers import Sink
 from test_reasoning_apis import Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
 from radixserve.server import anthropic_convert as convert
-from radixserve.server import anthropic_stream, responses, responses_stream, sse
+from radixserve.server import anthropic_stream, chat_core, responses, responses_stream, sse
 from radixserve.server import openai as chat
 from radixserve.server.errors import decode_body
 from radixserve.server.protocol import ChatCompletionRequest
@@ -129,10 +129,11 @@ def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
     sink = _Recording()
     monkeypatch.setattr(responses_stream.EventWriter, "open", _opens_into(sink))
     state = SimpleNamespace(model_name="m", run=sink.run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
-    plan = responses.plan_of(_request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")]), None)
-    resp = responses._new_response(state, plan.body)
+    b = _request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")])
+    plan, _ = responses.plan_of(b, None)
+    resp = responses._new_response(state, b)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
-    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", plan, responses.Rendered(), flight, resp))
+    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", b, plan, chat_core.Rendered(), flight, resp))
     adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
     events = [adapter.validate_python(data) for _, data in _frames(sink)]
     done = [e.item for e in events if e.type == "response.output_item.done"]
@@ -157,7 +158,7 @@ def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
     state = SimpleNamespace(model_name="m", merged=sink.merged)
     b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
-    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), None, "msg_1"))
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), b, "msg_1"))
     adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
     events = [adapter.validate_python(data) for name, data in _frames(sink) if name != "ping"]
     from anthropic.lib.streaming._messages import accumulate_event

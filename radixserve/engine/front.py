@@ -114,15 +114,24 @@ class RequestFront:
         (`hint`: the client's prompt_cache_key). One engine has one place: nothing to choose."""
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                 template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,
+                 on_text: Callable[[str], None] | None = None) -> list[int]:
         """Render messages (and tools, for templates that take them) with the model's own chat
         template, ready for generation. `template_kwargs` are more variables for the template
-        (e.g. enable_thinking); the caller keeps them off apply_chat_template's own arguments."""
+        (e.g. enable_thinking); the caller keeps them off apply_chat_template's own arguments.
+        `prefix`: an earlier turn's (text, token ids), as the engine ran it: where the text starts
+        with it, its ids are the first ids and only the rest is tokenized, so the prefix cache
+        holds the earlier turn. `on_text` is handed the rendered text (what a turn stores)."""
         self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
                               + len(str(template_kwargs or "")))
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                       return_dict=False, **extra))
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        if on_text is not None:
+            on_text(text)
+        head: list[int] = []
+        if prefix is not None and text.startswith(prefix[0]):
+            head, text = prefix[1], text[len(prefix[0]):]
+        return [*head, *self.tokenizer.encode(text, add_special_tokens=False)]
 
     def _check_text_fits(self, chars: int) -> None:
         """A text longer than the context window could hold even at the longest token is refused

@@ -11,7 +11,7 @@ and are built into a `Req` on the engine side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -255,7 +255,8 @@ class EngineClient(Protocol):
                  public_prefix_len: int | None = None) -> Req: ...
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
+                 template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,
+                 on_text: Callable[[str], None] | None = None) -> list[int]: ...
 
     async def prepare_grammar(self, req: Req) -> None: ...
 

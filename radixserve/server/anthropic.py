@@ -1,6 +1,6 @@
 """Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens, so the `anthropic`
 SDK works unchanged (`anthropic.Anthropic(base_url=..., api_key=...)`; the key may come as
-`x-api-key`). Requests run through the chat path (anthropic_convert); errors keep the app's
+`x-api-key`). Requests run through the chat core (anthropic_convert); errors keep the app's
 middleware (metrics, Retry-After) but render in Anthropic's shape:
 
     {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: ..."}}
@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from radixserve.server import anthropic_convert as convert
-from radixserve.server import tools
+from radixserve.server import chat_core
 from radixserve.server.anthropic_protocol import (
     CountTokensRequest,
     Message,
@@ -28,9 +26,8 @@ from radixserve.server.anthropic_protocol import (
     error_body,
 )
 from radixserve.server.anthropic_stream import stream_message
-from radixserve.server.body import read_body, too_large
+from radixserve.server.body import too_large
 from radixserve.server.errors import ApiError
-from radixserve.server.state import ServerState
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -78,42 +75,27 @@ def _json(obj: object) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
 
 
-async def _begin(request: web.Request, typ: type, admit: bool) -> tuple[ServerState, float, Any, Any]:
-    """The clock, the tenant (overload refused before the body is read), the body, the model."""
-    state: ServerState = request.app["state"]
-    arrival = time.monotonic()
-    tenant = state.authenticate(request)
-    if admit:
-        state.admission.check(tenant)
-    b = await read_body(request, typ)
-    state.check_model(b.model)
-    return state, arrival, tenant, b
-
-
 @anthropic_errors
 async def messages(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await _begin(request, MessagesRequest, admit=True)
-    conv = convert.conversation(b, state.config.reasoning_parser, state.tool_format)
-    params, opts = convert.engine_request(b, conv)
+    state, arrival, tenant, b = await chat_core.begin(request, MessagesRequest)
+    plan = convert.conversation(b, state.config.reasoning_parser, state.tool_format)
+    params, opts = convert.engine_request(b, plan)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    try:
-        async with state.admit(tenant, [convert.renderer(state, conv)], [params], opts, arrival) as flight:
-            if b.stream:
-                return await stream_message(request, state, flight, conv, b.stop_sequences, mid)
-            out = (await state.collect(flight))[0]
-            content, reason, sequence = convert.answer(out, conv, b.stop_sequences)
-            return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
-    except ApiError as e:
-        if tools.schema_field(conv.mode, conv.call_tag) is None:
-            raise
-        raise tools.blame(e, conv.offered, conv.callable, tools.ANTHROPIC_PARAMS) from None
+    render = chat_core.renderer(state.engine, plan, convert.RENAME)
+    async with chat_core.admit(state, tenant, plan, [render], [params], opts, arrival) as flight:
+        if b.stream:
+            return await stream_message(request, state, flight, plan, b, mid)
+        out = (await state.collect(flight))[0]
+        content, reason, sequence = convert.answer(out, plan, b)
+        return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
 
 
 @anthropic_errors
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """The rendered prompt's tokens (system, messages and the offered tools), generating nothing."""
-    state, _, _, b = await _begin(request, CountTokensRequest, admit=False)
-    ids = await state.off_loop(convert.renderer(state, convert.conversation(b, state.config.reasoning_parser)))
+    state, _, _, b = await chat_core.begin(request, CountTokensRequest, admit=False)
+    plan = convert.conversation(b, state.config.reasoning_parser)
+    ids = await state.off_loop(chat_core.renderer(state.engine, plan, convert.RENAME))
     return _json(TokenCount(len(ids)))
 
 

@@ -1,11 +1,11 @@
-"""Anthropic requests as the chat path's messages, tools and sampling parameters; engine outputs
-as Anthropic content blocks, stop reasons and usage.
+"""Anthropic requests as a chat_core Plan and sampling parameters; engine outputs as Anthropic
+content blocks, stop reasons and usage.
 
 - tool_use blocks (an assistant's earlier calls) become the tool-call history text the chat
   path renders (tools.history_text); each tool_result block becomes a "tool" message.
 - A final assistant turn of text is a prefill: its tokens follow the generation prompt and the
   answer continues it (as Anthropic's API does).
-- tool_choice any/tool constrain the output to one call (tools.call_schema); auto parses calls
+- tool_choice any/tool constrain the output to one call (chat_core.constrain); auto parses calls
   out of free text; none offers no tools. output_config.format constrains it to a JSON schema.
 - With --reasoning-parser the output's `<think>` part is a leading thinking block and the text
   and tool_use blocks come from the rest (server/reasoning.py, as chat's reasoning_content); a
@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams
-from radixserve.server import reasoning, tools
+from radixserve.server import chat_core, tools
 from radixserve.server.anthropic_protocol import (
     Block,
     ContentBlock,
@@ -46,37 +44,24 @@ from radixserve.server.anthropic_protocol import (
     ToolUseBlockParam,
     Usage,
 )
-from radixserve.server.errors import ApiError, value_error
-from radixserve.server.openai import finish_reason, sampling_params
-from radixserve.server.protocol import ChatCompletionRequest, ToolCall
+from radixserve.server.chat_core import Plan
+from radixserve.server.errors import ApiError
+from radixserve.server.protocol import ToolCall
 from radixserve.server.state import RequestOptions
 
 # engine field names -> this API's
-RENAME = {"max_new_tokens": "max_tokens", "prompt": "messages", "stop": "stop_sequences"}
+RENAME = {"max_new_tokens": "max_tokens", "prompt": "messages", "stop": "stop_sequences",
+          "json_schema": "output_config.format.schema"}
 
 
 def bad(where: str, problem: str) -> ApiError:
     return ApiError(400, f"{where}: {problem}", param=where)
 
 
-@dataclass
-class Conversation:
-    """A request's prompt, as the chat path takes it."""
-
-    messages: list[dict[str, Any]] = field(default_factory=list)  # {"role", "content"}, roles as chat templates know them
-    prefill: str = ""  # the final assistant turn's text, which the answer continues
-    offered: list[tools.Tool] = field(default_factory=list)  # described in the prompt
-    mode: str = "none"  # none | auto | required (tools.choose)
-    callable: list[tools.Tool] = field(default_factory=list)  # what a required call may use
-    one_call: bool = False  # disable_parallel_tool_use
-    parser: str | None = None  # the reasoning parser, when the output is split
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
-    show_thinking: bool = True  # thinking.display "omitted": the thinking block's text is left empty
-    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
-    call_tag: bool = False  # tool_choice auto, its calls constrained (tools.auto_tag; set by engine_request)
-
-
-def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, tool_format: str = "hermes") -> Conversation:
+def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, tool_format: str = "hermes") -> Plan:
+    """The request as a plan: its messages (a final assistant turn of text is the prefill), its
+    tools, its thinking, and output_config.format as the schema (refused beside a required call
+    by engine_request: counting tokens does not constrain)."""
     if not b.messages:
         raise bad("messages", "must contain at least one message")
     for i, m in enumerate(b.messages):  # as Anthropic's API: user and assistant only, a user turn first
@@ -84,28 +69,27 @@ def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, too
             raise bad(f"messages[{i}].role", f"must be \"user\" or \"assistant\", got {m.role!r} (a system prompt goes in system)")
     if b.messages[0].role != "user":
         raise bad("messages[0].role", "the first message must use the \"user\" role")
-    conv = _thinking(b.thinking, reasoning_parser)
+    plan = Plan([], tools.ANTHROPIC_PARAMS, template_kwargs=_thinking(b.thinking, reasoning_parser), tool_format=tool_format)
     if b.system:
-        conv.messages.append({"role": "system", "content": _text(b.system, "system")})
+        plan.messages.append({"role": "system", "content": _text(b.system, "system")})
     for i, m in enumerate(b.messages):
-        conv.messages.extend(_turn(m, f"messages[{i}]"))
+        plan.messages.extend(_turn(m, f"messages[{i}]"))
     last = b.messages[-1]
     if last.role == "assistant" and not _has_calls(last):
-        conv.prefill = conv.messages.pop()["content"]
-    conv.offered = _tools(b.tools)
-    conv.mode, conv.callable = _choose(conv.offered, b.tool_choice)
-    conv.one_call = bool(b.tool_choice and b.tool_choice.disable_parallel_tool_use)
-    if conv.mode == "none":
-        conv.offered = []
-    conv.tool_format = tool_format
-    return conv
+        plan.prefill = plan.messages.pop()["content"]
+    plan.offered = _tools(b.tools)
+    plan.mode, plan.callable = _choose(plan.offered, b.tool_choice)
+    plan.one_call = bool(b.tool_choice and b.tool_choice.disable_parallel_tool_use)
+    fmt = b.output_config.format if b.output_config is not None else None
+    plan.schema = (json.dumps(fmt.schema), True) if fmt is not None else None
+    return chat_core.constrain(plan, reasoning_parser)
 
 
-def _thinking(t: ThinkingConfig | None, parser: str | None) -> Conversation:
-    """Omitted: the model's own default, its reasoning split off when a parser is set."""
+def _thinking(t: ThinkingConfig | None, parser: str | None) -> dict[str, Any]:
+    """The template's variables for `thinking`. Omitted: the model's own default, its reasoning
+    split off when a parser is set."""
     if t is None or t.type == "disabled":
-        kwargs = {"enable_thinking": False} if t is not None else {}
-        return Conversation(parser=reasoning.active(parser, kwargs), template_kwargs=kwargs)
+        return {"enable_thinking": False} if t is not None else {}
     if parser is None:
         raise bad("thinking", f"type {t.type!r} needs a reasoning model: start the server with --reasoning-parser "
                   "(qwen3 or deepseek_r1), or omit thinking or send {\"type\": \"disabled\"}")
@@ -115,8 +99,12 @@ def _thinking(t: ThinkingConfig | None, parser: str | None) -> Conversation:
                   else f"must be at least 1024, got {n}")
     if t.type != "enabled" and n is not None:
         raise bad("thinking.budget_tokens", "only allowed when thinking.type is \"enabled\"")
-    kwargs = {"enable_thinking": True} if t.type == "enabled" else {}
-    return Conversation(parser=parser, template_kwargs=kwargs, show_thinking=t.display != "omitted")
+    return {"enable_thinking": True} if t.type == "enabled" else {}
+
+
+def shows_thinking(b: CountTokensRequest) -> bool:
+    """thinking.display "omitted": the thinking block's text is left empty."""
+    return b.thinking is None or b.thinking.display != "omitted"
 
 
 def _has_calls(m: MessageParam) -> bool:
@@ -214,72 +202,37 @@ def _choose(offered: list[tools.Tool], choice: ToolChoice | None) -> tuple[str, 
     return tools.choose(offered, {"auto": "auto", "any": "required", "none": "none"}[choice.type])
 
 
-def engine_request(b: MessagesRequest, conv: Conversation) -> tuple[SamplingParams, RequestOptions]:
-    """Sampling through the chat path's own mapping (its defaults, e.g. temperature 1.0, are
-    Anthropic's too); a grammar from a required tool call or output_config.format."""
+def engine_request(b: MessagesRequest, plan: Plan) -> tuple[SamplingParams, RequestOptions]:
+    """Sampling through the chat core (its defaults, e.g. temperature 1.0, are Anthropic's too)."""
     if b.container is not None:
         raise bad("container", "code execution containers are not supported by this server")
     budget = b.thinking.budget_tokens if b.thinking is not None else None
     if budget is not None and budget >= b.max_tokens:
         raise bad("thinking.budget_tokens", f"must be less than max_tokens ({b.max_tokens}), got {budget}")
-    schema, field = None, "tools"
-    fmt = b.output_config.format if b.output_config is not None else None
-    if fmt is not None:
-        if conv.mode == "required":
-            raise bad("output_config.format", "cannot be combined with a required tool call (tool_choice any or tool)")
-        schema, field = (json.dumps(fmt.schema), True), "output_config.format.schema"
-    elif conv.mode == "required":
-        schema = tools.call_spec(conv.callable)
-        field = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)
-    tag = tools.auto_tag(conv.offered, conv.tool_format, conv.one_call) if conv.mode == "auto" and schema is None else None
-    conv.call_tag = tag is not None
-    chat = ChatCompletionRequest(model=b.model, max_tokens=b.max_tokens, stop=b.stop_sequences,
-                                 temperature=b.temperature, top_p=b.top_p, top_k=b.top_k)
-    after = reasoning.grammar_after(conv.parser, schema is not None or tag is not None)
-    params = sampling_params(chat, b.max_tokens, 0, 0, False, schema, tag, grammar_after=after)
-    params.skip_special_tokens = not tools.keeps_markers(conv.mode, conv.tool_format)
-    rename = {**RENAME, "json_schema": field}
-    if tag is not None:  # the call schema's compile errors name the tool
-        rename["structural_tag"] = tools.error_param(conv.offered, conv.callable, tools.ANTHROPIC_PARAMS)
-    return params, RequestOptions(rename=rename)
+    if b.output_config is not None and b.output_config.format is not None and plan.mode == "required":
+        raise bad("output_config.format", "cannot be combined with a required tool call (tool_choice any or tool)")
+    sampling = chat_core.Sampling(max_tokens=b.max_tokens, stop=b.stop_sequences, temperature=b.temperature,
+                                  top_p=b.top_p, top_k=b.top_k)
+    return chat_core.sampling_params(plan, sampling)[0], RequestOptions(rename=RENAME)
 
 
-def renderer(state: Any, conv: Conversation) -> Callable[[], list[int]]:
-    """The prompt's token ids, built off the event loop (as the chat path builds them)."""
-    template = getattr(state.engine.tokenizer, "chat_template", None)
-
-    def render() -> list[int]:
-        messages, specs = tools.render(conv.messages, conv.offered, template)
-        try:
-            ids = state.engine.chat_ids(messages, specs, template_kwargs=conv.template_kwargs or None)
-            if conv.prefill:
-                ids = [*ids, *state.engine.tokenizer.encode(conv.prefill, add_special_tokens=False)]
-            return ids
-        except ValueError as e:  # e.g. a text that cannot fit the context window
-            raise value_error(e, RENAME) from None
-        except Exception as e:  # the template's own checks (e.g. role order)
-            raise bad("messages", f"the model's chat template rejected them: {e}") from None
-
-    return render
-
-
-def answer(out: Output, conv: Conversation, stops: list[str] | None,
+def answer(out: Output, plan: Plan, b: MessagesRequest,
            streamed: list[ToolCall] | None = None) -> tuple[list[ContentBlock], str, str | None]:
     """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
     is an ApiError 500); `streamed`: the calls a stream sent (their blocks keep its ids)."""
-    reason = finish_reason(out)
-    a = reasoning.answer(out.text, reason, conv.parser, conv.mode, conv.offered, conv.tool_format, conv.one_call, streamed)
+    reason = chat_core.finish_reason(out)
+    a = chat_core.answer(out, plan, streamed)
     uses = [tool_use(c) for c in a.calls]
     blocks: list[ContentBlock] = []
     if a.reasoning is not None:  # cut off while thinking: the thinking block alone
-        blocks.append(ThinkingBlock(a.reasoning if conv.show_thinking else ""))
+        blocks.append(ThinkingBlock(a.reasoning if shows_thinking(b) else ""))
     if a.content or not (uses or a.reasoning is not None):
         blocks.append(TextBlock(a.content or ""))
     if uses:
         return [*blocks, *uses], "max_tokens" if reason == "length" else "tool_use", None
     if reason == "length":
         return blocks, "max_tokens", None
-    if isinstance(out.matched_stop, str) and out.matched_stop in (stops or ()):
+    if isinstance(out.matched_stop, str) and out.matched_stop in (b.stop_sequences or ()):
         return blocks, "stop_sequence", out.matched_stop
     return blocks, "end_turn", None
 

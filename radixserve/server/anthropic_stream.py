@@ -28,6 +28,7 @@ from radixserve.server.anthropic_protocol import (
     InputJsonDelta,
     Message,
     MessageDelta,
+    MessagesRequest,
     MessageStart,
     MessageStop,
     Ping,
@@ -42,6 +43,7 @@ from radixserve.server.anthropic_protocol import (
     Usage,
     error_body,
 )
+from radixserve.server.chat_core import Plan
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.sse import SSEWriter
@@ -61,13 +63,13 @@ class EventWriter(SSEWriter):
         await self._bounded(self.response.write_eof())
 
 
-async def stream_message(request: web.Request, state: ServerState, flight: Flight, conv: convert.Conversation,
-                         stops: list[str] | None, mid: str) -> web.StreamResponse:
+async def stream_message(request: web.Request, state: ServerState, flight: Flight, plan: Plan, b: MessagesRequest,
+                         mid: str) -> web.StreamResponse:
     sse = await EventWriter.open(request)
     start = Usage(flight.reqs[0].prompt_len, 0)  # the cache's share is known once it ran: message_delta says
     await sse.emit(MessageStart(Message(mid, "assistant", state.model_name, [], None, None, start)))
     try:
-        await _answer(sse, state, flight, conv, stops)
+        await _answer(sse, state, flight, plan, b)
     except ApiError as e:  # the status line is sent: the error goes in the stream
         await sse.emit(error_body(e.status, e.message))
     except ConnectionError:
@@ -79,16 +81,15 @@ async def stream_message(request: web.Request, state: ServerState, flight: Fligh
     return sse.response
 
 
-async def _answer(sse: EventWriter, state: ServerState, flight: Flight, conv: convert.Conversation,
-                  stops: list[str] | None) -> None:
+async def _answer(sse: EventWriter, state: ServerState, flight: Flight, plan: Plan, b: MessagesRequest) -> None:
     await sse.emit(Ping())
-    live, out = LiveBlocks(sse, conv), None
+    live, out = LiveBlocks(sse, plan, convert.shows_thinking(b)), None
     async for _, d in state.merged(flight):
         await live.feed(d.text, d.finished)
         out = d.output if d.finished else out
     if out is None:
         raise ApiError(500, "internal error while generating: the request ended without an output")
-    blocks, reason, sequence = convert.answer(out, conv, stops, live.streamed_calls())  # an engine error raises here
+    blocks, reason, sequence = convert.answer(out, plan, b, live.streamed_calls())  # an engine error raises here
     await live.finish(blocks)
     await sse.emit(MessageDelta(StopInfo(reason, sequence), convert.usage(out)))
     await sse.emit(MessageStop())
@@ -100,10 +101,10 @@ class LiveBlocks(reasoning.LiveParts):
     final blocks (built from the whole text, which the stream agrees with) and sends the rest
     whole, after the streamed ones."""
 
-    def __init__(self, sse: EventWriter, conv: convert.Conversation) -> None:
-        calls = tools.call_stream(conv.mode, conv.offered, conv.tool_format, conv.one_call)
-        super().__init__(conv.parser, conv.mode != "required", calls)
-        self.sse, self.show = sse, conv.show_thinking
+    def __init__(self, sse: EventWriter, plan: Plan, show: bool) -> None:
+        calls = tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call)
+        super().__init__(plan.parser, plan.mode != "required", calls)
+        self.sse, self.show = sse, show
 
     async def open_reasoning(self) -> None:
         await self.sse.emit(ContentBlockStart(self.parts.index("reasoning"), ThinkingBlock("")))

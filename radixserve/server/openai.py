@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -15,9 +13,10 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.limits import MAX_N
 from radixserve.request import SamplingParams, TokenLogprob
-from radixserve.server import reasoning, tools
-from radixserve.server.body import read_body
-from radixserve.server.errors import ApiError, value_error
+from radixserve.server import chat_core, reasoning, tools
+from radixserve.server.auth import Tenant
+from radixserve.server.chat_core import Plan, finish_reason
+from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -54,25 +53,18 @@ def check_common(b: _OpenAISampling) -> None:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
 
-def sampling_params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool,
-            json_schema: tuple[str, bool] | None = None, structural_tag: str | None = None,
-            grammar_after: str | None = None) -> SamplingParams:
-    """`grammar_after`: where a constraint starts unless the client said (e.g. after the reasoning)."""
+def sampling(b: _OpenAISampling, max_tokens: int | None, top: int, logprobs: bool) -> chat_core.Sampling:
+    return chat_core.Sampling(
+        n=b.n, max_tokens=max_tokens, min_tokens=b.min_tokens, temperature=b.temperature, top_p=b.top_p, top_k=b.top_k,
+        min_p=b.min_p, frequency_penalty=b.frequency_penalty, presence_penalty=b.presence_penalty,
+        repetition_penalty=b.repetition_penalty, stop=b.stop, stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos,
+        skip_special_tokens=b.skip_special_tokens, seed=b.seed, logprobs=logprobs, top_logprobs=top, regex=b.regex,
+        ebnf=b.ebnf, grammar_after=b.grammar_after, logit_bias=b.logit_bias)
 
-    def opt(v: Any, default: Any) -> Any:
-        return default if v is None else v
 
-    return SamplingParams(
-        max_new_tokens=max_tokens, min_new_tokens=b.min_tokens, temperature=opt(b.temperature, 1.0), top_p=opt(b.top_p, 1.0),
-        top_k=opt(b.top_k, -1), min_p=opt(b.min_p, 0.0), frequency_penalty=opt(b.frequency_penalty, 0.0),
-        presence_penalty=opt(b.presence_penalty, 0.0), repetition_penalty=opt(b.repetition_penalty, 1.0), stop=b.stop,
-        stop_token_ids=b.stop_token_ids, ignore_eos=b.ignore_eos, skip_special_tokens=b.skip_special_tokens,
-        seed=None if b.seed is None else b.seed + i, return_logprob=logprobs, top_logprobs_num=top,
-        json_schema=json_schema[0] if json_schema else None, strict_json_schema=bool(json_schema and json_schema[1]),
-        regex=b.regex, ebnf=b.ebnf, structural_tag=structural_tag,
-        grammar_after=b.grammar_after if b.grammar_after is not None else grammar_after,
-        logit_bias=cast(dict[int | str, float] | None, b.logit_bias),  # str keys, as OpenAI sends them
-    )
+def sampling_params(b: _OpenAISampling, max_tokens: int | None, i: int, top: int, logprobs: bool) -> SamplingParams:
+    """Choice i of a completion: no plan, so no constraint but the client's own."""
+    return sampling(b, max_tokens, top, logprobs).params(i)
 
 
 def _response_format(fmt: dict[str, Any] | None) -> tuple[str, bool] | None:
@@ -104,12 +96,6 @@ def usage(outs: list[Output], prompts: int = 1) -> Usage:
     return Usage(p, c, p + c, PromptTokensDetails(sum(o.cached_tokens for o in firsts)))
 
 
-def finish_reason(out: Output) -> str:
-    if out.finish_reason == "error":
-        raise ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
-    return out.finish_reason
-
-
 # -- chat ------------------------------------------------------------------------------------
 def _messages(b: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not b.messages:
@@ -132,23 +118,6 @@ def _messages(b: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _render(state: ServerState, b: ChatCompletionRequest, offered: list[tools.Tool]) -> Callable[[], list[int]]:
-    """The prompt, built off the event loop: a long tool-call history is real work."""
-    template = getattr(state.engine.tokenizer, "chat_template", None)
-    extra = {"template_kwargs": b.chat_template_kwargs} if b.chat_template_kwargs else {}
-
-    def render() -> list[int]:
-        messages, tool_specs = tools.render(_messages(b), offered, template)
-        try:
-            return state.engine.chat_ids(messages, tool_specs, **extra)
-        except ValueError as e:  # e.g. a text that cannot fit the context window
-            raise value_error(e, RENAME) from None
-        except Exception as e:  # the template's own checks (e.g. role order)
-            raise ApiError(400, f"messages: the model's chat template rejected them: {e}", param="messages") from None
-
-    return render
-
-
 def _pair(text_bytes: tuple[str, list[int]], logprob: float) -> tuple[str, float, list[int]]:
     return text_bytes[0], logprob, text_bytes[1]
 
@@ -169,17 +138,10 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob] | None) -> Choice
     return ChoiceLogprobs(content)
 
 
-async def begin(request: web.Request, typ: type, common: bool = True) -> tuple[ServerState, float, Any, Any]:
-    """Every OpenAI route starts alike: the clock, the tenant, the decoded body, common checks
-    (`common`: the checks of the fields chat and completions share)."""
-    state: ServerState = request.app["state"]
-    arrival = time.monotonic()
-    tenant = state.authenticate(request)
-    state.admission.check(tenant)  # overloaded: refused before the body is read
-    b = await read_body(request, typ)
-    state.check_model(b.model)
-    if common:
-        check_common(b)
+async def begin(request: web.Request, typ: type) -> tuple[ServerState, float, Tenant, Any]:
+    """chat_core.begin, then the checks of the fields chat and completions share."""
+    state, arrival, tenant, b = await chat_core.begin(request, typ)
+    check_common(b)
     return state, arrival, tenant, b
 
 
@@ -197,22 +159,7 @@ def _check_template_kwargs(kw: dict[str, Any] | None) -> None:
             raise ApiError(400, f"chat_template_kwargs.{k}: {why}", param=f"chat_template_kwargs.{k}")
 
 
-@dataclass
-class ChatPlan:
-    """What a chat request asks beyond sampling: its constraint, its tools, its reasoning split."""
-
-    mode: str  # tool_choice: none | auto | required
-    offered: list[tools.Tool]  # described to the model
-    callable_tools: list[tools.Tool]  # what a required call may use
-    schema: tuple[str, bool] | None = None  # (JSON schema text, strict)
-    tag: str | None = None  # a structural tag (JSON text)
-    parser: str | None = None  # the reasoning parser, when this request's output is split
-    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
-    call_tag: bool = False  # tool_choice auto, its calls constrained by `tag` (tools.auto_tag)
-    one_call: bool = False  # parallel_tool_calls false: the first call only
-
-
-def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> ChatPlan:
+def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> Plan:
     tag = None
     if b.response_format is not None and b.response_format.get("type") == "structural_tag":
         tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
@@ -220,62 +167,41 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_forma
     schema = _response_format(b.response_format)
     offered = tools.parse_tools(b.tools)
     mode, callable_tools = tools.choose(offered, b.tool_choice)
-    if mode == "required":
-        if schema is not None or tag is not None:
-            raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
-        schema = tools.call_spec(callable_tools)
-    if mode == "auto" and schema is None and tag is None and b.regex is None and b.ebnf is None:
-        tag = tools.auto_tag(offered, tool_format, b.parallel_tool_calls is False)
-        call_tag = tag is not None
-    else:
-        call_tag = False
+    if mode == "required" and (schema is not None or tag is not None):
+        raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
     _check_template_kwargs(b.chat_template_kwargs)
-    parser = reasoning.active(reasoning_parser, b.chat_template_kwargs)
-    return ChatPlan(mode, [] if mode == "none" else offered, callable_tools, schema, tag, parser, tool_format, call_tag,
-                    b.parallel_tool_calls is False)
+    plan = Plan(_messages(b), tools.CHAT_PARAMS, offered, mode, callable_tools, schema, tag, tool_format=tool_format,
+                one_call=b.parallel_tool_calls is False, template_kwargs=b.chat_template_kwargs or {})
+    return chat_core.constrain(plan, reasoning_parser, free=b.regex is None and b.ebnf is None)
 
 
-def chat_params(b: ChatCompletionRequest, plan: ChatPlan) -> list[SamplingParams]:
-    """One per choice. With a reasoning parser, a constraint starts after the reasoning."""
+def chat_params(b: ChatCompletionRequest, plan: Plan) -> list[SamplingParams]:
+    """One per choice (chat_core.sampling_params)."""
     if b.top_logprobs is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     top = b.top_logprobs or 0
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    constrained = any(x is not None for x in (plan.schema, plan.tag, b.regex, b.ebnf))
-    after = reasoning.grammar_after(plan.parser, constrained)
-    params = [sampling_params(b, max_tokens, i, top, b.logprobs, plan.schema, plan.tag, after) for i in range(b.n)]
-    if tools.keeps_markers(plan.mode, plan.tool_format):
-        for p in params:
-            p.skip_special_tokens = False
-    return params
+    return chat_core.sampling_params(plan, sampling(b, max_tokens, top, b.logprobs))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, arrival, tenant, b = await begin(request, ChatCompletionRequest)
     plan = chat_plan(b, state.config.reasoning_parser, state.tool_format)
     params = chat_params(b, plan)
-    render = _render(state, b, plan.offered)
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
-    field = tools.schema_field(plan.mode, plan.call_tag)
-    if field is not None:  # the call schema's compile errors name the tools
-        opts.rename = {**opts.rename, field: tools.error_param(plan.offered, plan.callable_tools)}
-    try:
-        async with state.admit(tenant, [render] * b.n, params, opts, arrival) as flight:
-            if not b.stream or plan.mode == "required":  # a required call: parsed whole, at the end
-                return await _chat_whole(request, state, b, flight, plan)
-            return await _chat_stream(request, state, b, flight, plan)
-    except ApiError as e:
-        if field is None:
-            raise
-        raise tools.blame(e, plan.offered, plan.callable_tools) from None
+    render = chat_core.renderer(state.engine, plan, RENAME)
+    async with chat_core.admit(state, tenant, plan, [render] * b.n, params, opts, arrival) as flight:
+        if not b.stream or plan.mode == "required":  # a required call: parsed whole, at the end
+            return await _chat_whole(request, state, b, flight, plan)
+        return await _chat_stream(request, state, b, flight, plan)
 
 
 async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight,
-                      plan: ChatPlan) -> web.StreamResponse:
+                      plan: Plan) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     outs = await state.collect(flight)
     choices = [chat_choice(state, i, o, plan) for i, o in enumerate(outs)]
@@ -289,7 +215,7 @@ class _LiveChoice(reasoning.LiveParts):
     """One choice of a chat stream: what one engine delta adds, gathered into one chunk's delta
     (reasoning, content, and with tools each call as it completes: reasoning.LiveParts)."""
 
-    def __init__(self, plan: ChatPlan) -> None:
+    def __init__(self, plan: Plan) -> None:
         super().__init__(plan.parser, True, tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call))
         self.plan = plan
         self.delta = ChatDelta()
@@ -323,7 +249,7 @@ class _LiveChoice(reasoning.LiveParts):
 
 
 async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight,
-                       plan: ChatPlan) -> web.StreamResponse:
+                       plan: Plan) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     sse = await SSEWriter.open(request)
 
@@ -359,15 +285,15 @@ def include_usage(b: _OpenAISampling) -> bool:
     return b.stream_options is not None and b.stream_options.include_usage
 
 
-def plan_answer(o: Output, plan: ChatPlan, streamed: list[ToolCall] | None = None) -> tuple[reasoning.Answer, str]:
-    """A finished output as the plan reads it (reasoning.answer), and its finish reason:
+def plan_answer(o: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> tuple[reasoning.Answer, str]:
+    """A finished output as the plan reads it (chat_core.answer), and its finish reason:
     "tool_calls" when it stopped after calls."""
     reason = finish_reason(o)
-    a = reasoning.answer(o.text, reason, plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call, streamed)
+    a = chat_core.answer(o, plan, streamed)
     return a, "tool_calls" if a.calls and reason == "stop" else reason
 
 
-def chat_choice(state: ServerState, i: int, o: Output, plan: ChatPlan) -> ChatChoice:
+def chat_choice(state: ServerState, i: int, o: Output, plan: Plan) -> ChatChoice:
     """Tool calls and JSON are read from the content only, never from the reasoning."""
     a, reason = plan_answer(o, plan)
     message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)

@@ -1,12 +1,12 @@
 """OpenAI Responses API: POST /v1/responses (whole or streamed), and stored responses:
 GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
 
-A request becomes chat messages and tools (responses_input) and runs on the chat path's
-machinery: tools.render and the model's chat template, openai.sampling_params, and
-ServerState.admit / collect / run. A stored response keeps its Context: a continuation
-(previous_response_id) renders the whole conversation and, when that text starts with the
-stored one, reuses its tokens (prompt and output, as the engine ran them) as its first tokens,
-so the prefix cache holds the whole earlier turn.
+A request becomes a chat_core Plan (its input items as chat messages, its tools: responses_input)
+and runs through the chat core: rendered by the model's chat template, admitted, then collected
+or streamed. A stored response keeps its Context: a continuation (previous_response_id) renders
+the whole conversation and, when that text starts with the stored one, reuses its tokens (prompt
+and output, as the engine ran them) as its first tokens, so the prefix cache holds the whole
+earlier turn.
 
 With --reasoning-parser the output's `<think>` part is a leading reasoning item (counted in
 usage.output_tokens_details.reasoning_tokens) and the message or calls come from the rest, as
@@ -18,10 +18,7 @@ what a continuation shows of it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -29,9 +26,10 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.request import SamplingParams
-from radixserve.server import openai, reasoning, responses_stored, tools
+from radixserve.server import chat_core, reasoning, responses_stored, tools
+from radixserve.server.chat_core import Plan, Rendered
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import ChatCompletionRequest, ToolCall
+from radixserve.server.protocol import ToolCall
 from radixserve.server.responses_input import choose, echo_text, listed_items, new_id, parse_tools, text_schema, to_messages
 from radixserve.server.responses_protocol import (
     Context,
@@ -57,60 +55,29 @@ from radixserve.server.state import Flight, RequestOptions, ServerState
 RENAME = {"max_new_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input", "json_schema": "text.format"}
 
 
-@dataclass
-class Plan:
-    """A checked request: the conversation (without instructions), the tools offered, how the
-    output is constrained, and the stored context it continues."""
-
-    body: CreateResponseRequest
-    messages: list[dict[str, Any]]
-    offered: list[tools.Tool]
-    mode: str  # none | auto | required
-    params: SamplingParams
-    callable: list[tools.Tool] = field(default_factory=list)  # what a required call may use
-    prev: Context | None = None
-    parser: str | None = None  # the reasoning parser, when this response's output is split
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
-    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
-    call_tag: bool = False  # tool_choice auto, its calls constrained (tools.auto_tag)
-
-
-@dataclass
-class Rendered:
-    """The prompt as rendered (off the loop, when the request is admitted)."""
-
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-
-
 # -- create ----------------------------------------------------------------------------------
 async def create(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await openai.begin(request, CreateResponseRequest, common=False)
-    plan = await _plan(request, tenant.id, plan_of(b, state.config.reasoning_parser, state.tool_format))
+    state, arrival, tenant, b = await chat_core.begin(request, CreateResponseRequest)
+    plan, params = plan_of(b, state.config.reasoning_parser, state.tool_format)
+    prev = await _continued(request, tenant.id, b, plan)
     rendered = Rendered()
-    rename = RENAME
-    field = tools.schema_field(plan.mode, plan.call_tag)
-    if field is not None:  # the call schema's compile errors name the tool
-        rename = {**RENAME, field: tools.error_param(plan.offered, plan.callable, tools.RESPONSES_PARAMS)}
-    opts = RequestOptions(rename=rename, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
-    try:
-        async with state.admit(tenant, [_render(state, plan, rendered)], [plan.params], opts, arrival) as flight:
-            resp = _new_response(state, b)
-            if b.stream:
-                return await _stream(request, tenant.id, plan, rendered, flight, resp)
-            out = (await state.collect(flight))[0]
-            openai.finish_reason(out)  # an engine error is a 500, as in chat
-            finish(resp, out, plan, item_ids(), state.engine.tokenizer)
-            await _save(request, tenant.id, plan, rendered, out, resp)
-            return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
-    except ApiError as e:
-        if field is None:
-            raise
-        raise tools.blame(e, plan.offered, plan.callable, tools.RESPONSES_PARAMS) from None
+    render = chat_core.renderer(state.engine, plan, RENAME, None if prev is None else (prev.text, prev.ids), rendered)
+    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
+    async with chat_core.admit(state, tenant, plan, [render], [params], opts, arrival) as flight:
+        resp = _new_response(state, b)
+        if b.stream:
+            return await _stream(request, tenant.id, b, plan, rendered, flight, resp)
+        out = (await state.collect(flight))[0]
+        chat_core.finish_reason(out)  # an engine error is a 500, as in chat
+        finish(resp, out, plan, item_ids(), state.engine.tokenizer)
+        await _save(request, tenant.id, b, plan, rendered, out, resp)
+        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
 
 
-def plan_of(b: CreateResponseRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> Plan:
-    """The request checked, without the stored context it may continue (see _plan)."""
+def plan_of(b: CreateResponseRequest, reasoning_parser: str | None,
+            tool_format: str = "hermes") -> tuple[Plan, SamplingParams]:
+    """The request checked, as a plan and its one choice's sampling parameters; the
+    instructions are the first message. Without the stored context it may continue (_continued)."""
     if b.max_output_tokens is not None and b.max_output_tokens < 1:
         raise ApiError(400, f"max_output_tokens: must be at least 1, got {b.max_output_tokens}", param="max_output_tokens")
     if b.top_logprobs:
@@ -120,69 +87,36 @@ def plan_of(b: CreateResponseRequest, reasoning_parser: str | None, tool_format:
     schema = text_schema(b.text)
     offered = parse_tools(b.tools)
     mode, callable_tools = choose(offered, b.tool_choice)
-    if mode == "required":
-        if schema is not None:
-            raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
-        schema = tools.call_spec(callable_tools)
-    tag = tools.auto_tag(offered, tool_format, b.parallel_tool_calls is False) if mode == "auto" and schema is None else None
+    if mode == "required" and schema is not None:
+        raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
     kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
-    parser = reasoning.active(reasoning_parser, kwargs)
-    sampling = ChatCompletionRequest(temperature=b.temperature, top_p=b.top_p)
-    after = reasoning.grammar_after(parser, schema is not None or tag is not None)
-    params = openai.sampling_params(sampling, b.max_output_tokens, 0, 0, False, schema, tag, grammar_after=after)
-    params.skip_special_tokens = not tools.keeps_markers(mode, tool_format)
-    return Plan(b, to_messages(b.input), offered if mode != "none" else [], mode, params, callable_tools, None, parser, kwargs,
-                tool_format, tag is not None)
+    system = [{"role": "system", "content": b.instructions}] if b.instructions else []
+    plan = Plan([*system, *to_messages(b.input)], tools.RESPONSES_PARAMS, offered, mode, callable_tools, schema,
+                tool_format=tool_format, one_call=b.parallel_tool_calls is False, template_kwargs=kwargs)
+    chat_core.constrain(plan, reasoning_parser)
+    sampling = chat_core.Sampling(max_tokens=b.max_output_tokens, temperature=b.temperature, top_p=b.top_p)
+    return plan, chat_core.sampling_params(plan, sampling)[0]
 
 
-async def _plan(request: web.Request, tenant: str, plan: Plan) -> Plan:
-    """The stored conversation a continuation (previous_response_id) goes on from, put first."""
-    rid = plan.body.previous_response_id
-    if rid is not None:
-        row = await db(request, request.app[STORE].get, tenant, rid)
-        if row is None:
-            raise not_found(rid, "previous_response_id")
-        plan.prev = row.loaded_context()
-        plan.messages = [*plan.prev.messages, *plan.messages]
-    return plan
+async def _continued(request: web.Request, tenant: str, b: CreateResponseRequest, plan: Plan) -> Context | None:
+    """The stored context a continuation (previous_response_id) goes on from: its conversation
+    goes into the plan, after the instructions."""
+    rid = b.previous_response_id
+    if rid is None:
+        return None
+    row = await db(request, request.app[STORE].get, tenant, rid)
+    if row is None:
+        raise not_found(rid, "previous_response_id")
+    prev = row.loaded_context()
+    at = _conversation_at(b)
+    plan.messages[at:at] = prev.messages
+    return prev
 
 
-def _render(state: ServerState, plan: Plan, into: Rendered) -> Callable[[], list[int]]:
-    """The prompt, built off the event loop. A continuation whose text extends the stored
-    context's text starts with the stored tokens; only the rest is tokenized."""
-    tok = state.engine.tokenizer
-    template = getattr(tok, "chat_template", None)
-    system = [{"role": "system", "content": plan.body.instructions}] if plan.body.instructions else []
-
-    def render() -> list[int]:
-        messages, specs = tools.render([*system, *plan.messages], plan.offered, template)
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                           **plan.template_kwargs, **({"tools": specs} if specs else {}))
-        except Exception as e:  # the template's own checks (e.g. role order)
-            raise ApiError(400, f"input: the model's chat template rejected it: {e}", param="input") from None
-        head: list[int] = []
-        rest, prev = text, plan.prev
-        if prev is not None and text.startswith(prev.text):
-            head, rest = prev.ids, text[len(prev.text):]
-        _check_fits(state, len(rest))
-        into.text, into.ids = text, [*head, *tok.encode(rest, add_special_tokens=False)]
-        return into.ids
-
-    return render
-
-
-@lru_cache(maxsize=4)
-def _longest_token(tok: Any) -> int:
-    return max(map(len, tok.get_vocab()), default=1)
-
-
-def _check_fits(state: ServerState, chars: int) -> None:
-    """A text that cannot fit the context window even at the longest token is refused before
-    it is tokenized."""
-    window = state.engine.context_len
-    if chars > window * _longest_token(state.engine.tokenizer):
-        raise ApiError(400, f"input: {chars} characters cannot fit the context window of {window} tokens", param="input")
+def _conversation_at(b: CreateResponseRequest) -> int:
+    """Where a plan's conversation starts: after the instructions, which are this request's own
+    (a stored turn keeps the conversation without them)."""
+    return 1 if b.instructions else 0
 
 
 def _new_response(state: ServerState, b: CreateResponseRequest) -> ResponseObject:
@@ -203,8 +137,7 @@ def item_ids() -> tuple[str, str]:
 def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any,
            streamed: list[ToolCall] | None = None) -> None:
     """Fill in the output items, the status and the usage of a finished request."""
-    a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format,
-                         plan.body.parallel_tool_calls is False, streamed)
+    a = chat_core.answer(out, plan, streamed)
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
@@ -226,14 +159,14 @@ def _output_items(out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> lis
     return items + [function_item(c) for c in a.calls]
 
 
-async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rendered, flight: Flight,
-                  resp: ResponseObject) -> web.StreamResponse:
+async def _stream(request: web.Request, tenant: str, b: CreateResponseRequest, plan: Plan, rendered: Rendered,
+                  flight: Flight, resp: ResponseObject) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     w = await EventWriter.open(request)
     await w.start(resp)
     ids = item_ids()
-    live = LiveItems(w, plan.parser, ids, plan.mode != "required", tools.call_stream(plan.mode, plan.offered, plan.tool_format,
-                                                                               plan.body.parallel_tool_calls is False))
+    live = LiveItems(w, plan.parser, ids, plan.mode != "required",
+                     tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call))
     out: Output | None = None
     async with aclosing(state.run(flight.reqs[0], flight.tickets[0], flight.arrival)) as deltas:
         async for d in deltas:
@@ -244,7 +177,7 @@ async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rende
         return w.response
     finish(resp, out, plan, ids, state.engine.tokenizer, live.streamed_calls())
     try:
-        await _save(request, tenant, plan, rendered, out, resp)
+        await _save(request, tenant, b, plan, rendered, out, resp)
     except ApiError as e:
         await w.fail(resp, "server_error", e.message)
         return w.response
@@ -254,16 +187,16 @@ async def _stream(request: web.Request, tenant: str, plan: Plan, rendered: Rende
 
 
 # -- storing ---------------------------------------------------------------------------------
-async def _save(request: web.Request, tenant: str, plan: Plan, rendered: Rendered, out: Output,
+async def _save(request: web.Request, tenant: str, b: CreateResponseRequest, plan: Plan, rendered: Rendered, out: Output,
                 resp: ResponseObject) -> None:
-    if not plan.body.store:
+    if not b.store:
         return
     tok = request.app["state"].engine.tokenizer
 
     def row() -> StoredResponse:
-        ctx = _context_after(tok, plan.messages, rendered, out)
+        ctx = _context_after(tok, plan.messages[_conversation_at(b):], rendered, out)
         return StoredResponse(resp.id, tenant, resp.created_at, msgspec.json.encode(resp),
-                              msgspec.json.encode(listed_items(plan.body.input)), pack_context(ctx))
+                              msgspec.json.encode(listed_items(b.input)), pack_context(ctx))
 
     store = request.app[STORE]
     await db(request, lambda: store.put(row()))
@@ -271,7 +204,11 @@ async def _save(request: web.Request, tenant: str, plan: Plan, rendered: Rendere
 
 def _context_after(tok: Any, messages: list[dict[str, Any]], rendered: Rendered, out: Output) -> Context:
     """The conversation once the output is in: the output as the model wrote it (special tokens
-    included, the one it stopped on left to the template) as the assistant's message."""
+    included, the one it stopped on left to the template) as the assistant's message.
+
+    NOTE: decoded here, not taken from `out.text`: the engine's text skips special tokens
+    (unless tool-call markers are kept), leaves out the token it stopped on, and is decoded
+    after the prompt's last tokens (a word-initial space may differ)."""
     ids = out.token_ids
 
     def text(t: list[int]) -> str:

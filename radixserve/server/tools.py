@@ -193,7 +193,7 @@ RESPONSES_PARAMS = "tools[{}].parameters"
 ANTHROPIC_PARAMS = "tools[{}].input_schema"
 
 
-def error_param(offered: list[Tool], callable_tools: list[Tool], where: str = CHAT_PARAMS) -> str:
+def error_param(offered: list[Tool], callable_tools: list[Tool], where: str) -> str:
     """The field a call schema's compile error names: the one callable tool's parameters."""
     if len(callable_tools) == 1:
         return where.format(offered.index(callable_tools[0]))
@@ -203,7 +203,7 @@ def error_param(offered: list[Tool], callable_tools: list[Tool], where: str = CH
 _ARGS_AT = re.compile(r"#/(?:anyOf/(\d+)/)?properties/arguments")
 
 
-def blame(e: ApiError, offered: list[Tool], callable_tools: list[Tool], where: str = CHAT_PARAMS) -> ApiError:
+def blame(e: ApiError, offered: list[Tool], callable_tools: list[Tool], where: str) -> ApiError:
     """A call schema's compile error (named by error_param), naming the tool whose parameters
     hold the problem where the message points into them, with pointers as in the tool's own schema."""
     m = _ARGS_AT.search(e.message)
