@@ -1,0 +1,38 @@
+"""scripts/bench_page.py: the benchmark page's generated sections say what the committed JSON
+says, and a section is rendered from a bench command's own --json output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_page.py"
+
+
+def _page_module():
+    spec = importlib.util.spec_from_file_location("bench_page", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_page_says_what_its_json_says():
+    assert _page_module().main(["--check"]) == 0
+
+
+def test_the_fork_section_is_the_speed_up_the_prefix_bench_measured(tmp_path, monkeypatch):
+    page = _page_module()
+    monkeypatch.setattr(page, "BENCH", tmp_path)
+    for n, on, off in ((2, 10.0, 12.5), (16, 12.0, 96.0)):
+        row = {"requests": n, "prefill_tokens_computed": 2000 + 10 * n}
+        (tmp_path / f"prefix-fork-{n}.json").write_text(json.dumps({
+            "radixserve": {**row, "wall_s": on}, "radixserve_no_cache": {**row, "wall_s": off, "prefill_tokens_computed": 2000 * n}}))
+    (tmp_path / "runs.json").write_text(json.dumps({name: {"command": "cmd", "date": "d", "machine": "m"}
+                                                    for name in ("prefix-fork", "serving-chat")}))
+    out = page.render("<!-- bench:fork -->\nold\n<!-- /bench:fork -->\n<!-- bench:serving -->\n<!-- /bench:serving -->",
+                      plots=True)
+    assert "| 2 | 1.25x | 10.0 / 12.5 | 2,020 / 4,000 |" in out and "| 16 | 8.00x | 12.0 / 96.0 |" in out
+    assert "old" not in out and "Made by `cmd` (d, m)." in out and "(no serving-chat.json" in out
+    assert (tmp_path / "fork-speedup.svg").read_text().startswith("<?xml")
