@@ -221,6 +221,17 @@ def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int, layer: in
     return out
 
 
+def _window_and_full(backend, batch, q, k, v, window: int, native: bool, full_layer: int):
+    """The batch through layer 0 as a sliding-window layer and through `full_layer` as a full
+    one, with the native CPU kernels on or off."""
+    cpu.set_enabled(native)
+    try:
+        backend.prepare(batch)
+        return backend.forward(q, k, v, 0, batch, window=window), backend.forward(q, k, v, full_layer, batch)
+    finally:
+        cpu.set_enabled(True)
+
+
 @pytest.mark.parametrize(("name", "native"), [("torch", True), ("torch", False), ("torch_ref", True), ("triton", True)],
                          ids=["torch-native", "torch-gather", "torch_ref", "triton"])
 def test_a_sliding_window_layer_sees_only_its_window_in_each_backend(name, native, monkeypatch):
@@ -233,13 +244,7 @@ def test_a_sliding_window_layer_sees_only_its_window_in_each_backend(name, nativ
     pool = _random_pool(2048, kv_heads, dim, seed=9)
     backend = create_backend(name, pool, torch.device("cpu"))
     batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed=4)
-    cpu.set_enabled(native)
-    try:
-        backend.prepare(batch)
-        got = backend.forward(q, k, v, 0, batch, window=window)
-        full = backend.forward(q, k, v, 0, batch)
-    finally:
-        cpu.set_enabled(True)
+    got, full = _window_and_full(backend, batch, q, k, v, window, native, full_layer=0)
     if name == "torch":
         assert ("dec_lens" in batch.attn_meta) is native
     want = _windowed_oracle(pool, spec, q, window)
@@ -271,13 +276,7 @@ def test_a_window_pool_is_written_and_read_through_its_own_slots_in_each_backend
     for s in batch.seqs:  # what ForwardBatch.from_plan gives each sequence: its window's slots in the window pool
         s.window_slots = perm[torch.tensor(s.slots[max(0, s.prefix_len - (window - 1)) :])].tolist()
     batch.window_out_slots = perm[batch.out_slots]
-    cpu.set_enabled(native)
-    try:
-        backend.prepare(batch)
-        got = backend.forward(q, k, v, 0, batch, window=window)
-        full = backend.forward(q, k, v, 1, batch)
-    finally:
-        cpu.set_enabled(True)
+    got, full = _window_and_full(backend, batch, q, k, v, window, native, full_layer=1)
     assert backend.native_decode(batch) is None  # one slot table cannot serve both pools
     want = _windowed_oracle(pool, spec, q, window, layer=1)
     tol = 1e-5 if kv_dtype is None else KV_TOL[kv_dtype]  # a chunk's own rows come unquantized from its inputs

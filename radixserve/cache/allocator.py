@@ -96,12 +96,10 @@ class WindowedAllocator(SlotAllocator):
 
     def short(self, n: int) -> tuple[int, int]:
         """Slots missing from the (full, window) free lists for an allocation of n."""
-        need = -(-n // self.page_size) * self.page_size
-        return max(need - self.num_free, 0), max(need - self.window.num_free, 0)
+        return super().short(n)[0], self.window.short(n)[0]
 
     def alloc(self, n: int) -> list[int] | None:
-        pages = -(-n // self.page_size)
-        if pages > len(self._free) or pages * self.page_size > self.window.num_free:
+        if any(self.short(n)):
             return None
         slots = super().alloc(n)
         wins = self.window.alloc(n)

@@ -83,7 +83,7 @@ class PrefixCache(ABC):
         (their full-attention KV stays cached); returns their slots."""
         return []
 
-    def window_slots(self) -> list[int]:
+    def slots_with_window(self) -> list[int]:
         """Slots of the cached tokens that hold their window KV (integrity checks)."""
         return []
 

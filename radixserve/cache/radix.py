@@ -349,7 +349,7 @@ class RadixCache(PrefixCache):
             dropped.extend(node.slots)
         return dropped
 
-    def window_slots(self) -> list[int]:
+    def slots_with_window(self) -> list[int]:
         """Slots of every node that holds its window KV."""
         return [s for x in self._nodes() if x is not self.root and x.windowed for s in x.slots]
 

@@ -249,7 +249,7 @@ class CacheManager:
         cached node that still holds its window KV, or a request's own page from window_from on."""
         w, ps = self.windowed, self.page_size
         assert w is not None
-        should = {s // ps for s in self.prefix.window_slots()}
+        should = {s // ps for s in self.prefix.slots_with_window()}
         for entry in self._table.values():
             should |= {s // ps for s in entry.slots[max(entry.window_from, entry.cached) :]}
         held = w.window_pages()
