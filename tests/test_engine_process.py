@@ -30,7 +30,6 @@ from radixserve.engine.protocol import (
     FromEngine,
     GetStats,
     InvalidParam,
-    PrepareGrammar,
     Reply,
     Shutdown,
     ToEngine,
@@ -66,7 +65,7 @@ def test_every_message_round_trips_typed():
     out = Output("r1", "hi", [5, 1], "stop", 3, 2, 1, matched_stop="END", logprobs=lps, error=None)
     stats = EngineStats(kv_total_slots=10, kv_free_slots=4, cache_hit_rate=0.5, finished=2, engine_rss_bytes=1 << 30)
     to_engine = [AddRequest("r1", [1, 2, 3], params, 7, priority=-2, tenant="t", cache_salt="s", public_prefix_len=2),
-                 Abort("r1"), PrepareGrammar(4, params, "t"), GetStats(5), FlushCache(6), CheckIntegrity(7), Shutdown()]
+                 Abort("r1"), AddRequest("r2", [4], params, 7, tenant="t", call_id=4), GetStats(5), FlushCache(6), CheckIntegrity(7), Shutdown()]
     from_engine = [EngineInfo("m", "/p", 128, 100, 104, [2], 4096, "bfloat16", "cpu", 123, "q4_1+q8_0", 1 << 20, "int8", 2176),
                    Deltas([Delta("r1", "h", [5], lps[:1], cached_tokens=1), Delta("r1", "i", [1], [], True, out, 1)], stats),
                    Reply(4, stats=stats), Reply(5, value=17), Reply(6, error=ErrorInfo("invalid_param", "bad", "regex"))]
@@ -132,20 +131,43 @@ def test_the_engine_process_gives_the_in_process_tokens_and_accounts_the_same(pr
 
 
 def test_grammars_compile_in_the_engine_process_and_bad_ones_name_the_field(proc_engine):
+    """A constrained request is sent once: prepare_grammar sends it ahead, the engine answers
+    when its grammar is compiled (or with the error, never running it), submit reads its stream."""
     schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
     good = proc_engine.make_req([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=40, json_schema=schema))
     bad = proc_engine.make_req([5, 6, 7], SamplingParams(max_new_tokens=4, regex="(unclosed"))
+    left = proc_engine.make_req([5, 6, 7], SamplingParams(max_new_tokens=400, regex="[a-z ]+"))
+    sent: list[str] = []
+    send = proc_engine._send
+
+    def counting(msg):
+        sent.append(type(msg).__name__)
+        send(msg)
 
     async def run() -> Output:
-        await proc_engine.prepare_grammar(good)
-        with pytest.raises(ValueError, match="regex"):
-            await proc_engine.prepare_grammar(bad)
-        return await _collect(proc_engine, good)
+        proc_engine._send = counting
+        try:
+            await proc_engine.prepare_grammar(good)
+            with pytest.raises(ValueError, match="regex"):
+                await proc_engine.prepare_grammar(bad)
+            out = await _collect(proc_engine, good)
+            await proc_engine.prepare_grammar(left)  # sent ahead, then its client leaves before reading
+            proc_engine.abort(left.rid)
+            return out
+        finally:
+            proc_engine._send = send
 
     out = asyncio.run(run())
     import json
 
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["n"], int)
+    assert sent == ["AddRequest", "AddRequest", "AddRequest", "Abort"]  # one crossing each
+    assert not proc_engine._ahead and not proc_engine._streams
+    deadline = time.monotonic() + 30
+    while proc_engine.stats().kv_in_use_slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc_engine.stats().kv_in_use_slots == 0
+    proc_engine.check_integrity()
 
 
 def test_a_request_that_breaks_the_forward_fails_alone_and_the_engine_goes_on(proc_engine):

@@ -29,14 +29,14 @@ class DeltaStream:
     def __init__(self, abort: Callable[[], None], max_backlog: int | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._q: asyncio.Queue[Delta] = asyncio.Queue()
-        self._abort, self._max_backlog = abort, max_backlog
+        self._abort, self.max_backlog = abort, max_backlog
         self._stalled: str | None = None
 
     def sink(self, d: Delta) -> None:
         self._loop.call_soon_threadsafe(self._put, d)
 
     def _put(self, d: Delta) -> None:  # on the event loop
-        if self._max_backlog is not None and self._q.qsize() >= self._max_backlog and not d.finished:
+        if self.max_backlog is not None and self._q.qsize() >= self.max_backlog and not d.finished:
             if self._stalled is None:
                 self._stalled = f"the client left {self._q.qsize()} stream chunks unread"
                 self._abort()

@@ -52,7 +52,6 @@ from radixserve.engine.protocol import (
     FlushCache,
     FromEngine,
     GetStats,
-    PrepareGrammar,
     Reply,
     Shutdown,
     ToEngine,
@@ -108,6 +107,7 @@ class EngineProcess(RequestFront):
                                      kv_bytes_per_token=info.kv_bytes_per_token)
         self._streams: dict[str, tuple[Callable[[Delta], None], int]] = {}  # rid -> (its sink, its prompt length)
         self._calls: dict[int, Future[Reply]] = {}
+        self._ahead: dict[str, DeltaStream] = {}  # constrained requests sent by prepare_grammar, not yet submitted
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # streams and calls
         self.dead: str | None = None  # why the engine process is gone
@@ -138,24 +138,39 @@ class EngineProcess(RequestFront):
 
     # -- requests ---------------------------------------------------------------------------
     async def prepare_grammar(self, req: Req) -> None:
-        """Compile (or fetch) the request's grammar in the engine's compile workers; raises
-        GrammarError (a ValueError naming the field). Its Add then finds it cached."""
-        if req.grammar_spec is not None:
-            reply = await asyncio.wrap_future(self._call(lambda cid: PrepareGrammar(cid, req.params, req.tenant)))
+        """Send a constrained request ahead: the engine compiles (or fetches) its grammar in its
+        compile workers and answers before the request starts, or raises GrammarError (a
+        ValueError naming the field) and never runs it. Its submit then reads the stream begun
+        here, so the request crosses the socket once."""
+        if req.grammar_spec is None:
+            return
+        stream = DeltaStream(lambda: self.abort(req.rid))
+        with self._lock:
+            if self.dead is None:
+                self._streams[req.rid] = stream.sink, req.prompt_len
+                self._ahead[req.rid] = stream
+        try:
+            reply = await asyncio.wrap_future(self._call(lambda cid: AddRequest.of(req, cid)))
             if reply.error is not None:
                 raise reply.error.exception()
+        except BaseException:
+            self._forget(req.rid)
+            raise
 
     async def submit(self, prompt: Req, params: SamplingParams | None = None, *,
                      max_backlog: int | None = None) -> AsyncGenerator[Delta, None]:
         """Stream one request's deltas (as Engine.submit: leaving early aborts it; a consumer
         that lets more than max_backlog deltas pile up has the request aborted)."""
         req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)
-        stream = DeltaStream(lambda: self.abort(req.rid), max_backlog)
         with self._lock:
             if self.dead is not None:
                 raise EngineDied(f"the engine process is gone: {self.dead}")
+            ahead = self._ahead.pop(req.rid, None)  # sent by prepare_grammar
+            stream = ahead or DeltaStream(lambda: self.abort(req.rid))
             self._streams[req.rid] = stream.sink, req.prompt_len
-        self._send(AddRequest.of(req))
+        if ahead is None:
+            self._send(AddRequest.of(req))
+        stream.max_backlog = max_backlog
         try:
             async with aclosing(stream.deltas()) as deltas:  # closed (so aborting) as soon as this is
                 async for d in deltas:
@@ -165,7 +180,13 @@ class EngineProcess(RequestFront):
                 self._streams.pop(req.rid, None)
 
     def abort(self, rid: str) -> None:
+        self._forget(rid)  # sent ahead but never submitted (its client left): nobody will read it
         self._send(Abort(rid))
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            if self._ahead.pop(rid, None) is not None:
+                self._streams.pop(rid, None)
 
     # -- calls --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -243,6 +264,7 @@ class EngineProcess(RequestFront):
             self.dead = why
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
+            self._ahead.clear()
         if why != "shut down":
             log.error("the engine process is gone: %s", why)
             if self.on_death is not None:
@@ -300,6 +322,8 @@ class _Core:
         self.send_lock = threading.Lock()
         self.engine = e = Engine(model, loop_thread=False, own_process=True, **overrides)
         self.outbox: list[Delta] = []  # filled by the sinks on the loop, sent once per step or command
+        self.compiling: dict[str, bool] = {}  # rid -> aborted, for requests waiting on their grammar
+        self.compiling_lock = threading.Lock()
         self.last_stats: EngineStats | None = None
         e.on_change = self._flush  # on the loop, after each step or command
         self.send(EngineInfo(e.model_name, str(e.model_path), e.context_len, e.vocab_size, e.model_vocab_size,
@@ -343,9 +367,10 @@ class _Core:
         if isinstance(msg, AddRequest):
             self.add(msg)
         elif isinstance(msg, Abort):
+            with self.compiling_lock:
+                if msg.rid in self.compiling:  # not in the loop yet: start() drops it
+                    self.compiling[msg.rid] = True
             e.abort(msg.rid)
-        elif isinstance(msg, PrepareGrammar):
-            self.prepare_grammar(msg)
         elif not isinstance(msg, Shutdown):
             try:
                 if isinstance(msg, GetStats):
@@ -360,59 +385,53 @@ class _Core:
             self.send(reply)
 
     def add(self, msg: AddRequest) -> None:
-        """Build the Req here; a grammar is fetched from the compile cache (the front prepared
-        it, so this is a hit) without blocking the reader."""
+        """Build the Req here and run it once its grammar (if any) is compiled, waiting on a
+        thread of its own, never on the reader. A request sent ahead (call_id) is answered first:
+        with its grammar's error, and then not run; a plain one's error finishes its stream."""
         e = self.engine
         try:
             req = msg.build()
-        except ValueError as err:
-            self._fail(msg.rid, msg, str(err))
+            entry = None if req.grammar_spec is None else e.grammars().submit(e.compile_spec(req.grammar_spec), req.tenant)
+        except Exception as err:
+            self._refuse(msg, err)
             return
+
         def sink(d: Delta) -> None:  # on the loop only
             self.outbox.append(d)
 
-        if req.grammar_spec is None:
+        def start() -> None:
+            if entry is not None:
+                try:
+                    req.grammar = entry.result(e.grammars().max_wait_s).matcher()
+                except FutureTimeout:
+                    assert req.grammar_spec is not None
+                    self._refuse(msg, grammar_errors.timeout(req.grammar_spec, e.config.grammar_compile_timeout))
+                    return
+                except Exception as err:
+                    self._refuse(msg, err)
+                    return
+                finally:
+                    with self.compiling_lock:
+                        aborted = self.compiling.pop(req.rid, False)
+                if aborted:
+                    self._refuse(msg, RuntimeError("aborted while its grammar compiled"))
+                    return
             e.add(req, sink)
-            return
-        entry = e.grammars().submit(e.compile_spec(req.grammar_spec), req.tenant)
-
-        def compiled(f: Future[Any]) -> None:
-            try:
-                req.grammar = f.result().matcher()
-            except Exception as err:
-                self._fail(req.rid, msg, str(err))
-                return
-            e.add(req, sink)
-
-        entry.add_done_callback(compiled)
-
-    def prepare_grammar(self, msg: PrepareGrammar) -> None:
-        e = self.engine
-        try:
-            spec = msg.params.grammar_spec()
-            if spec is None:
+            if msg.call_id:
                 self.send(Reply(msg.call_id))
-                return
-            entry = e.grammars().submit(e.compile_spec(spec), msg.tenant)
-        except Exception as err:
-            self.send(Reply(msg.call_id, error=ErrorInfo.of(err)))
-            return
-        timeout = e.grammars().max_wait_s
 
-        def waited() -> None:
-            try:
-                entry.result(timeout)
-                reply = Reply(msg.call_id)
-            except FutureTimeout:
-                reply = Reply(msg.call_id, error=ErrorInfo.of(grammar_errors.timeout(spec, e.config.grammar_compile_timeout)))
-            except Exception as err:
-                reply = Reply(msg.call_id, error=ErrorInfo.of(err))
-            self.send(reply)
-
-        if entry.done():
-            waited()
+        if entry is None or entry.done():
+            start()
         else:
-            threading.Thread(target=waited, name="radixserve-grammar-wait", daemon=True).start()
+            with self.compiling_lock:
+                self.compiling[req.rid] = False
+            threading.Thread(target=start, name="radixserve-grammar-wait", daemon=True).start()
+
+    def _refuse(self, msg: AddRequest, err: Exception) -> None:
+        if msg.call_id:
+            self.send(Reply(msg.call_id, error=ErrorInfo.of(err)))
+        else:
+            self._fail(msg.rid, msg, str(err))
 
     def _fail(self, rid: str, msg: AddRequest, error: str) -> None:
         out = Output(rid, "", [], "error", len(msg.input_ids), 0, 0, error=error)

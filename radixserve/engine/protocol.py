@@ -91,7 +91,9 @@ class EngineStats:
 
 # -- front -> engine ----------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add", frozen=True):
-    """A validated, tokenized request; the engine builds its Req from this."""
+    """A validated, tokenized request; the engine builds its Req from this. With a call_id (a
+    constrained request sent ahead by the front) the engine answers one Reply once its grammar is
+    compiled, or with the error and without running it; so the request crosses the socket once."""
 
     rid: str
     input_ids: list[int]
@@ -101,11 +103,12 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     tenant: str | None = None
     cache_salt: str | None = None
     public_prefix_len: int = 0
+    call_id: int = 0
 
     @classmethod
-    def of(cls, req: Req) -> AddRequest:
+    def of(cls, req: Req, call_id: int = 0) -> AddRequest:
         return cls(req.rid, req.token_ids[: req.prompt_len], req.params, req.max_new_tokens, req.priority, req.tenant,
-                   req.cache_salt, req.public_prefix_len)
+                   req.cache_salt, req.public_prefix_len, call_id)
 
     def build(self) -> Req:
         return Req(list(self.input_ids), self.params, rid=self.rid, priority=self.priority,
@@ -115,14 +118,6 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     rid: str
-
-
-class PrepareGrammar(msgspec.Struct, tag="prepare_grammar", frozen=True):
-    """Compile (or fetch) the grammar of a request's params; the reply says if it failed."""
-
-    call_id: int
-    params: SamplingParams
-    tenant: str | None = None
 
 
 class GetStats(msgspec.Struct, tag="stats", frozen=True):
@@ -137,14 +132,14 @@ class CheckIntegrity(msgspec.Struct, tag="check_integrity", frozen=True):
     call_id: int
 
 
-Call = PrepareGrammar | GetStats | FlushCache | CheckIntegrity  # each answered by one Reply with its call_id
+Call = AddRequest | GetStats | FlushCache | CheckIntegrity  # each answered by one Reply with its call_id (AddRequest: when it has one)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToEngine = AddRequest | Abort | PrepareGrammar | GetStats | FlushCache | CheckIntegrity | Shutdown
+ToEngine = AddRequest | Abort | GetStats | FlushCache | CheckIntegrity | Shutdown
 
 
 # -- engine -> front ----------------------------------------------------------------------------
@@ -258,7 +253,7 @@ class EngineClient(Protocol):
                  template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,
                  on_text: Callable[[str], None] | None = None) -> list[int]: ...
 
-    async def prepare_grammar(self, req: Req) -> None: ...
+    async def prepare_grammar(self, req: Req) -> None: ...  # compile a constrained request's grammar (a GrammarError if it fails)
 
     def submit(self, prompt: Req, params: SamplingParams | None = None, *,
                max_backlog: int | None = None) -> AsyncGenerator[Delta, None]: ...
