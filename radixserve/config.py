@@ -68,6 +68,12 @@ class CacheConfig:
                                                "first, then LRU)", EVICTION_POLICIES)
     tenant_max_cached_tokens: Mapping[str, int] = field(default_factory=dict, metadata={
         "help": "tenant id -> its prefix-cache quota in tokens (from --tenants)"})
+    kv_disk_dir: str | None = option(None, "a directory for the disk tier of the KV cache: every prompt's whole blocks "
+                                           "are written through and outlive eviction and restarts (unset: no disk tier)")
+    kv_disk_gb: float = option(16.0, "the disk tier's bound in GB (least recently used blocks go first; a block "
+                                     "retained by prompt_cache_retention or cache_control stays until its TTL)")
+    kv_disk_block_tokens: int = option(64, "tokens per disk-tier block (a multiple of page_size; what a prompt's "
+                                               "tail past its last whole block costs to recompute)")
 
     def check(self) -> None:
         """The pool's sizing options, refused before a model loads (ValueError naming the option)."""
@@ -81,6 +87,13 @@ class CacheConfig:
             raise ValueError(f"kv_mem_fraction: must be in (0, 1], got {self.kv_mem_fraction}")
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        if not self.kv_disk_gb > 0:
+            raise ValueError(f"kv_disk_gb: must be positive, got {self.kv_disk_gb}")
+        if self.kv_disk_block_tokens < 1 or self.kv_disk_block_tokens % self.page_size:
+            raise ValueError(f"kv_disk_block_tokens: must be a positive multiple of page_size ({self.page_size}), "
+                             f"got {self.kv_disk_block_tokens}")
+        if self.kv_disk_dir is not None and self.disable_radix_cache:
+            raise ValueError("kv_disk_dir: the disk tier lies under the prefix cache; it cannot go with disable_radix_cache")
 
 
 @dataclass(frozen=True)

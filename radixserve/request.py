@@ -217,6 +217,29 @@ def _check_float(
         raise InvalidParam(name, f"{v} is out of range {left}{lo}, {hi if hi is not None else 'inf'}]")
 
 
+RETENTIONS = {"in_memory": 0, "5m": 300, "1h": 3600, "24h": 86400}  # what the APIs' retention names ask, in seconds
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Keep a request's prompt cached for `seconds` from its arrival (OpenAI's
+    prompt_cache_retention, Anthropic's cache_control TTLs): its first `tokens` prompt tokens
+    (0: all of them). With a disk tier the blocks stay on disk until then whatever the bound's
+    pressure; in the pool, a retained prefix is evicted after every unretained one."""
+
+    seconds: int
+    tokens: int = 0
+
+    @classmethod
+    def named(cls, name: str | None, field_name: str, tokens: int = 0) -> Retention | None:
+        """From an API's retention name; raises InvalidParam naming `field_name` for another."""
+        if name is None:
+            return None
+        if name not in RETENTIONS:
+            raise InvalidParam(field_name, f"{name!r} is not one of {', '.join(map(repr, RETENTIONS))}")
+        return cls(RETENTIONS[name], tokens) if RETENTIONS[name] else None
+
+
 @dataclass
 class TokenLogprob:
     """One position's log-probability, with the top alternatives (logprob, token_id)."""
@@ -244,6 +267,7 @@ class Req:
         tenant: str | None = None,
         cache_salt: str | None = None,
         public_prefix_len: int = 0,
+        retention: Retention | None = None,
     ) -> None:
         self.rid = rid or new_rid()
         self.token_ids: list[int] = list(prompt_ids)
@@ -253,6 +277,9 @@ class Req:
         self.tenant = tenant  # None: the default tenant
         self.cache_salt = cache_salt
         self.public_prefix_len = public_prefix_len
+        self.retention = retention
+        self.retain_until = time.time() + retention.seconds if retention is not None else 0.0  # epoch seconds
+        self.disk_tokens = 0  # prompt tokens a lower tier put back into the pool for it (while it waited)
         self.max_new_tokens = params.max_new_tokens if params.max_new_tokens is not None else max_new_tokens
         self.arrival = time.monotonic()
         self.status = ReqStatus.WAITING

@@ -142,6 +142,37 @@ def test_a_repeated_long_system_prompt_is_read_from_the_cache(client, model):
     assert second.usage.cache_read_input_tokens > 0
 
 
+def test_cache_control_breakpoints_split_the_usage_as_anthropic_does(client, model):
+    """input + cache read + cache creation = the prompt; the first call writes what its breakpoints
+    cover (by TTL), the next reads it; a breakpoint after a system block covers at least that."""
+    # a system text no other test sends: none of it is cached before the first call
+    system = [{"type": "text", "text": "Breakpoints. " + " ".join(CORPUS), "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+              {"type": "text", "text": " ".join(reversed(CORPUS)), "cache_control": {"type": "ephemeral"}}]
+    kw = dict(model=model, max_tokens=2, system=system, extra_body=GREEDY)
+    counted = client.messages.count_tokens(model=model, system=system, messages=USER).input_tokens
+    first = client.messages.create(messages=USER, **kw).usage
+    assert first.input_tokens + first.cache_read_input_tokens + first.cache_creation_input_tokens == counted
+    # read: at most the chat template's head, which earlier calls left in the cache
+    assert first.cache_read_input_tokens < 16 and first.cache_creation_input_tokens > 40
+    assert first.cache_creation.ephemeral_1h_input_tokens > 10 and first.cache_creation.ephemeral_5m_input_tokens > 10
+    assert first.cache_creation.ephemeral_1h_input_tokens + first.cache_creation.ephemeral_5m_input_tokens \
+        == first.cache_creation_input_tokens
+    again = client.messages.create(messages=[{"role": "user", "content": "Another question entirely."}], **kw).usage
+    assert again.cache_read_input_tokens >= first.cache_creation_input_tokens and again.cache_creation_input_tokens == 0
+    marked = [{"role": "user", "content": [{"type": "text", "text": "Agents call tools.", "cache_control": {"type": "ephemeral"}},
+                                           {"type": "text", "text": "And then they read JSON."}]}]
+    m = client.messages.create(model=model, max_tokens=2, messages=marked, extra_body=GREEDY).usage
+    assert 0 < m.cache_creation_input_tokens < m.input_tokens + m.cache_creation_input_tokens
+    for bad, where in (({"type": "ephemeral", "ttl": "2h"}, "system[0].cache_control.ttl"),
+                       ({"type": "persistent"}, "system[0].cache_control.type")):
+        with pytest.raises(anthropic.BadRequestError, match=re.escape(where)):
+            client.messages.create(model=model, max_tokens=2, messages=USER,
+                                   system=[{"type": "text", "text": "x", "cache_control": bad}])
+    five = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError, match="at most 4"):
+        client.messages.create(model=model, max_tokens=2, messages=USER, system=five)
+
+
 def test_bad_input_is_a_400_in_anthropics_shape_naming_the_field(client, model, server):
     status, body = server.post("/v1/messages", {"model": model, "messages": USER})
     assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"

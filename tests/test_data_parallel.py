@@ -159,6 +159,29 @@ def test_a_killed_replica_fails_its_started_stream_and_retries_what_had_not_star
         e.check_integrity()
 
 
+def test_a_replica_restarted_on_its_disk_tier_keeps_its_prefixes_and_the_router_sends_them_there(tiny_llama, tmp_path):
+    with _engine(tiny_llama, kv_disk_dir=str(tmp_path), kv_disk_block_tokens=16) as e:
+        [first] = asyncio.run(_run(e, _forks(e, n=1)))
+        home = max(range(2), key=lambda i: e.replicas[i].engine.stats().prefill_tokens_computed)
+        deadline = time.monotonic() + scaled(30)
+        while e.replicas[home].engine.stats().kv_disk_written_tokens < 256 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / f"replica-{home}").is_dir() and not (tmp_path / f"replica-{1 - home}").exists()
+        os.kill(e.replicas[home].engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + scaled(120)
+        while not (e.replicas[home].healthy and e.replicas[home].restarts == 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert e.replicas[home].healthy
+        req = _forks(e, n=2)[1]
+        e.route(req)
+        assert e._placed[req.rid] == home  # the router still knows where the prefix is
+        [again] = asyncio.run(_run(e, [req]))
+        s = e.replicas[home].engine.stats()
+        assert again.cached_tokens >= 100 and s.cached_prompt_tokens_disk >= 100, s
+        assert first.finish_reason == again.finish_reason == "length"
+        e.check_integrity()
+
+
 # -- through the server: `radixserve serve --data-parallel 2`, the official openai client ------------
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama, tmp_path_factory):

@@ -36,7 +36,7 @@ from radixserve.engine.protocol import (
     decoder,
     encoder,
 )
-from radixserve.request import TokenLogprob
+from radixserve.request import Retention, TokenLogprob
 from tests.server_helpers import ServerProcess
 
 
@@ -65,7 +65,8 @@ def test_every_message_round_trips_typed():
     out = Output("r1", "hi", [5, 1], "stop", 3, 2, 1, matched_stop="END", logprobs=lps, error=None)
     stats = EngineStats(kv_total_slots=10, kv_free_slots=4, cache_hit_rate=0.5, finished=2, engine_rss_bytes=1 << 30)
     to_engine = [AddRequest("r1", [1, 2, 3], params, 7, priority=-2, tenant="t", cache_salt="s", public_prefix_len=2),
-                 Abort("r1"), AddRequest("r2", [4], params, 7, tenant="t", call_id=4), GetStats(5), FlushCache(6), CheckIntegrity(7), Shutdown()]
+                 Abort("r1"), AddRequest("r2", [4], params, 7, tenant="t", call_id=4, retention=Retention(3600, 2)),
+                 GetStats(5), FlushCache(6), CheckIntegrity(7), Shutdown()]
     from_engine = [EngineInfo("m", "/p", 128, 100, 104, [2], 4096, "bfloat16", "cpu", 123, "q4_1+q8_0", 1 << 20, "int8", 2176),
                    Deltas([Delta("r1", "h", [5], lps[:1], cached_tokens=1), Delta("r1", "i", [1], [], True, out, 1)], stats),
                    Reply(4, stats=stats), Reply(5, value=17), Reply(6, error=ErrorInfo("invalid_param", "bad", "regex"))]

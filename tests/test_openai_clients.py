@@ -134,6 +134,20 @@ def test_newer_openai_fields_are_accepted_on_chat_and_completions(client, server
         assert status == 400 and err["error"]["param"] == "prompt_cache_key", err
 
 
+def test_prompt_cache_retention_is_taken_by_every_api_and_a_bad_value_names_the_field(client, server):
+    r = client.chat.completions.create(model="", messages=USER, max_tokens=2, extra_body={"prompt_cache_retention": "24h"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = client.responses.create(model="", input="Agents", max_output_tokens=2, prompt_cache_retention="in_memory")
+    assert r.status in ("completed", "incomplete")
+    status, out = server.post("/generate", {"text": "Agents", "sampling_params": {"max_new_tokens": 2},
+                                            "prompt_cache_retention": "1h"})
+    assert status == 200, out
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/responses", {"input": "x"}),
+                       ("/generate", {"text": "x"})):
+        status, err = server.post(path, {**body, "prompt_cache_retention": "forever"})
+        assert status == 400 and err["error"]["param"] == "prompt_cache_retention", err
+
+
 def test_chat_template_kwargs_are_accepted_and_cannot_override_the_templates_own_arguments(client, server):
     r = client.chat.completions.create(model="", messages=USER, max_tokens=4,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False, "x": [1]}})

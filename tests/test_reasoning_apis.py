@@ -19,8 +19,8 @@ from helpers import Sink
 from server_helpers import USER, ServerProcess
 
 from radixserve.engine.outputs import Delta, Output
+from radixserve.server import anthropic_cache, anthropic_stream, chat_core, responses, responses_stream
 from radixserve.server import anthropic_convert as convert
-from radixserve.server import anthropic_stream, chat_core, responses, responses_stream
 from radixserve.server.anthropic_protocol import Message, MessagesRequest
 from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.responses_input import listed_items, to_messages
@@ -222,7 +222,8 @@ def _message(pieces: list[str], parser: str | None, reason: str = "stop", **body
     b = _msg(**body)
     conv = convert.conversation(b, parser)
     blocks, stop, seq = convert.answer(_out(pieces, reason), conv, b)
-    wire = msgspec.json.encode(Message("msg_1", "assistant", "m", blocks, stop, seq, convert.usage(_out(pieces))))
+    use = anthropic_cache.Breakpoints([]).usage(_out(pieces))
+    wire = msgspec.json.encode(Message("msg_1", "assistant", "m", blocks, stop, seq, use))
     return anthropic.types.Message.model_validate_json(wire)
 
 

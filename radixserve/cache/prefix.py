@@ -54,12 +54,14 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0,
-               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None) -> int:
+               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None,
+               retain: tuple[int, float] = (0, 0.0)) -> int:
         """Offer `tokens` (a whole number of pages) with their KV `slots`. Returns n: the first
         n slots duplicate what the cache already holds and stay the caller's to free; the
         cache owns slots[n:] from now on. `priority` feeds the priority eviction policy.
         Sliding-window layers: the caller holds window KV for tokens from `window_from` on only
-        (RadixCache says how the rest and `on_revive` are used)."""
+        (RadixCache says how the rest and `on_revive` are used). `retain` = (k, until): the
+        first k tokens are retained until `until` (epoch seconds): evicted after the rest."""
 
     @abstractmethod
     def lock(self, handle: Any) -> None:
@@ -152,7 +154,8 @@ class NullPrefixCache(PrefixCache):
         return PrefixMatch(0, [])
 
     def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0,
-               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None) -> int:
+               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None,
+               retain: tuple[int, float] = (0, 0.0)) -> int:
         return len(slots)
 
     def lock(self, handle: Any) -> None:

@@ -32,6 +32,7 @@ still has their window KV, gives that window KV to the tree (`on_revive`).
 from __future__ import annotations
 
 import heapq
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,7 +42,7 @@ from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch,
 
 class Node:
     __slots__ = ("ns", "owner", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority", "windowed",
-                 "window_lock")
+                 "window_lock", "retain_until")
 
     def __init__(self, ns: Namespace, key: list[int], slots: list[int], parent: Node | None, owner: str | None = None) -> None:
         self.ns = ns
@@ -55,6 +56,7 @@ class Node:
         self.priority = 0
         self.windowed = True  # holds its sliding-window layers' KV (False: dropped, a tombstone)
         self.window_lock = 0  # window locks covering this node (requests whose queries still see it)
+        self.retain_until = 0.0  # epoch seconds: a retained prompt's node is evicted after every unretained one
 
     def __repr__(self) -> str:
         return f"Node({self.ns}, len={len(self.key)}, lock={self.lock_ref}, t={self.last_access})"
@@ -146,7 +148,7 @@ class RadixCache(PrefixCache):
         assert parent is not None
         upper = Node(self._intern(child.ns), child.key[:n], child.slots[:n], parent, child.owner)
         upper.lock_ref, upper.last_access, upper.priority = child.lock_ref, child.last_access, child.priority
-        upper.windowed, upper.window_lock = child.windowed, child.window_lock
+        upper.windowed, upper.window_lock, upper.retain_until = child.windowed, child.window_lock, child.retain_until
         parent.children[(child.ns, self._child_key(child.key, 0))] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
         upper.children[(child.ns, self._child_key(child.key, 0))] = child
@@ -227,7 +229,8 @@ class RadixCache(PrefixCache):
 
     # -- insert -----------------------------------------------------------------------------
     def insert(self, ns: Namespace, tokens: list[int], slots: list[int], public_len: int = 0, priority: int = 0,
-               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None) -> int:
+               window_from: int = 0, on_revive: Callable[[list[int], list[int]], None] | None = None,
+               retain: tuple[int, float] = (0, 0.0)) -> int:
         """`window_from` (page-aligned): the caller holds window KV for tokens from there on
         only; new nodes before it are tombstones. Tombstones the insert duplicates from there on
         take the caller's window KV: `on_revive(its slots, the node's slots)` moves it over."""
@@ -248,7 +251,15 @@ class RadixCache(PrefixCache):
             child.windowed = i >= window_from
             node.children[(child.ns, self._child_key(tokens, i))] = child
             self._account(child, +1)
+            path.append(child)
             node, i = child, end
+        if retain[0]:
+            at = 0
+            for x in path:  # every node that starts inside the retained head
+                if at >= retain[0]:
+                    break
+                x.retain_until = max(x.retain_until, retain[1])
+                at += len(x.key)
         return dup
 
     def _revive(self, path: list[Node], slots: list[int], window_from: int, on_revive: Callable[[list[int], list[int]], None]) -> None:
@@ -368,10 +379,15 @@ class RadixCache(PrefixCache):
         return freed
 
     def _evict_from(self, n: int, freed: list[int], eligible: Callable[[Node], bool]) -> None:
-        heap = [(x.windowed, self._evict_key(x), id(x), x) for x in self._leaves() if eligible(x)]  # tombstones first
+        now = time.time()
+
+        def order(x: Node) -> tuple[Any, ...]:  # tombstones first, retained prompts last
+            return x.windowed, x.retain_until > now, self._evict_key(x), id(x), x
+
+        heap = [order(x) for x in self._leaves() if eligible(x)]
         heapq.heapify(heap)
         while heap and len(freed) < n:
-            node = heapq.heappop(heap)[3]
+            node = heapq.heappop(heap)[-1]
             if node.lock_ref or node.children or not eligible(node):
                 continue
             parent = node.parent
@@ -383,7 +399,7 @@ class RadixCache(PrefixCache):
             self._evicted += len(node.key)
             freed.extend(node.slots)
             if parent is not self.root and not parent.children and parent.lock_ref == 0 and eligible(parent):
-                heapq.heappush(heap, (parent.windowed, self._evict_key(parent), id(parent), parent))
+                heapq.heappush(heap, order(parent))
 
     def _nodes(self) -> list[Node]:
         out, stack = [], [self.root]

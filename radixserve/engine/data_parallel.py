@@ -11,7 +11,9 @@ replica it will run on) and it is submitted: `route(req, hint)`. Load is the req
 to a replica and not yet finished, as SGLang's router counts it.
 
 Failure: a replica whose engine process dies is out of the routing set at once (its socket's
-EOF is the health check) and restarted cold in the background (its index entries forgotten).
+EOF is the health check) and restarted in the background: cold, its index entries forgotten,
+unless it has a disk tier (--kv-disk-dir: each replica its own directory under it), whose
+blocks it finds again, so the router keeps what it knew of it.
 A request that had received nothing from it yet is resubmitted on another replica; one that
 had streamed part of its answer ends with an error naming the replica. If every replica is
 gone at once, the engine is `dead` (the server exits, as it does for one engine).
@@ -105,7 +107,13 @@ class DataParallelEngine(RequestFront):
 
     def _start(self, i: int) -> EngineProcess:
         return EngineProcess(self._model, env=_replica_env(i, self.router_config.data_parallel, self._gpus),
-                             tokenizer=self.tokenizer, **self._overrides)
+                             tokenizer=self.tokenizer, **_replica_disk(self.config, self._overrides, i,
+                                                                       self.router_config.data_parallel))
+
+    @property
+    def _keeps_prefixes(self) -> bool:
+        """A replica with a disk tier finds its prefixes again when it restarts on its directory."""
+        return self.config.cache.kv_disk_dir is not None
 
     # -- routing ----------------------------------------------------------------------------
     def route(self, req: Req, hint: str | None = None) -> None:
@@ -253,7 +261,8 @@ class DataParallelEngine(RequestFront):
     def _died(self, r: Replica, why: str) -> None:
         """On the dead replica's reader thread."""
         with self._lock:
-            self.router.forget(r.index)
+            if not self._keeps_prefixes:
+                self.router.forget(r.index)
             alive = [x for x in self.replicas if x.healthy]
             if not alive and not self._closing:
                 self.dead = f"every data-parallel replica is gone (replica {r.index}: {why})"
@@ -283,10 +292,12 @@ class DataParallelEngine(RequestFront):
                 if self._closing or self.dead is not None:
                     engine.shutdown()
                     return
-                self.router.forget(r.index)  # cold: whatever was routed there before is gone
+                if not self._keeps_prefixes:
+                    self.router.forget(r.index)  # cold: whatever was routed there before is gone
                 r.engine = engine
             self._watch(r)
-            log.info("data-parallel replica %d restarted (cold cache)", r.index)
+            log.info("data-parallel replica %d restarted (%s)", r.index,
+                     "its disk tier's prefixes kept" if self._keeps_prefixes else "cold cache")
             return
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -316,6 +327,15 @@ def _split_memory(cfg: EngineConfig, overrides: dict[str, Any], n: int) -> dict[
     if c.kv_cache_tokens is None and c.kv_cache_memory_mb is None:
         return {**overrides, "kv_mem_fraction": c.kv_mem_fraction / n}
     return dict(overrides)
+
+
+def _replica_disk(cfg: EngineConfig, overrides: dict[str, Any], i: int, n: int) -> dict[str, Any]:
+    """Replica i of n with a disk tier: a directory of its own under --kv-disk-dir (so a replica
+    restarted there finds its own blocks) and 1/n of --kv-disk-gb."""
+    c = cfg.cache
+    if c.kv_disk_dir is None:
+        return overrides
+    return {**overrides, "kv_disk_dir": os.path.join(c.kv_disk_dir, f"replica-{i}"), "kv_disk_gb": c.kv_disk_gb / n}
 
 
 def _replica_env(i: int, n: int, gpus: list[str]) -> dict[str, str]:

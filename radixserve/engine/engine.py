@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,12 +20,14 @@ from kernels import cpu as cpu_kernels
 from kernels.kv_quant import is_quantized
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator, WindowedAllocator
+from radixserve.cache.disk import DiskStore
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.front import DeltaStream, Prompt, RequestFront
 from radixserve.engine.jump_forward import forced_after
+from radixserve.engine.kv_tier import KVTier, model_fingerprint
 from radixserve.engine.loop import EngineLoop, Stop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
@@ -34,7 +37,7 @@ from radixserve.engine.sampler import Sampler
 from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
 from radixserve.models.quant import weight_bytes
-from radixserve.request import Req, SamplingParams
+from radixserve.request import Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.spec import NgramProposer
@@ -100,7 +103,8 @@ class Engine(RequestFront):
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         self.post = PostProcessor(self.tokenizer, self.sampler, self.eos_ids, self.context_len)
         self.post.jump_forward = not cfg.disable_jump_forward
-        self._loop = EngineLoop(self.scheduler, self.runner, self.post)
+        self.tier = self._disk_tier(loaded.path)
+        self._loop = EngineLoop(self.scheduler, self.runner, self.post, self.tier)
         self._loop.on_idle = self._grammar_cache.warm
         self._snapshot = self._stats()
         self.on_change: Callable[[], None] | None = None  # after each step or command, on the loop (the engine process sends there)
@@ -119,6 +123,18 @@ class Engine(RequestFront):
     def add(self, req: Req, sink: Callable[[Delta], None]) -> None:
         """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""
         self._loop.add(req, sink)
+
+    def _disk_tier(self, path: Any) -> KVTier | None:
+        """The KV cache's disk tier (--kv-disk-dir), keyed by this model's fingerprint."""
+        c = self.config.cache
+        if c.kv_disk_dir is None:
+            return None
+        if self.cache.windowed is not None:
+            raise ValueError("kv_disk_dir: the disk tier does not hold a sliding-window pool's KV yet; "
+                             "add --disable-hybrid-swa-memory to use it with this model")
+        facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization]
+        store = DiskStore(c.kv_disk_dir, int(c.kv_disk_gb * 1e9), c.kv_disk_block_tokens, dict(c.tenant_max_cached_tokens))
+        return KVTier(store, self.pool, model_fingerprint(Path(path), facts))
 
     def _proposer(self) -> NgramProposer | None:
         s = self.config.spec
@@ -207,6 +223,7 @@ class Engine(RequestFront):
         tenant: str | None = None,
         cache_salt: str | None = None,
         public_prefix_len: int | None = None,
+        retention: Retention | None = None,
     ) -> list[Output]:
         """Run a batch to completion (offline use). One Output per prompt, in order. All
         prompts are submitted together: those sharing a prefix compute it once."""
@@ -215,8 +232,8 @@ class Engine(RequestFront):
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        reqs = [self.make_req(p, sp, tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len)
-                for p, sp in zip(prompts, plist)]
+        reqs = [self.make_req(p, sp, tenant=tenant, cache_salt=cache_salt, public_prefix_len=public_prefix_len,
+                              retention=retention) for p, sp in zip(prompts, plist)]
         for req in reqs:
             self.prepare_grammar_sync(req)
         results: dict[str, Output] = {}
@@ -252,6 +269,7 @@ class Engine(RequestFront):
         tenant: str | None = None,
         cache_salt: str | None = None,
         public_prefix_len: int | None = None,
+        retention: Retention | None = None,
         max_backlog: int | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Stream one request's deltas. Leaving the iteration early aborts the request. With
@@ -262,7 +280,7 @@ class Engine(RequestFront):
             req = prompt
         else:
             req = self.make_req(prompt, params, rid, priority, tenant=tenant, cache_salt=cache_salt,
-                                public_prefix_len=public_prefix_len)
+                                public_prefix_len=public_prefix_len, retention=retention)
         await self.prepare_grammar(req)
         stream = DeltaStream(lambda: self.abort(req.rid), max_backlog)
         self.add(req, stream.sink)
@@ -306,7 +324,7 @@ class Engine(RequestFront):
             kv_namespaces=prefix.namespaces,
             cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             running=len(s.running),
-            waiting=len(s.waiting),
+            waiting=len(s.waiting) + len(self._loop.loading),
             steps=self._loop.steps,
             jump_forward_tokens=self.post.jumped_tokens,
             engine_rss_bytes=_rss_bytes() if self.own_process else 0,
@@ -316,18 +334,24 @@ class Engine(RequestFront):
             kv_window_free_slots=self.cache.windowed.window.num_free if self.cache.windowed is not None else 0,
             kv_window_cached_tokens=prefix.window_tokens if self.cache.windowed is not None else 0,
             kv_pool_bytes=self.pool.nbytes,
+            **(self.tier.stats() if self.tier is not None else {}),
             **vars(c),
         )
 
     def flush_cache(self) -> int:
-        """Drop every cached prefix; returns the tokens dropped. Raises RuntimeError while
-        requests are running or waiting (their prefixes are locked or about to be)."""
+        """Drop every cached prefix, the disk tier's blocks too; returns the tokens dropped from
+        the pool. Raises RuntimeError while requests are running or waiting (their prefixes are
+        locked or about to be)."""
         with self._loop.lock:
-            if self.scheduler.has_work:
+            if self.scheduler.has_work or self._loop.loading:
                 s = self.scheduler
                 raise RuntimeError(
-                    f"flush_cache: refused while {len(s.running)} requests are running and {len(s.waiting)} waiting; retry when idle"
+                    f"flush_cache: refused while {len(s.running)} requests are running and "
+                    f"{len(s.waiting) + len(self._loop.loading)} waiting; retry when idle"
                 )
+            if self.tier is not None:
+                self.tier.flush()
+                self.tier.store.clear()
             return self.cache.flush()
 
     def check_integrity(self) -> None:
@@ -338,6 +362,8 @@ class Engine(RequestFront):
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._loop.stop()
+        if self.tier is not None:
+            self.tier.close()
         self.runner.close()
         self._grammar_cache.shutdown()  # kills its compile workers
 

@@ -14,7 +14,7 @@ from typing import Any
 from radixserve.engine.outputs import Delta
 from radixserve.engine.protocol import InvalidParam
 from radixserve.limits import MAX_CACHE_SALT_CHARS
-from radixserve.request import Req, SamplingParams
+from radixserve.request import Req, Retention, SamplingParams
 from radixserve.sched.policy import check_admissible
 
 Prompt = str | list[int]
@@ -80,12 +80,14 @@ class RequestFront:
         tenant: str | None = None,
         cache_salt: str | None = None,
         public_prefix_len: int | None = None,
+        retention: Retention | None = None,
     ) -> Req:
         """Tokenize and validate; raises InvalidParam (a ValueError) naming the bad field.
 
         The prefix-cache namespace is (tenant, cache_salt): requests share cached prefixes
         only within one. `public_prefix_len=k` opts in to the shared public namespace for the
-        first k prompt tokens (hit by, and offered to, every request that opts in too)."""
+        first k prompt tokens (hit by, and offered to, every request that opts in too).
+        `retention`: how long its prompt should stay cached (request.Retention)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -101,7 +103,7 @@ class RequestFront:
         _check_namespace(tenant, cache_salt, public_prefix_len, len(ids))
         default_max = max(min(self.default_max_new_tokens, self.context_len - len(ids)), 0)
         req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max, tenant=tenant,
-                  cache_salt=cache_salt, public_prefix_len=public_prefix_len or 0)
+                  cache_salt=cache_salt, public_prefix_len=public_prefix_len or 0, retention=retention)
         check_admissible(req, self.context_len, self.num_slots)
         return req
 

@@ -1,7 +1,7 @@
 """The engine loop: drain commands, schedule, run, post-process (engine.postprocess), stream.
 
-Callers talk to it only through `inbox` (commands in: Add, Abort, Stop) and per-request sinks
-(deltas out). It runs on its own thread in-process, or on the main thread of the engine process.
+Callers talk to it only through `inbox` (commands in: Add, Abort, Stop; Loaded from the disk
+tier's reader) and per-request sinks (deltas out). It runs on its own thread in-process, or on the main thread of the engine process.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.engine.kv_tier import KVTier
 from radixserve.engine.outputs import Delta
 from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.runner import ModelRunner
@@ -40,12 +41,21 @@ class Stop:
     """Finish every request (abort) and end the loop."""
 
 
-Command = Add | Abort | Stop
+@dataclass(frozen=True)
+class Loaded:
+    """The disk tier has read a waiting request's blocks (engine.kv_tier)."""
+
+    rid: str
+
+
+Command = Add | Abort | Stop | Loaded
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, post: PostProcessor) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, post: PostProcessor, tier: KVTier | None = None) -> None:
         self.scheduler = scheduler
+        self.tier = tier
+        self.loading: dict[str, Req] = {}  # requests waiting for the disk tier, outside the scheduler
         self.runner = runner
         self.post = post
         self.inbox: queue.Queue[Command] = queue.Queue()
@@ -125,12 +135,32 @@ class EngineLoop:
     def _handle(self, cmd: Command) -> bool:
         """Apply one command; False once told to stop."""
         if isinstance(cmd, Add):
-            if not self.post.open(cmd.req, cmd.sink):  # never two requests under one rid
+            req = cmd.req
+            if not self.post.open(req, cmd.sink):  # never two requests under one rid
                 return True
-            self.scheduler.add(cmd.req)
+            if self.tier is not None and self.tier.fetch(req, self.scheduler.cache, lambda: self.inbox.put(Loaded(req.rid))):
+                self.loading[req.rid] = req
+            else:
+                self.scheduler.add(req)
+        elif isinstance(cmd, Loaded):
+            if (waiting := self.loading.pop(cmd.rid, None)) is None:  # it left meanwhile
+                assert self.tier is not None
+                self.tier.forget(cmd.rid)
+                return True
+            assert self.tier is not None
+            self.tier.put_back(waiting, self.scheduler.cache)
+            self.scheduler.add(waiting)
         elif isinstance(cmd, Abort):
-            self.scheduler.abort(cmd.rid)
+            if (left := self.loading.pop(cmd.rid, None)) is not None:
+                left.finish(FinishReason.ABORT)
+                self.scheduler.add(left)  # reaped below
+            else:
+                self.scheduler.abort(cmd.rid)
         else:
+            for req in self.loading.values():
+                req.finish(FinishReason.ABORT)
+                self.scheduler.add(req)
+            self.loading.clear()
             self.post.abort_all()
             self._reap()
             return False
@@ -169,6 +199,22 @@ class EngineLoop:
         else:
             kept = self.post.process(plan, result)
             self.scheduler.process(plan, result.accepted, kept)
+            if self.tier is not None:
+                self._write_through(plan)
+
+    def _write_through(self, plan: SchedulePlan) -> None:
+        """Prompts whose prefill ended this step go to the disk tier (their KV is in the pool)."""
+        assert self.tier is not None
+        for it in plan.items:
+            req = it.req
+            if (it.spec is None and it.start < req.prompt_len <= it.start + it.length
+                    and req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR)):
+                self.tier.save(req, self.scheduler.cache.slots(req))
 
     def _reap(self) -> None:
+        if self.tier is not None:  # a finished answer is the next turn's prompt: its blocks go to disk too
+            for req in self.scheduler.running:
+                if req.finish_reason is not None and req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                    slots = self.scheduler.cache.slots(req)
+                    self.tier.save(req, slots, min(req.computed_len, len(slots)))
         self.post.finish(self.scheduler.reap())

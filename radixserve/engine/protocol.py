@@ -20,7 +20,7 @@ import msgspec
 from grammars.spec import GrammarError
 from radixserve.config import EngineConfig
 from radixserve.engine.outputs import Delta
-from radixserve.request import InvalidParam, Req, SamplingParams
+from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 
 __all__ = ["InvalidParam", "EngineClient", "EngineDied", "EngineStats", "AddRequest"]
 
@@ -48,6 +48,7 @@ class EngineStats:
     jump_forward_tokens: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    cached_prompt_tokens_disk: int = 0  # of those, read back from the disk tier (the rest: the pool's own)
     prefill_tokens_computed: int = 0
     decode_tokens: int = 0
     retractions: int = 0
@@ -65,6 +66,13 @@ class EngineStats:
     kv_window_free_slots: int = 0
     kv_window_cached_tokens: int = 0  # cached tokens that still hold their window KV
     kv_pool_bytes: int = 0  # both pools, scales included
+    kv_disk_blocks: int = 0  # the disk tier (--kv-disk-dir): blocks and bytes stored, its bound
+    kv_disk_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_disk_written_tokens: int = 0
+    kv_disk_skipped_tokens: int = 0  # not written: the writer too far behind, or no room without a retained block
+    kv_disk_loaded_tokens: int = 0  # put back into the pool
+    kv_disk_corrupt_blocks: int = 0  # found torn or corrupt by a read: misses, deleted
 
     @classmethod
     def sum(cls, parts: list[EngineStats]) -> EngineStats:
@@ -104,16 +112,17 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     cache_salt: str | None = None
     public_prefix_len: int = 0
     call_id: int = 0
+    retention: Retention | None = None
 
     @classmethod
     def of(cls, req: Req, call_id: int = 0) -> AddRequest:
         return cls(req.rid, req.token_ids[: req.prompt_len], req.params, req.max_new_tokens, req.priority, req.tenant,
-                   req.cache_salt, req.public_prefix_len, call_id)
+                   req.cache_salt, req.public_prefix_len, call_id, req.retention)
 
     def build(self) -> Req:
         return Req(list(self.input_ids), self.params, rid=self.rid, priority=self.priority,
                    max_new_tokens=self.max_new_tokens, tenant=self.tenant, cache_salt=self.cache_salt,
-                   public_prefix_len=self.public_prefix_len)
+                   public_prefix_len=self.public_prefix_len, retention=self.retention)
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -247,7 +256,7 @@ class EngineClient(Protocol):
 
     def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                  priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,
-                 public_prefix_len: int | None = None) -> Req: ...
+                 public_prefix_len: int | None = None, retention: Retention | None = None) -> Req: ...
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,

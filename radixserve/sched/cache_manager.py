@@ -21,6 +21,7 @@ pinned with the prefix cache's window lock until the request is `reach` position
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class CacheManager:
         self.prefix = prefix
         self.page_size = allocator.page_size
         self._table: dict[str, _Entry] = {}
+        self._holds: dict[str, Any] = {}  # rid -> a prefix a lower tier put back for it, locked until it is admitted
         self.windowed: WindowedAllocator | None = allocator if isinstance(allocator, WindowedAllocator) else None
         self.reach = prefix.reach if self.windowed is not None else 0
         if self.windowed is not None and not self.reach:
@@ -103,6 +105,48 @@ class CacheManager:
         self.prefix.lock_window(m.handle)
         self._table[req.rid] = _Entry(list(m.slots), m.handle, m.length, m.length, True)
         req.cached_len = req.computed_len = m.length
+
+    def adopt(self, req: Req, upto: int, fill: Callable[[int, list[int]], None], have_from: int = 0) -> int:
+        """Put the request's first `upto` tokens (whole pages), whose KV a lower tier holds, into
+        the prefix cache while it waits: slots for what the cache lacks (evicting if need be),
+        `fill(start, slots)` writes the KV of tokens [start, upto) there, and the prefix stays
+        locked for the request until it is admitted (`admitted`) or finished. The caller holds the KV of
+        tokens [have_from, upto) only: if the cache has since lost some before have_from, nothing
+        is put back. Returns the tokens put back (0: none; the request then computes them)."""
+        ns, tokens = self.namespace(req), req.token_ids[:upto]
+        m = self.prefix.match(ns, tokens, req.public_prefix_len, whole=True)
+        if m.length < have_from:
+            return 0
+        got: list[int] | None = None
+        if m.length < upto:
+            self.prefix.lock(m.handle)  # the head it continues must not be evicted to make room
+            got = self.allocator.alloc(upto - m.length)
+            if got is None:
+                freed = self.prefix.evict(upto - m.length - self.allocator.num_free)
+                if freed:
+                    self.allocator.free(freed)
+                got = self.allocator.alloc(upto - m.length)
+            self.prefix.unlock(m.handle)
+            if got is None:
+                return 0
+            fill(m.length, got)
+            dup = self.prefix.insert(ns, tokens, [*m.slots, *got], req.public_prefix_len, req.priority, retain=_retain(req))
+            if dup > m.length:
+                self.allocator.free(got[: dup - m.length])
+        held = self.prefix.match(ns, tokens, req.public_prefix_len, whole=True)
+        self.prefix.lock(held.handle)
+        self._let_go(req.rid)
+        self._holds[req.rid] = held.handle
+        return len(got or ())
+
+    def admitted(self, req: Req) -> None:
+        """The request is running, its own lock on its prefix taken: what `adopt` held for it goes."""
+        self._let_go(req.rid)
+
+    def _let_go(self, rid: str) -> None:
+        handle = self._holds.pop(rid, None)
+        if handle is not None:
+            self.prefix.unlock(handle)
 
     def alloc(self, req: Req, n: int, evict: bool = True) -> bool:
         """Append n slots to the request's table (the rest of its last page first), evicting
@@ -174,7 +218,7 @@ class CacheManager:
         """Offer the request's first `done` tokens to the prefix cache (see PrefixCache.insert)."""
         revive = self.windowed.move_window if self.windowed is not None else None
         return self.prefix.insert(self.namespace(req), req.token_ids[:done], entry.slots[:done], req.public_prefix_len,
-                                  req.priority, max(entry.window_from, entry.cached), revive)
+                                  req.priority, max(entry.window_from, entry.cached), revive, _retain(req))
 
     def _unlock(self, entry: _Entry) -> None:
         if entry.window_locked:
@@ -200,7 +244,10 @@ class CacheManager:
             entry.window_from = dead
 
     def release(self, req: Req) -> None:
-        """Give back everything the request holds. Safe to call for a never-admitted request."""
+        """Give back everything the request holds. Safe to call for a never-admitted request (a
+        waiting one keeps what `adopt` put back for it unless it has finished)."""
+        if req.finish_reason is not None:
+            self._let_go(req.rid)
         entry = self._table.pop(req.rid, None)
         if entry is None:
             return
@@ -215,8 +262,9 @@ class CacheManager:
 
     def flush(self) -> int:
         """Empty the prefix cache; refused while any request holds KV. Returns tokens dropped."""
-        if self._table:
-            raise RuntimeError(f"flush_cache: refused while {len(self._table)} requests hold KV memory; retry when idle")
+        if self._table or self._holds:
+            raise RuntimeError(f"flush_cache: refused while {len(self._table) + len(self._holds)} requests hold KV memory; "
+                               "retry when idle")
         slots = self.prefix.reset()
         if slots:
             self.allocator.free(slots)
@@ -261,3 +309,11 @@ class CacheManager:
             raise RuntimeError("KV integrity: a window page is held twice, or held and free")
         if len(taken) + len(w.window.free_pages()) != w.window.size // ps:
             raise RuntimeError("KV integrity: window pages are owned by nobody (leaked)")
+
+
+def _retain(req: Req) -> tuple[int, float]:
+    """(tokens, until): how much of the request's prompt the prefix cache keeps, and until when."""
+    r = req.retention
+    if r is None:
+        return 0, 0.0
+    return min(r.tokens or req.prompt_len, req.prompt_len), req.retain_until

@@ -61,6 +61,7 @@ class SchedulePlan:
 class SchedCounters:
     prompt_tokens: int = 0  # of admitted requests (counted at first admission)
     cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+    cached_prompt_tokens_disk: int = 0  # of those, put back into the pool from the disk tier for the request
     prefill_tokens_computed: int = 0
     decode_tokens: int = 0
     retractions: int = 0
@@ -139,6 +140,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
+            self.cache.admitted(req)
             req.status = ReqStatus.RUNNING
             plan.items.append(PlanItem(req, req.computed_len, n))
             gate.add_leader(req)
@@ -146,6 +148,7 @@ class Scheduler:
                 req.cached_tokens = req.cached_len
                 self.counters.prompt_tokens += req.prompt_len
                 self.counters.cached_prompt_tokens += req.cached_tokens
+                self.counters.cached_prompt_tokens_disk += min(req.disk_tokens, req.cached_tokens)
 
     def _schedule_decodes(self, plan: SchedulePlan) -> None:
         """One slot per decoding request; when memory runs out, retract from the least

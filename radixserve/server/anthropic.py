@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
+from radixserve.server import anthropic_cache as caching
 from radixserve.server import anthropic_convert as convert
 from radixserve.server import chat_core
 from radixserve.server.anthropic_protocol import (
@@ -81,13 +82,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
     plan = convert.conversation(b, state.config.reasoning_parser, state.tool_format)
     params, opts = convert.engine_request(b, plan)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    render = chat_core.renderer(state.engine, plan, convert.RENAME)
+    marks = caching.find(b)
+    render = caching.renderer(state, chat_core.renderer(state.engine, plan, convert.RENAME), marks, opts,
+                              lambda cut: convert.conversation(cut, state.config.reasoning_parser, state.tool_format),
+                              convert.RENAME)
     async with chat_core.admit(state, tenant, plan, [render], [params], opts, arrival) as flight:
         if b.stream:
-            return await stream_message(request, state, flight, plan, b, mid)
+            return await stream_message(request, state, flight, plan, b, mid, marks.usage)
         out = (await state.collect(flight))[0]
         content, reason, sequence = convert.answer(out, plan, b)
-        return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, convert.usage(out)))
+        return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, marks.usage(out)))
 
 
 @anthropic_errors

@@ -42,7 +42,6 @@ from radixserve.server.anthropic_protocol import (
     ToolResultBlockParam,
     ToolUseBlock,
     ToolUseBlockParam,
-    Usage,
 )
 from radixserve.server.chat_core import Plan
 from radixserve.server.errors import ApiError
@@ -240,8 +239,3 @@ def answer(out: Output, plan: Plan, b: MessagesRequest,
 def tool_use(call: ToolCall) -> ToolUseBlock:
     """A call as a tool_use block, its id from the call's (a parsed call's arguments are an object)."""
     return ToolUseBlock("toolu_" + call.id.removeprefix("call_"), call.function.name, json.loads(call.function.arguments))
-
-
-def usage(out: Output) -> Usage:
-    """Anthropic's split: input_tokens are the prompt tokens the cache did not hold."""
-    return Usage(out.prompt_tokens - out.cached_tokens, out.completion_tokens, out.cached_tokens, 0)

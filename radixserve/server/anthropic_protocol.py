@@ -13,7 +13,7 @@ from msgspec import Meta
 
 from radixserve.limits import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS
 
-CacheControl = dict[str, Any] | None  # {"type": "ephemeral"}: accepted; the prefix cache needs no marks
+CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": "5m" | "1h"}: server/anthropic_cache.py
 
 
 class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -174,11 +174,20 @@ class ThinkingBlock(_Out, tag="thinking", tag_field="type"):
 ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
+class CacheCreation(_Out):
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class Usage(_Out):
+    """input_tokens + cache_read_input_tokens + cache_creation_input_tokens = the prompt's tokens
+    (server/anthropic_cache.py says how cache_control splits them)."""
+
     input_tokens: int
     output_tokens: int
-    cache_read_input_tokens: int = 0  # prompt tokens found in the prefix cache (also counted in input_tokens)
-    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
+    cache_creation_input_tokens: int = 0  # tokens up to the last cache_control breakpoint not served from it
+    cache_creation: CacheCreation | None = None  # that, by the breakpoints' TTLs
 
 
 class Message(_Out, tag="message", tag_field="type"):

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
 
+from radixserve.engine.outputs import Output
 from radixserve.server import anthropic_convert as convert
 from radixserve.server import reasoning, tools
 from radixserve.server.anthropic_protocol import (
@@ -64,12 +66,12 @@ class EventWriter(SSEWriter):
 
 
 async def stream_message(request: web.Request, state: ServerState, flight: Flight, plan: Plan, b: MessagesRequest,
-                         mid: str) -> web.StreamResponse:
+                         mid: str, usage: Callable[[Output], Usage]) -> web.StreamResponse:
     sse = await EventWriter.open(request)
     start = Usage(flight.reqs[0].prompt_len, 0)  # the cache's share is known once it ran: message_delta says
     await sse.emit(MessageStart(Message(mid, "assistant", state.model_name, [], None, None, start)))
     try:
-        await _answer(sse, state, flight, plan, b)
+        await _answer(sse, state, flight, plan, b, usage)
     except ApiError as e:  # the status line is sent: the error goes in the stream
         await sse.emit(error_body(e.status, e.message))
     except ConnectionError:
@@ -81,7 +83,8 @@ async def stream_message(request: web.Request, state: ServerState, flight: Fligh
     return sse.response
 
 
-async def _answer(sse: EventWriter, state: ServerState, flight: Flight, plan: Plan, b: MessagesRequest) -> None:
+async def _answer(sse: EventWriter, state: ServerState, flight: Flight, plan: Plan, b: MessagesRequest,
+                  usage: Callable[[Output], Usage]) -> None:
     await sse.emit(Ping())
     live, out = LiveBlocks(sse, plan, convert.shows_thinking(b)), None
     async for _, d in state.merged(flight):
@@ -91,7 +94,7 @@ async def _answer(sse: EventWriter, state: ServerState, flight: Flight, plan: Pl
         raise ApiError(500, "internal error while generating: the request ended without an output")
     blocks, reason, sequence = convert.answer(out, plan, b, live.streamed_calls())  # an engine error raises here
     await live.finish(blocks)
-    await sse.emit(MessageDelta(StopInfo(reason, sequence), convert.usage(out)))
+    await sse.emit(MessageDelta(StopInfo(reason, sequence), usage(out)))
     await sse.emit(MessageStop())
 
 

@@ -145,11 +145,20 @@ async def server_info(request: web.Request) -> web.Response:
 
 def _kv_pool(s: EngineStats) -> dict[str, Any]:
     """What the KV pool stores and holds: its dtype, a token's bytes (scales included), its tokens;
-    with sliding-window layers in a pool of their own, that pool's tokens."""
+    with sliding-window layers in a pool of their own, that pool's tokens; and per tier (the
+    pool, the disk tier) what it holds and the prompt tokens it served."""
     out = {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots,
            "kv_pool_bytes": s.kv_pool_bytes}
     if s.kv_window_total_slots:
         out["kv_window_capacity_tokens"] = s.kv_window_total_slots
+    tiers = {"device": {"cached_tokens": s.kv_cached_tokens, "capacity_tokens": s.kv_total_slots,
+                        "cache_hit_prompt_tokens": s.cached_prompt_tokens - s.cached_prompt_tokens_disk}}
+    if s.kv_disk_capacity_bytes:
+        tiers["disk"] = {"blocks": s.kv_disk_blocks, "bytes": s.kv_disk_bytes, "capacity_bytes": s.kv_disk_capacity_bytes,
+                         "cache_hit_prompt_tokens": s.cached_prompt_tokens_disk, "written_tokens": s.kv_disk_written_tokens,
+                         "skipped_tokens": s.kv_disk_skipped_tokens, "loaded_tokens": s.kv_disk_loaded_tokens,
+                         "corrupt_blocks": s.kv_disk_corrupt_blocks}
+    out["kv_tiers"] = tiers
     return out
 
 

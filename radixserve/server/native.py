@@ -11,7 +11,7 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.limits import MAX_N
-from radixserve.request import FinishReason, SamplingParams
+from radixserve.request import FinishReason, Retention, SamplingParams
 from radixserve.server.body import read_body
 from radixserve.server.errors import ApiError, prompt_batch
 from radixserve.server.protocol import (
@@ -99,6 +99,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params = [_params(body, sp, i // (len(prompts) // sp.n)) for i in range(len(prompts))]
     batch = "sampling_params.n" if sp.n > 1 else ("text" if body.text is not None else "input_ids")
     opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
+                          retention=Retention.named(body.prompt_cache_retention, "prompt_cache_retention"),
                           rename={**SAMPLING_NAMES, "prompt": "text" if body.text is not None else "input_ids", "n": batch})
     async with state.admit(tenant, prompts, params, opts, arrival) as flight:
         if not body.stream:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.limits import MAX_N
-from radixserve.request import SamplingParams, TokenLogprob
+from radixserve.request import Retention, SamplingParams, TokenLogprob
 from radixserve.server import chat_core, reasoning, tools
 from radixserve.server.auth import Tenant
 from radixserve.server.chat_core import Plan, finish_reason
@@ -85,7 +85,8 @@ def _response_format(fmt: dict[str, Any] | None) -> tuple[str, bool] | None:
 
 def request_options(b: _OpenAISampling) -> RequestOptions:
     return RequestOptions(b.rid, b.priority, b.cache_salt, b.public_prefix_len, rename=RENAME,
-                          prompt_cache_key=b.prompt_cache_key)
+                          prompt_cache_key=b.prompt_cache_key,
+                          retention=Retention.named(b.prompt_cache_retention, "prompt_cache_retention"))
 
 
 def usage(outs: list[Output], prompts: int = 1) -> Usage:

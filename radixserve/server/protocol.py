@@ -25,6 +25,8 @@ StopTokenIds = Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None
 CacheSalt = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None
 Rid = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
 PromptCacheKey = Annotated[str, Meta(max_length=MAX_CACHE_SALT_CHARS)] | None
+# How long the prompt stays cached (request.RETENTIONS): OpenAI's two values; /generate takes Anthropic's TTLs too
+PromptCacheRetention = Literal["in_memory", "24h"] | None
 SafetyIdentifier = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: a handful of switches (enable_thinking, ...)
 # crosses to the engine process as a msgpack int: bounded so a huge one is a 400, not an encoding error
@@ -91,6 +93,7 @@ class GenerateRequest(_In):
     priority: Priority = None
     cache_salt: CacheSalt = None
     public_prefix_len: int | None = None
+    prompt_cache_retention: Literal["in_memory", "5m", "1h", "24h"] | None = None
 
 
 class NativeFinishReason(_Out):
@@ -193,6 +196,7 @@ class _OpenAISampling(_In):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: PromptCacheKey = None  # a routing hint (RequestOptions.prompt_cache_key), not a cache namespace
+    prompt_cache_retention: PromptCacheRetention = None
     safety_identifier: SafetyIdentifier = None  # accepted; not used
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; not used
     # extras

@@ -25,7 +25,7 @@ import msgspec
 from aiohttp import web
 
 from radixserve.engine.outputs import Output
-from radixserve.request import SamplingParams
+from radixserve.request import Retention, SamplingParams
 from radixserve.server import chat_core, reasoning, responses_stored, tools
 from radixserve.server.chat_core import Plan, Rendered
 from radixserve.server.errors import ApiError
@@ -62,7 +62,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     prev = await _continued(request, tenant.id, b, plan)
     rendered = Rendered()
     render = chat_core.renderer(state.engine, plan, RENAME, None if prev is None else (prev.text, prev.ids), rendered)
-    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key)  # a routing hint, as in chat
+    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key,  # a routing hint, as in chat
+                          retention=Retention.named(b.prompt_cache_retention, "prompt_cache_retention"))
     async with chat_core.admit(state, tenant, plan, [render], [params], opts, arrival) as flight:
         resp = _new_response(state, b)
         if b.stream:

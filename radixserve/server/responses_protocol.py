@@ -84,7 +84,7 @@ class CreateResponseRequest(_In):
     reasoning: dict[str, Any] | None = None  # effort "none" turns thinking off; the rest is ignored
     service_tier: str | None = None
     prompt_cache_key: ShortText | None = None  # a routing hint, passed on as chat passes it
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: ShortText | None = None
     stream_options: dict[str, Any] | None = None
     max_tool_calls: int | None = None

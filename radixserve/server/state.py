@@ -19,7 +19,7 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.protocol import EngineClient, EngineDied
-from radixserve.request import Req, SamplingParams, TokenLogprob
+from radixserve.request import Req, Retention, SamplingParams, TokenLogprob
 from radixserve.server import access_log, tool_parsers
 from radixserve.server.admission import Admission, Ticket
 from radixserve.server.auth import Auth, Tenant, request_priority
@@ -57,6 +57,7 @@ class RequestOptions:
     # router to send them to one replica. Not a cache namespace: salting by it would keep users
     # from sharing a system prompt, the opposite of what the client asks for.
     prompt_cache_key: str | None = None
+    retention: Retention | None = None  # how long the prompt stays cached (prompt_cache_retention, cache_control)
 
 
 def _aborted(req: Req, last: Delta | None, tokens: int) -> Output:
@@ -216,7 +217,7 @@ class ServerState:
             rid = rids[i] if rids is not None else None
             try:
                 reqs.append(self.engine.make_req(p, sp, rid, priority, tenant=tenant.id, cache_salt=opts.cache_salt,
-                                                 public_prefix_len=opts.public_prefix_len))
+                                                 public_prefix_len=opts.public_prefix_len, retention=opts.retention))
             except ValueError as e:
                 raise value_error(e, opts.rename) from None
         return reqs

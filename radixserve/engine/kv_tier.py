@@ -1,0 +1,239 @@
+"""The KV cache's disk tier, between the pool and cache/disk.DiskStore's files.
+
+Write-through (SGLang HiCache's write_through policy, LMCache's store on prefill): once a
+request's prompt is computed, and again when it finishes (its answer is the next turn's
+prompt), its whole blocks that the store lacks are copied out of the pool
+on the engine thread (a gather: tens of milliseconds for thousands of tokens) and written by a
+writer thread. A prompt's blocks are therefore on disk before the pool can evict them, and stay
+there through a crash: eviction from the pool costs nothing, and the store is what a restarted
+server finds.
+
+Loads overlap the wait in the queue: a new request whose prompt continues past what the pool
+holds, in blocks the store has, waits outside the scheduler (`fetch`) while a reader thread
+reads and checks them; the loop then puts them back into the pool (`put_back`, through
+CacheManager.adopt) and queues the request, which the prefix cache then serves as any hit. No
+step ever waits on the disk. A block that is missing or does not check out ends the chain there:
+the request computes the rest.
+
+What is a block's KV: every layer's K and V rows for its tokens (and their scales in an int8 or
+fp8 pool), tensor after tensor, as the pool stores them. The model's fingerprint (its files'
+sizes, heads and tails, its architecture, the activations' and the pool's dtypes) is part of
+every key, so a block is only ever read back into the pool that wrote it, or one alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.cache.disk import DiskStore, block_keys
+from radixserve.cache.pool import KVPool
+from radixserve.request import FinishReason, Req
+from radixserve.sched.cache_manager import CacheManager
+
+log = logging.getLogger(__name__)
+
+KV_FORMAT = 1  # what a block's payload is; a new layout gets a new number (and so new keys)
+MAX_PENDING_BYTES = 2 << 30  # gathered blocks waiting for the writer; past this a prompt is not written
+READ_THREADS = 4  # blocks read (and checked) at once: file reads and crc32 release the GIL
+
+
+def model_fingerprint(path: Path, facts: list[Any]) -> str:
+    """What the KV of a token depends on besides the tokens: the weights (every file's name and
+    size, its first and last MiB: a GGUF's header and metadata, the last tensors), and `facts`
+    (the architecture, dtypes, quantization)."""
+    h = hashlib.sha256(json.dumps([KV_FORMAT, *map(str, facts)]).encode())
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".json", ".bin"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+class KVTier:
+    def __init__(self, store: DiskStore, pool: KVPool, fingerprint: str) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.block = store.block_tokens
+        self.tensors = [*pool.k, *pool.v, *pool.k_scale, *pool.v_scale]  # a block's payload, in this order
+        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = self.block * sum(self.row_bytes)
+        self.device = pool.k[0].device
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # keys gathered, not yet written
+        self._pending_bytes = 0
+        self._loaded: dict[str, tuple[int, list[memoryview]]] = {}  # rid -> (first block, payloads read)
+        self._writes: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="radixserve-kv-disk-write", daemon=True)
+        self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-disk-load")
+        self._blocks = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="radixserve-kv-disk-read")
+        self.written_tokens = 0  # tokens written to the store
+        self.skipped_tokens = 0  # tokens not written: the writer was too far behind, or the store had no room
+        self.loaded_tokens = 0  # tokens put back into the pool from the store
+
+    # -- keys -------------------------------------------------------------------------------
+    def keys(self, req: Req, upto: int | None = None) -> list[str]:
+        """The keys of the whole blocks of the request's first `upto` tokens (default: its prompt)."""
+        n = req.prompt_len if upto is None else upto
+        return block_keys(self.fingerprint, CacheManager.namespace(req), req.token_ids[:n], self.block)
+
+    # -- writing (engine thread, then the writer) -------------------------------------------
+    def save(self, req: Req, slots: list[int], upto: int | None = None) -> None:
+        """The request's first `upto` tokens (default: its prompt) are computed, their KV in
+        `slots`: write their whole blocks that the store lacks; a retained request's blocks (of
+        its retained prompt tokens) are kept until its retention ends."""
+        b, ns = self.block, CacheManager.namespace(req)
+        r = req.retention
+        retained = min(r.tokens or req.prompt_len, req.prompt_len) if r is not None else 0
+        for i, key in enumerate(self.keys(req, upto)):
+            until = req.retain_until if i * b < retained else 0.0
+            with self._lock:
+                if key in self._pending or self.store.has(key):
+                    if until:
+                        self._writes.put(("retain", key, until))
+                    continue
+                if self._pending_bytes + self.block_bytes > MAX_PENDING_BYTES:
+                    self.skipped_tokens += b
+                    continue
+                self._pending.add(key)
+                self._pending_bytes += self.block_bytes
+            payload = self._gather(slots[i * b : (i + 1) * b])
+            self._writes.put(("put", key, ns, req.token_ids[i * b : (i + 1) * b], payload, until))
+
+    def _gather(self, slots: list[int]) -> torch.Tensor:
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        parts = [t.index_select(0, idx).reshape(-1).view(torch.uint8) for t in self.tensors]
+        return torch.cat(parts).cpu()
+
+    def _write_loop(self) -> None:
+        while (job := self._writes.get()) is not None:
+            try:
+                if job[0] == "retain":
+                    self.store.retain(job[1], job[2])
+                    continue
+                _, key, ns, tokens, payload, until = job
+                try:
+                    ok = self.store.put(key, ns, self.fingerprint, tokens, memoryview(payload.numpy()), until)
+                finally:
+                    with self._lock:
+                        self._pending.discard(key)
+                        self._pending_bytes -= self.block_bytes
+                with self._lock:
+                    if ok:
+                        self.written_tokens += len(tokens)
+                    else:
+                        self.skipped_tokens += len(tokens)
+            except Exception:
+                log.exception("KV disk tier: a write failed (the block is a miss)")
+            finally:
+                self._writes.task_done()
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every gathered block is written (a graceful shutdown); False on timeout."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self._writes.join()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        return done.wait(timeout)
+
+    # -- loading (engine thread, the reader, then the engine thread) ------------------------
+    def fetch(self, req: Req, cache: CacheManager, done: Callable[[], None]) -> bool:
+        """If the store holds blocks of the request's prompt past what the pool holds, read them
+        on the reader thread (then `done()`, from there) and return True: the request waits
+        outside the scheduler until `put_back`."""
+        keys = self.keys(req)
+        n = self.store.hits(keys)
+        if n == 0 or n <= (first := cache.match_len(req) // self.block):
+            return False
+        ns = CacheManager.namespace(req)
+        tokens = req.token_ids[: n * self.block]
+
+        def block(i: int) -> memoryview | None:
+            payload = self.store.get(keys[i], ns, self.fingerprint, tokens[i * self.block : (i + 1) * self.block])
+            return payload if payload is not None and len(payload) == self.block_bytes else None
+
+        def read() -> None:
+            t0 = time.perf_counter()
+            got: list[memoryview] = []
+            try:
+                for payload in self._blocks.map(block, range(first, n)):  # in order: the chain ends at a miss
+                    if payload is None:
+                        break
+                    got.append(payload)
+            except Exception:
+                log.exception("KV disk tier: a read failed (a miss)")
+            with self._lock:
+                self._loaded[req.rid] = first, got
+            log.debug("KV disk tier: %s: read %d blocks in %.1f ms", req.rid, len(got), (time.perf_counter() - t0) * 1e3)
+            done()
+
+        self._reader.submit(read)
+        return True
+
+    def put_back(self, req: Req, cache: CacheManager) -> None:
+        """The blocks read for the request go into the pool and the prefix cache (if there is
+        room: else it computes them), held for it until it is admitted."""
+        with self._lock:
+            first, payloads = self._loaded.pop(req.rid, (0, []))
+        if not payloads or req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+            return
+        b = self.block
+        start, upto = first * b, (first + len(payloads)) * b
+
+        def fill(at: int, slots: list[int]) -> None:
+            for j, payload in enumerate(payloads):
+                lo, hi = max(at, start + j * b), start + (j + 1) * b
+                if lo >= hi:
+                    continue
+                dst = torch.tensor(slots[lo - at : hi - at], dtype=torch.long, device=self.device)
+                buf = torch.frombuffer(payload, dtype=torch.uint8)
+                off = 0
+                for t, rb in zip(self.tensors, self.row_bytes):
+                    rows = buf[off : off + b * rb].view(t.dtype).view(b, *t.shape[1:])
+                    t.index_copy_(0, dst, rows[lo - start - j * b : hi - start - j * b].to(self.device))
+                    off += b * rb
+
+        t0 = time.perf_counter()
+        req.disk_tokens = cache.adopt(req, upto, fill, have_from=start)
+        self.loaded_tokens += req.disk_tokens
+        log.debug("KV disk tier: %s: %d tokens put back in %.1f ms", req.rid, req.disk_tokens, (time.perf_counter() - t0) * 1e3)
+
+    def forget(self, rid: str) -> None:
+        """A request that left while its blocks were read."""
+        with self._lock:
+            self._loaded.pop(rid, None)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish the writes under way (a restart then finds them), stop both threads."""
+        if not self.flush():
+            log.warning("KV disk tier: writes still pending at shutdown were left (their blocks are misses)")
+        self._writes.put(None)
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._blocks.shutdown(wait=True, cancel_futures=True)
+        self._writer.join(5)
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_disk_blocks": self.store.num_blocks, "kv_disk_bytes": self.store.num_bytes,
+                "kv_disk_capacity_bytes": self.store.capacity, "kv_disk_written_tokens": self.written_tokens,
+                "kv_disk_skipped_tokens": self.skipped_tokens,
+                "kv_disk_loaded_tokens": self.loaded_tokens, "kv_disk_corrupt_blocks": self.store.corrupt}
