@@ -11,6 +11,13 @@ is replaced by its table, with a plot (SVG, beside the JSON) where a curve says 
     fork      `bench prefix --branches N` for several N: the prefix cache's speed-up by branch
               count (the same fork with and without the cache)
     serving   `bench serving --json`: latency, throughput and goodput against arrival rate
+    compare   `bench compare --json` against llama.cpp, one column per run (runs.json's
+              `compare-*` entries, in order: each names its file and its column's label);
+              the README's performance table
+    sessions  `bench sessions --json`: an agent's returning turn from the pool, the disk tier,
+              after a restart, and cold
+
+The README's sections are rendered the same way (`PAGES`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
 PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
 
 
 def _plot(path: Path, draw: Callable[[Any], None]) -> None:
@@ -100,32 +108,91 @@ def serving(runs: dict[str, dict[str, str]], plots: bool) -> str:
     return "\n".join(lines + ["", _made(runs["serving-chat"])])
 
 
-SECTIONS: dict[str, Callable[[dict[str, dict[str, str]], bool], str]] = {"fork": fork, "serving": serving}
+# `bench compare`'s workloads: the row's words, and the goal radixserve is held to against llama.cpp
+COMPARE_ROWS = {
+    "single": ("single: one request → 128 tokens, output tok/s", 1.2),
+    "batch": ("batch: 32 concurrent → 128 tokens each, output tok/s", 1.5),
+    "prefill": ("prefill: one ~2,000-token prompt, ms", 1.5),
+    "fork": ("fork: 16 questions off one ~2,000-token prefix → 64 tokens each, wall s", 5.0),
+    "json": ("json: 16 concurrent JSON-schema chats, output tok/s", 1.5),
+}
+HIGHER_IS_BETTER = {"single": True, "batch": True, "prefill": False, "fork": False, "json": True}
 
 
-def render(page: str, plots: bool) -> str:
+def compare(runs: dict[str, dict[str, str]], plots: bool) -> str:
+    """radixserve against llama.cpp, each workload back to back in one run per column."""
+    cols = [(r["label"], json.loads((BENCH / r["file"]).read_text()), r) for k, r in runs.items() if k.startswith("compare-")]
+    if not cols:
+        return "(no compare-* runs in docs/bench/runs.json)"
+
+    def cell(w: str, data: dict[str, dict[str, float]]) -> str:
+        row = data.get(w)
+        if not row:
+            return "-"
+        ours, theirs = row["radixserve"], row["llama.cpp"]
+        ratio = ours / theirs if HIGHER_IS_BETTER[w] else theirs / ours
+        return f"{ours:,.1f} vs {theirs:,.1f}: **{ratio:.2f}x**"
+
+    lines = ["| workload | " + " | ".join(label for label, _, _ in cols) + " | goal |",
+             "|---|" + "---:|" * (len(cols) + 1)]
+    for w, (words, goal) in COMPARE_ROWS.items():
+        lines.append(f"| {words} | " + " | ".join(cell(w, data) for _, data, _ in cols) + f" | {goal:g}x |")
+    lines += ["", "Each cell: radixserve vs llama.cpp, and how many times better radixserve is (above 1: it wins); "
+              "lengths are at --scale 1 (a column's command says its scale). Made by:", ""]
+    lines += [f"- {label}: `{r['command']}` ({r['date']}, {r['machine']})" for label, _, r in cols]
+    return "\n".join(lines)
+
+
+def sessions(runs: dict[str, dict[str, str]], plots: bool) -> str:
+    """An agent's returning turn: TTFT from the pool, the disk tier, after a restart, and cold."""
+    path = BENCH / "sessions.json"
+    if not path.exists():
+        return "(no sessions.json in docs/bench)"
+    r = json.loads(path.read_text())
+    cold = r["runs"]["cold"]["ttft_s"]
+    lines = [f"An agent session of {r['prompt_tokens']:,} prompt tokens (its KV: {r['kv_bytes_per_token']:,} bytes a token).", "",
+             "| returning turn | TTFT ms | prompt tokens from the cache | of them from disk | vs cold |", "|---|---:|---:|---:|---:|"]
+    for name, label in (("cold", "(d) cold prefill"), ("pool", "(a) from the pool"), ("disk", "(b) from disk, after eviction"),
+                        ("restart", "(c) after a kill -9 and restart")):
+        x = r["runs"][name]
+        lines.append(f"| {label} | {x['ttft_s'] * 1000:,.0f} | {x['cached_tokens']:,} | {x['from_disk_tokens']:,} | "
+                     f"{cold / x['ttft_s']:.1f}x |")
+    same = "identical" if r["answers_identical"] else "NOT identical"
+    lines += ["", f"Greedy answers of the four: {same}.", "", _made(runs["sessions"])]
+    return "\n".join(lines)
+
+
+SECTIONS: dict[str, Callable[[dict[str, dict[str, str]], bool], str]] = {
+    "fork": fork, "serving": serving, "compare": compare, "sessions": sessions}
+PAGES = {PAGE: ("fork", "serving", "sessions"), README: ("compare",)}
+
+
+def render(page: str, names: tuple[str, ...], plots: bool, where: Path = PAGE) -> str:
     runs = json.loads((BENCH / "runs.json").read_text())
-    for name, make in SECTIONS.items():
+    for name in names:
         begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
         m = re.search(re.escape(begin) + r"\n.*?" + re.escape(end), page, re.S)
         if m is None:
-            raise SystemExit(f"{PAGE}: no {begin} ... {end} section")
-        page = f"{page[: m.start()]}{begin}\n{make(runs, plots)}\n{end}{page[m.end() :]}"
+            raise SystemExit(f"{where}: no {begin} ... {end} section")
+        page = f"{page[: m.start()]}{begin}\n{SECTIONS[name](runs, plots)}\n{end}{page[m.end() :]}"
     return page
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only check that the page says what the JSON says")
+    p.add_argument("--check", action="store_true", help="only check that the pages say what the JSON says")
     args = p.parse_args(argv)
-    page = PAGE.read_text()
-    new = render(page, plots=not args.check)
-    if args.check:
+    stale = []
+    for path, names in PAGES.items():
+        page = path.read_text()
+        new = render(page, names, plots=not args.check, where=path)
         if new != page:
-            print(f"{PAGE} is not what docs/bench/*.json says: run scripts/bench_page.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(new)
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"{', '.join(map(str, stale))}: not what docs/bench/*.json says: run scripts/bench_page.py", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -32,7 +32,26 @@ def test_the_fork_section_is_the_speed_up_the_prefix_bench_measured(tmp_path, mo
     (tmp_path / "runs.json").write_text(json.dumps({name: {"command": "cmd", "date": "d", "machine": "m"}
                                                     for name in ("prefix-fork", "serving-chat")}))
     out = page.render("<!-- bench:fork -->\nold\n<!-- /bench:fork -->\n<!-- bench:serving -->\n<!-- /bench:serving -->",
-                      plots=True)
+                      ("fork", "serving"), plots=True)
     assert "| 2 | 1.25x | 10.0 / 12.5 | 2,020 / 4,000 |" in out and "| 16 | 8.00x | 12.0 / 96.0 |" in out
     assert "old" not in out and "Made by `cmd` (d, m)." in out and "(no serving-chat.json" in out
     assert (tmp_path / "fork-speedup.svg").read_text().startswith("<?xml")
+
+
+def test_the_compare_table_is_what_bench_compare_wrote(tmp_path, monkeypatch):
+    """One column per compare run, in runs.json's order; lower is better for prefill and fork."""
+    page = _page_module()
+    monkeypatch.setattr(page, "BENCH", tmp_path)
+    (tmp_path / "a.json").write_text(json.dumps({"single": {"radixserve": 120.0, "llama.cpp": 80.0},
+                                                 "fork": {"radixserve": 7.0, "llama.cpp": 140.0}}))
+    (tmp_path / "b.json").write_text(json.dumps({"prefill": {"radixserve": 4000.0, "llama.cpp": 2000.0}}))
+    (tmp_path / "runs.json").write_text(json.dumps({
+        "compare-a": {"label": "A, avx512", "file": "a.json", "command": "bench a", "date": "d", "machine": "m"},
+        "prefix-fork": {"command": "x", "date": "d", "machine": "m"},
+        "compare-b": {"label": "B, avx2", "file": "b.json", "command": "bench b", "date": "d", "machine": "m"}}))
+    out = page.render("x\n<!-- bench:compare -->\n<!-- /bench:compare -->\ny", ("compare",), plots=False)
+    assert "| workload | A, avx512 | B, avx2 | goal |" in out
+    assert "| single: one request → 128 tokens, output tok/s | 120.0 vs 80.0: **1.50x** | - | 1.2x |" in out
+    assert "| prefill: one ~2,000-token prompt, ms | - | 4,000.0 vs 2,000.0: **0.50x** | 1.5x |" in out
+    assert "7.0 vs 140.0: **20.00x**" in out and "- B, avx2: `bench b` (d, m)" in out
+    assert out.startswith("x\n") and out.endswith("\ny")

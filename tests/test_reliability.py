@@ -442,7 +442,8 @@ def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         sock.connect(("127.0.0.1", server.port))
-        body = json.dumps({"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+        body = json.dumps({"input_ids": [5, 6, 7], "stream": True, "return_logprob": True, "top_logprobs_num": 20,
+                           "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})  # big chunks: the buffers fill soon
         sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                      f"{body}".encode())
         deadline = time.monotonic() + scaled(60)
