@@ -21,6 +21,7 @@ from server_helpers import USER, ServerProcess
 from radixserve.engine.outputs import Delta, Output
 from radixserve.server import anthropic_cache, anthropic_stream, chat_core, responses, responses_stream
 from radixserve.server import anthropic_convert as convert
+from radixserve.server.anthropic_cache import Breakpoints
 from radixserve.server.anthropic_protocol import Message, MessagesRequest
 from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.responses_input import listed_items, to_messages
@@ -268,7 +269,8 @@ def _stream_message(pieces: list[str], parser: str | None, monkeypatch, **body) 
     state = SimpleNamespace(model_name="m", merged=merged)
     b = _msg(**body)
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
-    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, parser), b, "msg_1"))
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, parser), b, "msg_1",
+                                                  Breakpoints([]).usage))
     frames = _frames(sink)
     assert [name for name, _ in frames] == [data["type"] for _, data in frames]
     adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)  # the SDK drops pings

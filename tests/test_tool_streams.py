@@ -19,6 +19,7 @@ from test_reasoning_apis import Tok, _deltas, _frames, _msg, _opens_into, _out, 
 from radixserve.server import anthropic_convert as convert
 from radixserve.server import anthropic_stream, chat_core, responses, responses_stream, sse
 from radixserve.server import openai as chat
+from radixserve.server.anthropic_cache import Breakpoints
 from radixserve.server.errors import decode_body
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.tool_parsers import CallStream
@@ -158,7 +159,8 @@ def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
     state = SimpleNamespace(model_name="m", merged=sink.merged)
     b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
-    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), b, "msg_1"))
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), b, "msg_1",
+                                                  Breakpoints([]).usage))
     adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
     events = [adapter.validate_python(data) for name, data in _frames(sink) if name != "ping"]
     from anthropic.lib.streaming._messages import accumulate_event
