@@ -68,12 +68,14 @@ class ServerProcess:
             return e.code, json.loads(e.read())
 
     def wait_idle(self, key: str | None = None) -> dict:
-        """Once nothing runs: the server's KV accounting (from /server_info)."""
+        """Once nothing runs or holds KV (or after 30 s scaled: the caller's checks then fail): the
+        server's KV accounting (from /server_info)."""
         deadline = time.monotonic() + scaled(30)
         while True:
             _, info = self.get("/server_info", key)
             kv = info["kv"]
-            idle = kv["running"] == 0 and kv["waiting"] == 0 and info["queued"] == 0 and info.get("in_flight", 0) == 0
+            idle = (kv["running"] == 0 and kv["waiting"] == 0 and kv["kv_in_use_slots"] == 0 and info["queued"] == 0
+                    and info.get("in_flight", 0) == 0)
             if idle or time.monotonic() > deadline:
                 return kv
             time.sleep(0.05)
