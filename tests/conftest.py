@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = [d.func for ds in defs.values() for d in ds]
         if item.get_closest_marker("smollm2") or any(_slow(f) for f in [getattr(item, "function", None), *fixtures]):
             item.add_marker(pytest.mark.slow)
+
+
+_MYPY = pytest.StashKey["subprocess.Popen[str]"]()
+
+
+def _start_mypy() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "mypy"], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: os.nice(19))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The type check (tens of seconds of CPU) starts as the run does, at the lowest priority: it
+    takes what the other tests leave idle (servers starting, streams waiting), and
+    `mypy_check` collects it."""
+    if any(item.name == "test_mypy_finds_no_type_error_in_radixserve" for item in session.items):
+        session.config.stash[_MYPY] = _start_mypy()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (proc := config.stash.get(_MYPY, None)) is not None and proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture
+def mypy_check(request: pytest.FixtureRequest) -> tuple[int, str]:
+    """`python -m mypy`'s exit status and output (the run begun at collection, or a new one)."""
+    proc = request.config.stash.get(_MYPY, None) or _start_mypy()
+    out, _ = proc.communicate()
+    return proc.returncode, out
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -170,10 +170,12 @@ def test_layer_contracts_hold():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_mypy_finds_no_type_error_in_radixserve():
-    """`make lint`'s type check, in the suite CI runs (pyproject.toml [tool.mypy])."""
-    r = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+@pytest.mark.slow  # a minute of CPU on a clean clone
+def test_mypy_finds_no_type_error_in_radixserve(mypy_check):
+    """`make lint`'s type check, in the suite CI runs (pyproject.toml [tool.mypy]); started at
+    collection (conftest.py), so it runs beside the other tests."""
+    code, out = mypy_check
+    assert code == 0, out[-5000:]
 
 
 def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_matmuls_and_fp32_for_quantized_weights(monkeypatch):

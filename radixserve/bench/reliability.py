@@ -13,6 +13,9 @@ measured against a running server over HTTP.
   same-tenant hit), then tenant B sends it. B's time to first token should match A's cold
   one (no cross-tenant hit, and nothing measurable leaks through timing) and be clearly
   slower than A's hit. Each row reports the median and the p10-p90 spread over the trials.
+  On a server with a disk tier (and an admin key A), the same from disk: A sends a second fresh
+  prompt, the pool is flushed (POST /flush_cache?keep_disk=1), A asks again (its blocks read
+  back), the pool is flushed again, then B sends A's prompt: as slow as A's cold one.
 """
 
 from __future__ import annotations
@@ -118,15 +121,42 @@ async def _ttft(session: Any, url: str, key: str | None, text: str) -> tuple[flo
     return first or float("nan"), cached
 
 
+async def _has_disk_tier(session: Any, url: str, key: str | None) -> bool:
+    async with session.get(url + "/server_info", headers=bearer(key)) as r:
+        info = await r.json()
+    return r.status == 200 and info.get("kv_tiers", {}).get("disk") is not None
+
+
+async def _flush_pool(session: Any, url: str, key: str | None) -> None:
+    async with session.post(url + "/flush_cache?keep_disk=1", headers=bearer(key)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"isolation: /flush_cache?keep_disk=1 answered {r.status}: {await r.text()} "
+                               "(the disk rows need the first key to be an admin's)")
+
+
 async def isolation(session: Any, args: argparse.Namespace, keys: list[str | None]) -> dict[str, Any]:
     a, b = keys
     rows: dict[str, list[tuple[float, int]]] = {"A cold": [], "A hit (same tenant)": [], "B, A's prompt (other tenant)": []}
+    disk = await _has_disk_tier(session, args.url, a)
+    if disk:
+        rows |= {"A from disk (pool flushed)": [], "B, A's prompt on disk (other tenant)": []}
     words = ("the quick brown fox jumps over the lazy dog while agents call tools and read json " * 200).split()
+
+    def fresh() -> str:
+        return f"[{uuid.uuid4().hex}] " + " ".join(words[: args.prompt_words])
+
     for _ in range(args.trials):
-        prompt = f"[{uuid.uuid4().hex}] " + " ".join(words[: args.prompt_words])
+        prompt = fresh()
         rows["A cold"].append(await _ttft(session, args.url, a, prompt + " Question one?"))
         rows["A hit (same tenant)"].append(await _ttft(session, args.url, a, prompt + " Question two?"))
         rows["B, A's prompt (other tenant)"].append(await _ttft(session, args.url, b, prompt + " Question two?"))
+        if disk:  # B has sent the first prompt: the disk rows need one only A has sent
+            prompt = fresh()
+            await _ttft(session, args.url, a, prompt + " Question one?")
+            await _flush_pool(session, args.url, a)  # its blocks are written first
+            rows["A from disk (pool flushed)"].append(await _ttft(session, args.url, a, prompt + " Question two?"))
+            await _flush_pool(session, args.url, a)
+            rows["B, A's prompt on disk (other tenant)"].append(await _ttft(session, args.url, b, prompt + " Question two?"))
     out = {}
     for name, r in rows.items():
         ttfts = [t for t, _ in r]
@@ -166,9 +196,9 @@ def run(args: argparse.Namespace) -> int:
     hostile.report(out.get("storm"), out.get("grammar_bomb"))
     if keys[0] is None:
         print("isolation: an open server has one tenant; the rows below compare the same tenant")
-    print(f"{'isolation (TTFT over ' + str(args.trials) + ' trials)':<34}{'p50 ms':>9}{'p10 ms':>9}{'p90 ms':>9}{'cached':>8}")
+    print(f"{'isolation (TTFT over ' + str(args.trials) + ' trials)':<38}{'p50 ms':>9}{'p10 ms':>9}{'p90 ms':>9}{'cached':>8}")
     for name, r in out["isolation"].items():
-        print(f"{name:<34}{r['ttft_p50_ms']:>9.1f}{r['ttft_p10_ms']:>9.1f}{r['ttft_p90_ms']:>9.1f}{r['cached_tokens_median']:>8.0f}")
+        print(f"{name:<38}{r['ttft_p50_ms']:>9.1f}{r['ttft_p10_ms']:>9.1f}{r['ttft_p90_ms']:>9.1f}{r['cached_tokens_median']:>8.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **out}, f, indent=1)

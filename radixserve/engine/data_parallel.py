@@ -246,8 +246,8 @@ class DataParallelEngine(RequestFront):
                         for r, s in zip(self.replicas, snaps)]
             return {"router": {"policy": self.router.name, "decisions": dict(self.router.decisions)}, "replicas": replicas}
 
-    def flush_cache(self) -> int:
-        return sum(e.flush_cache() for e in self._engines())
+    def flush_cache(self, keep_disk: bool = False) -> int:
+        return sum(e.flush_cache(keep_disk) for e in self._engines())
 
     def check_integrity(self) -> None:
         for e in self._engines():

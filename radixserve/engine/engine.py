@@ -338,10 +338,11 @@ class Engine(RequestFront):
             **vars(c),
         )
 
-    def flush_cache(self) -> int:
-        """Drop every cached prefix, the disk tier's blocks too; returns the tokens dropped from
-        the pool. Raises RuntimeError while requests are running or waiting (their prefixes are
-        locked or about to be)."""
+    def flush_cache(self, keep_disk: bool = False) -> int:
+        """Drop every cached prefix, the disk tier's blocks too unless `keep_disk` (then the
+        blocks being written are written first); returns the tokens dropped from the pool.
+        Raises RuntimeError while requests are running or waiting (their prefixes are locked or
+        about to be)."""
         with self._loop.lock:
             if self.scheduler.has_work or self._loop.loading:
                 s = self.scheduler
@@ -351,7 +352,8 @@ class Engine(RequestFront):
                 )
             if self.tier is not None:
                 self.tier.flush()
-                self.tier.store.clear()
+                if not keep_disk:
+                    self.tier.store.clear()
             return self.cache.flush()
 
     def check_integrity(self) -> None:

@@ -200,8 +200,8 @@ class EngineProcess(RequestFront):
     def replica_snapshots(self) -> list[EngineStats]:
         return [self._snapshot]
 
-    def flush_cache(self) -> int:
-        return int(self._wait(self._call(FlushCache)).value or 0)
+    def flush_cache(self, keep_disk: bool = False) -> int:
+        return int(self._wait(self._call(lambda call_id: FlushCache(call_id, keep_disk))).value or 0)
 
     def check_integrity(self) -> None:
         self._wait(self._call(CheckIntegrity))
@@ -376,7 +376,7 @@ class _Core:
                 if isinstance(msg, GetStats):
                     reply = Reply(msg.call_id, stats=e.stats())
                 elif isinstance(msg, FlushCache):
-                    reply = Reply(msg.call_id, value=e.flush_cache())
+                    reply = Reply(msg.call_id, value=e.flush_cache(msg.keep_disk))
                 else:
                     e.check_integrity()
                     reply = Reply(msg.call_id)

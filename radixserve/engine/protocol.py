@@ -135,6 +135,7 @@ class GetStats(msgspec.Struct, tag="stats", frozen=True):
 
 class FlushCache(msgspec.Struct, tag="flush_cache", frozen=True):
     call_id: int
+    keep_disk: bool = False
 
 
 class CheckIntegrity(msgspec.Struct, tag="check_integrity", frozen=True):
@@ -279,7 +280,7 @@ class EngineClient(Protocol):
 
     def route(self, req: Req, hint: str | None = None) -> None: ...  # choose the request's replica (one engine: no-op)
 
-    def flush_cache(self) -> int: ...
+    def flush_cache(self, keep_disk: bool = False) -> int: ...
 
     def check_integrity(self) -> None: ...
 

@@ -199,11 +199,16 @@ def _hf_config(path: Any) -> dict[str, Any]:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
+    """`?keep_disk=1`: drop the pool's prefixes only; the disk tier keeps its blocks (a later
+    prompt reads them back, as after an eviction)."""
     state: ServerState = request.app["state"]
     if not state.authenticate(request).admin:
         raise ApiError(403, "flush_cache: only an admin tenant may flush the shared prefix cache", code="not_admin")
+    keep = request.query.get("keep_disk", "0")
+    if keep not in ("0", "1", "true", "false"):
+        raise ApiError(400, f"keep_disk: must be 0, 1, true or false, got {keep!r}", param="keep_disk")
     try:
-        dropped = await state.off_loop(state.engine.flush_cache)
+        dropped = await state.off_loop(state.engine.flush_cache, keep in ("1", "true"))
     except RuntimeError as e:
         raise ApiError(400, str(e), code="busy") from None
     return _json({"flushed_tokens": dropped})

@@ -36,7 +36,7 @@ ROUTES: list[Route] = [
     ("POST", "/concate_and_append_request", None, _OBJECT,
      "SGLang's parallel-encoding join: acknowledged (the joined text is computed from the cache)"),
     ("POST", "/flush_cache", None, {"type": "object", "properties": {"flushed_tokens": {"type": "integer"}},
-                                    "required": ["flushed_tokens"]}, "Drop the whole prefix cache (admin only)"),
+                                    "required": ["flushed_tokens"]}, "Drop the whole prefix cache (admin only; ?keep_disk=1: the pool only)"),
     ("POST", "/abort_request", None, {"type": "object", "properties": {"aborted": {"type": "string"}}, "required": ["aborted"]},
      "Abort an in-flight request by rid"),
     ("GET", "/metrics", None, _METRICS, "Prometheus metrics (text); needs an admin key or --metrics-key once keys are set"),
