@@ -452,7 +452,8 @@ def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_
             if kv["finished"] >= 1 and kv["running"] == 0:
                 break
             time.sleep(0.2)
-        # (its handler, blocked on the unread socket, leaves at the write timeout: not waited for here)
+        kv = server.wait_idle()  # its handler left too: the connection was dropped, not kept to the write timeout
+        assert server.get("/server_info")[1]["in_flight"] == 0
         assert kv["decode_tokens"] < 1990 and kv["kv_in_use_slots"] == 0, kv  # cut off before its 2,000 tokens
         ok, _ = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
         assert ok == 200

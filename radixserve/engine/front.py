@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from radixserve.engine.outputs import Delta
@@ -20,16 +21,24 @@ from radixserve.sched.policy import check_admissible
 Prompt = str | list[int]
 
 
+ON_STALL: ContextVar[Callable[[], None] | None] = ContextVar("radixserve_on_stall", default=None)
+"""What else to do when a stream created in this context is cut off for its backlog: the HTTP
+server drops the connection, whose writes are blocked on a client that reads nothing (its
+handler then leaves at once instead of at the write timeout)."""
+
+
 class DeltaStream:
     """One request's deltas, handed from the engine's side (any thread: `sink`) to the event
     loop that creates it. With `max_backlog`, a consumer that lets more deltas than that pile up
-    unread (a client that stopped reading) has the request aborted (`abort`, once): the deltas
-    past the cap are dropped, and the final one still arrives, its error saying why."""
+    unread (a client that stopped reading) has the request aborted (`abort`, once, then
+    ON_STALL's hook): the deltas past the cap are dropped, and the final one still arrives, its
+    error saying why."""
 
     def __init__(self, abort: Callable[[], None], max_backlog: int | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._q: asyncio.Queue[Delta] = asyncio.Queue()
         self._abort, self.max_backlog = abort, max_backlog
+        self._on_stall = ON_STALL.get()
         self._stalled: str | None = None
 
     def sink(self, d: Delta) -> None:
@@ -40,6 +49,8 @@ class DeltaStream:
             if self._stalled is None:
                 self._stalled = f"the client left {self._q.qsize()} stream chunks unread"
                 self._abort()
+                if self._on_stall is not None:
+                    self._on_stall()
             return
         self._q.put_nowait(d)
 

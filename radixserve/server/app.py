@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from radixserve.engine.front import ON_STALL
 from radixserve.engine.protocol import EngineStats
 from radixserve.request import SamplingParams
 from radixserve.server import access_log, anthropic, completions, native, openai, responses
@@ -39,6 +40,8 @@ def _json(obj: object, status: int = 200) -> web.Response:
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
+    if request.transport is not None:  # a stream cut off for its unread backlog drops its connection
+        ON_STALL.set(request.transport.abort)  # not close(): that waits to flush what nobody reads
     try:
         return await handler(request)
     except ApiError as e:
