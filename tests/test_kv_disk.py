@@ -58,6 +58,27 @@ def test_a_block_reads_back_only_as_exactly_what_was_written(tmp_path):
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (tmp_path / "kv").iterdir())
 
 
+def test_a_block_renamed_for_its_retention_while_it_is_read_is_still_read(tmp_path, monkeypatch):
+    import builtins
+
+    from radixserve.cache import disk
+
+    store = DiskStore(tmp_path / "kv", 1 << 20, 16)
+    toks = list(range(16))
+    key = _put(store, A, toks, fill=5)
+    opened: list[str] = []
+
+    def racing_open(path, *args, **kw):  # another request retains the block between lookup and open
+        if not opened:
+            store.retain(key, time.time() + 3600)
+        opened.append(str(path))
+        return builtins.open(path, *args, **kw)
+
+    monkeypatch.setattr(disk, "open", racing_open, raising=False)
+    assert bytes(store.get(key, A, FP, toks)) == bytes([5]) * 1000
+    assert len(opened) == 2 and opened[0] != opened[1] and store.corrupt == 0 and store.num_blocks == 1
+
+
 def test_a_corrupt_truncated_or_torn_block_is_a_miss_and_is_deleted(tmp_path):
     store = DiskStore(tmp_path, 1 << 20, 16)
     blocks = [list(range(i * 16, i * 16 + 16)) for i in range(3)]
@@ -253,6 +274,48 @@ def test_a_request_aborted_while_its_blocks_load_frees_everything(tiny_llama, tm
         assert e.stats().kv_in_use_slots == 0
         e.check_integrity()
         assert e.flush_cache() >= 0 and e.stats().kv_disk_blocks == 0  # flush empties every tier
+
+
+def test_a_late_read_never_reaches_a_new_request_under_the_same_rid(tiny_llama, tmp_path):
+    """Request x leaves while its blocks are read; a new request x (another prompt) arrives and
+    waits for its own. The first read, ending while the new x waits, goes nowhere: the new x
+    gets its own prompt's KV and its own prompt's greedy output."""
+    import asyncio
+
+    first, second = _prompt(300, 6), _prompt(300, 7)
+    with _engine(tiny_llama, tmp_path) as e:
+        ref = e.generate(second, GREEDY)[0]
+        e.generate(first, GREEDY)
+    with _engine(tiny_llama, tmp_path) as e:
+        assert e.tier is not None
+        held: list = []
+        e.tier._reader.submit = held.append  # the reads wait until this test runs them
+
+        async def run() -> list:
+            gone = e.submit(e.make_req(first, GREEDY, rid="x"))
+            task = asyncio.ensure_future(gone.__anext__())
+            while len(held) < 1:
+                await asyncio.sleep(0.01)
+            task.cancel()  # x leaves while its blocks are "read"
+            await asyncio.gather(task, return_exceptions=True)
+            await gone.aclose()
+            while e.stats().waiting:
+                await asyncio.sleep(0.01)
+            again = e.submit(e.make_req(second, GREEDY, rid="x"))
+            nxt = asyncio.ensure_future(again.__anext__())
+            while len(held) < 2:
+                await asyncio.sleep(0.01)
+            held[0]()  # the first x's read ends now: its blocks must not become the second's
+            held[1]()
+            out = [await nxt]
+            out += [d async for d in again]
+            return out
+
+        deltas = asyncio.run(run())
+        final = deltas[-1].output
+        assert final is not None and final.token_ids == ref.token_ids and final.cached_tokens == 288
+        assert e.stats().kv_in_use_slots == 0
+        e.check_integrity()
 
 
 def test_the_disk_tier_refuses_what_it_cannot_hold(tiny_llama, tmp_path):

@@ -224,23 +224,30 @@ class DiskStore:
         """The payload of the block `key` if it is stored, whole, and is the block of exactly
         these tokens in this namespace for this model; else None (a corrupt block is deleted).
         The payload is a writable view (torch.frombuffer takes it without a copy)."""
-        with self._lock:
-            e = self._entries.get(key)
-            if e is None:
+        for _ in range(3):  # retain() may rename the file between the lookup and the open
+            with self._lock:
+                e = self._entries.get(key)
+                if e is None:
+                    return None
+                self._entries.move_to_end(key)
+                path = e.path
+            try:
+                with open(path, "rb") as f:
+                    data = bytearray(os.fstat(f.fileno()).st_size)
+                    if f.readinto(data) != len(data):
+                        raise OSError("short read")
+                break
+            except FileNotFoundError:
+                continue
+            except OSError:
+                self._drop(key, path, "unreadable")
                 return None
-            self._entries.move_to_end(key)
-            path = e.path
-        try:
-            with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                if f.readinto(data) != len(data):
-                    raise OSError("short read")
-        except OSError:
-            self._drop(key, "unreadable")
+        else:
+            self._drop(key, path, "gone")
             return None
         payload = _parse(data, key, ns, fingerprint, tokens)
         if payload is None:
-            self._drop(key, "corrupt or not this prompt's")
+            self._drop(key, path, "corrupt or not this prompt's")
             return None
         try:
             os.utime(path)  # recency survives a restart
@@ -248,9 +255,13 @@ class DiskStore:
             pass
         return payload
 
-    def _drop(self, key: str, why: str) -> None:
-        log.warning("KV disk tier: block %s is %s: a miss (deleted)", key, why)
+    def _drop(self, key: str, path: Path, why: str) -> None:
+        """Delete the block read from `path` (unless it has since been renamed: a new file)."""
         with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.path != path:
+                return
+            log.warning("KV disk tier: block %s is %s: a miss (deleted)", key, why)
             self.corrupt += 1
             self._remove(key)
 

@@ -77,7 +77,6 @@ class KVTier:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # keys gathered, not yet written
         self._pending_bytes = 0
-        self._loaded: dict[str, tuple[int, list[memoryview]]] = {}  # rid -> (first block, payloads read)
         self._writes: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="radixserve-kv-disk-write", daemon=True)
         self._writer.start()
@@ -156,10 +155,10 @@ class KVTier:
         return done.wait(timeout)
 
     # -- loading (engine thread, the reader, then the engine thread) ------------------------
-    def fetch(self, req: Req, cache: CacheManager, done: Callable[[], None]) -> bool:
+    def fetch(self, req: Req, cache: CacheManager, done: Callable[[int, list[memoryview]], None]) -> bool:
         """If the store holds blocks of the request's prompt past what the pool holds, read them
-        on the reader thread (then `done()`, from there) and return True: the request waits
-        outside the scheduler until `put_back`."""
+        on the reader thread (then `done(first block, payloads)`, from there) and return True:
+        the request waits outside the scheduler until `put_back`."""
         keys = self.keys(req)
         n = self.store.hits(keys)
         if n == 0 or n <= (first := cache.match_len(req) // self.block):
@@ -181,19 +180,15 @@ class KVTier:
                     got.append(payload)
             except Exception:
                 log.exception("KV disk tier: a read failed (a miss)")
-            with self._lock:
-                self._loaded[req.rid] = first, got
             log.debug("KV disk tier: %s: read %d blocks in %.1f ms", req.rid, len(got), (time.perf_counter() - t0) * 1e3)
-            done()
+            done(first, got)
 
         self._reader.submit(read)
         return True
 
-    def put_back(self, req: Req, cache: CacheManager) -> None:
-        """The blocks read for the request go into the pool and the prefix cache (if there is
-        room: else it computes them), held for it until it is admitted."""
-        with self._lock:
-            first, payloads = self._loaded.pop(req.rid, (0, []))
+    def put_back(self, req: Req, cache: CacheManager, first: int, payloads: list[memoryview]) -> None:
+        """The blocks read for the request (from block `first`) go into the pool and the prefix
+        cache (if there is room: else it computes them), held for it until it is admitted."""
         if not payloads or req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
             return
         b = self.block
@@ -216,11 +211,6 @@ class KVTier:
         req.disk_tokens = cache.adopt(req, upto, fill, have_from=start)
         self.loaded_tokens += req.disk_tokens
         log.debug("KV disk tier: %s: %d tokens put back in %.1f ms", req.rid, req.disk_tokens, (time.perf_counter() - t0) * 1e3)
-
-    def forget(self, rid: str) -> None:
-        """A request that left while its blocks were read."""
-        with self._lock:
-            self._loaded.pop(rid, None)
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:

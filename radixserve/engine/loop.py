@@ -43,9 +43,11 @@ class Stop:
 
 @dataclass(frozen=True)
 class Loaded:
-    """The disk tier has read a waiting request's blocks (engine.kv_tier)."""
+    """The disk tier has read a waiting request's blocks (engine.kv_tier), from block `first`."""
 
-    rid: str
+    req: Req  # the request itself, not its rid: a rid may be reused once its request has left
+    first: int
+    payloads: list[memoryview]
 
 
 Command = Add | Abort | Stop | Loaded
@@ -138,18 +140,20 @@ class EngineLoop:
             req = cmd.req
             if not self.post.open(req, cmd.sink):  # never two requests under one rid
                 return True
-            if self.tier is not None and self.tier.fetch(req, self.scheduler.cache, lambda: self.inbox.put(Loaded(req.rid))):
+            if self._fetch(req):
                 self.loading[req.rid] = req
             else:
                 self.scheduler.add(req)
         elif isinstance(cmd, Loaded):
-            if (waiting := self.loading.pop(cmd.rid, None)) is None:  # it left meanwhile
-                assert self.tier is not None
-                self.tier.forget(cmd.rid)
+            if self.loading.get(cmd.req.rid) is not cmd.req:  # it left meanwhile
                 return True
+            req = self.loading.pop(cmd.req.rid)
             assert self.tier is not None
-            self.tier.put_back(waiting, self.scheduler.cache)
-            self.scheduler.add(waiting)
+            try:
+                self.tier.put_back(req, self.scheduler.cache, cmd.first, cmd.payloads)
+            except Exception:  # the request computes what it could not put back
+                log.exception("KV disk tier: putting %s's blocks back failed (a miss)", req.rid)
+            self.scheduler.add(req)
         elif isinstance(cmd, Abort):
             if (left := self.loading.pop(cmd.rid, None)) is not None:
                 left.finish(FinishReason.ABORT)
@@ -202,19 +206,35 @@ class EngineLoop:
             if self.tier is not None:
                 self._write_through(plan)
 
+    def _fetch(self, req: Req) -> bool:
+        """Ask the disk tier for the request's blocks; True if it waits for them (a Loaded)."""
+        if self.tier is None:
+            return False
+        try:
+            return self.tier.fetch(req, self.scheduler.cache, lambda first, got: self.inbox.put(Loaded(req, first, got)))
+        except Exception:
+            log.exception("KV disk tier: looking up %s's blocks failed (a miss)", req.rid)
+            return False
+
     def _write_through(self, plan: SchedulePlan) -> None:
         """Prompts whose prefill ended this step go to the disk tier (their KV is in the pool)."""
-        assert self.tier is not None
         for it in plan.items:
             req = it.req
             if (it.spec is None and it.start < req.prompt_len <= it.start + it.length
                     and req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR)):
-                self.tier.save(req, self.scheduler.cache.slots(req))
+                self._save(req, self.scheduler.cache.slots(req))
+
+    def _save(self, req: Req, slots: list[int], upto: int | None = None) -> None:
+        assert self.tier is not None
+        try:
+            self.tier.save(req, slots, upto)
+        except Exception:  # the tier misses these blocks; the request and the step go on
+            log.exception("KV disk tier: saving %s's blocks failed", req.rid)
 
     def _reap(self) -> None:
         if self.tier is not None:  # a finished answer is the next turn's prompt: its blocks go to disk too
             for req in self.scheduler.running:
                 if req.finish_reason is not None and req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
                     slots = self.scheduler.cache.slots(req)
-                    self.tier.save(req, slots, min(req.computed_len, len(slots)))
+                    self._save(req, slots, min(req.computed_len, len(slots)))
         self.post.finish(self.scheduler.reap())

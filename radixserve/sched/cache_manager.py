@@ -129,7 +129,11 @@ class CacheManager:
             self.prefix.unlock(m.handle)
             if got is None:
                 return 0
-            fill(m.length, got)
+            try:
+                fill(m.length, got)
+            except BaseException:
+                self.allocator.free(got)
+                raise
             dup = self.prefix.insert(ns, tokens, [*m.slots, *got], req.public_prefix_len, req.priority, retain=_retain(req))
             if dup > m.length:
                 self.allocator.free(got[: dup - m.length])
