@@ -201,3 +201,17 @@ def test_a_request_rolled_back_at_admission_reports_no_cached_tokens():
     s.abort(late.rid)
     s.reap()
     assert late.cached_tokens == 0
+
+
+def test_prefixes_held_for_waiting_requests_never_block_the_head_of_the_queue():
+    """A prefix the disk tier put back is held for its request until it is admitted; when that
+    hold leaves the request at the head of the queue no room with nothing running, the holds go."""
+    s = _sched(pool=200)
+    head = Req(list(range(1, 151)), SamplingParams(), max_new_tokens=8)
+    back = Req(list(range(300, 420)) + [7, 8], SamplingParams(), max_new_tokens=8)
+    s.add(head)
+    assert s.cache.adopt(back, 120, lambda at, slots: None) == 120  # 120 slots locked for `back`
+    s.add(back)
+    _drive(s)
+    assert head.finish_reason is not None and back.finish_reason is not None
+    assert s.cache.allocator.num_used == s.cache.prefix.cached_tokens  # nothing held, nothing leaked

@@ -143,6 +143,14 @@ class CacheManager:
         self._holds[req.rid] = held.handle
         return len(got or ())
 
+    def let_go_all(self) -> bool:
+        """Unlock every prefix `adopt` holds for a waiting request (they stay cached, evictable);
+        False if none was held."""
+        held = bool(self._holds)
+        for rid in list(self._holds):
+            self._let_go(rid)
+        return held
+
     def admitted(self, req: Req) -> None:
         """The request is running, its own lock on its prefix taken: what `adopt` held for it goes."""
         self._let_go(req.rid)

@@ -112,6 +112,10 @@ class Scheduler:
                 plan.items.append(PlanItem(req, req.computed_len, n))
         if self.waiting and adder.can_admit:
             self._admit(plan, adder)
+        if not plan.items and not self.running and self.waiting and self.cache.let_go_all():
+            # Nothing fits while prefixes put back from disk are held for requests further back
+            # in the queue: they go back to being plain cached prefixes (evictable).
+            return self.schedule()
         if not plan.items and self.running:
             # Every running request is stuck on memory (partly prefilled, nothing decoding):
             # free the least important one so the others can move.
