@@ -307,6 +307,12 @@ class Req:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def retained_tokens(self) -> int:
+        """How many leading prompt tokens its retention keeps cached (until `retain_until`)."""
+        r = self.retention
+        return min(r.tokens or self.prompt_len, self.prompt_len) if r is not None else 0
+
+    @property
     def extend_len(self) -> int:
         """Tokens still to be fed to the model before the next sample."""
         return len(self.token_ids) - self.computed_len

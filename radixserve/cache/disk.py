@@ -103,11 +103,10 @@ class DiskStore:
             tag, key, until = p.stem.split("-")
             try:
                 st = p.stat()
-                found.append((st.st_mtime, key, Entry(p, st.st_size, tag, 0, float(until))))
+                found.append((st.st_mtime, key, Entry(p, st.st_size, tag, self.block_tokens, float(until))))
             except (OSError, ValueError):
                 continue
         for _, key, e in sorted(found, key=lambda f: f[0]):
-            e.tokens = self.block_tokens
             self._add(key, e)
         if found:
             log.info("KV disk tier: %d blocks (%.1f MiB) found in %s", len(found), self._bytes / 2**20, self.root)
@@ -117,13 +116,15 @@ class DiskStore:
         self._bytes += e.size
         self._tenant_tokens[e.tag] = self._tenant_tokens.get(e.tag, 0) + e.tokens
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, keep: Path | None = None) -> None:
+        """Forget the block and delete its file (unless that file is `keep`)."""
         e = self._entries.pop(key, None)
         if e is None:
             return
         self._bytes -= e.size
         self._tenant_tokens[e.tag] -= e.tokens
-        e.path.unlink(missing_ok=True)
+        if e.path != keep:
+            e.path.unlink(missing_ok=True)
 
     def has(self, key: str) -> bool:
         with self._lock:
@@ -193,8 +194,8 @@ class DiskStore:
             tmp.unlink(missing_ok=True)
             raise
         with self._lock:
-            if key in self._entries:  # written twice at once: one file, the same bytes
-                self._remove(key)
+            if key in self._entries:  # written twice at once: the same bytes, kept in the newer file
+                self._remove(key, keep=path)
             self._add(key, Entry(path, size, tag, len(tokens), float(int(until))))
         return True
 

@@ -97,9 +97,7 @@ class KVTier:
         """The request's first `upto` tokens (default: its prompt) are computed, their KV in
         `slots`: write their whole blocks that the store lacks; a retained request's blocks (of
         its retained prompt tokens) are kept until its retention ends."""
-        b, ns = self.block, CacheManager.namespace(req)
-        r = req.retention
-        retained = min(r.tokens or req.prompt_len, req.prompt_len) if r is not None else 0
+        b, ns, retained = self.block, CacheManager.namespace(req), req.retained_tokens
         for i, key in enumerate(self.keys(req, upto)):
             until = req.retain_until if i * b < retained else 0.0
             with self._lock:

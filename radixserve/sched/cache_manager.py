@@ -134,7 +134,8 @@ class CacheManager:
             except BaseException:
                 self.allocator.free(got)
                 raise
-            dup = self.prefix.insert(ns, tokens, [*m.slots, *got], req.public_prefix_len, req.priority, retain=_retain(req))
+            dup = self.prefix.insert(ns, tokens, [*m.slots, *got], req.public_prefix_len, req.priority,
+                                     retain=(req.retained_tokens, req.retain_until))
             if dup > m.length:
                 self.allocator.free(got[: dup - m.length])
         held = self.prefix.match(ns, tokens, req.public_prefix_len, whole=True)
@@ -230,7 +231,7 @@ class CacheManager:
         """Offer the request's first `done` tokens to the prefix cache (see PrefixCache.insert)."""
         revive = self.windowed.move_window if self.windowed is not None else None
         return self.prefix.insert(self.namespace(req), req.token_ids[:done], entry.slots[:done], req.public_prefix_len,
-                                  req.priority, max(entry.window_from, entry.cached), revive, _retain(req))
+                                  req.priority, max(entry.window_from, entry.cached), revive, (req.retained_tokens, req.retain_until))
 
     def _unlock(self, entry: _Entry) -> None:
         if entry.window_locked:
@@ -321,11 +322,3 @@ class CacheManager:
             raise RuntimeError("KV integrity: a window page is held twice, or held and free")
         if len(taken) + len(w.window.free_pages()) != w.window.size // ps:
             raise RuntimeError("KV integrity: window pages are owned by nobody (leaked)")
-
-
-def _retain(req: Req) -> tuple[int, float]:
-    """(tokens, until): how much of the request's prompt the prefix cache keeps, and until when."""
-    r = req.retention
-    if r is None:
-        return 0, 0.0
-    return min(r.tokens or req.prompt_len, req.prompt_len), req.retain_until
