@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from radixserve.limits import MAX_MESSAGES, MAX_METADATA_KEYS, MAX_RID_CHARS, MAX_TOOLS
-from radixserve.server.protocol import _In, _Out
+from radixserve.server.protocol import PromptCacheRetention, _In, _Out
 
 ShortText = Annotated[str, Meta(max_length=MAX_RID_CHARS)]
 # OpenAI's own caps: 16 pairs, keys of up to 64 characters, values of up to 512
@@ -84,7 +84,7 @@ class CreateResponseRequest(_In):
     reasoning: dict[str, Any] | None = None  # effort "none" turns thinking off; the rest is ignored
     service_tier: str | None = None
     prompt_cache_key: ShortText | None = None  # a routing hint, passed on as chat passes it
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: PromptCacheRetention = None
     safety_identifier: ShortText | None = None
     stream_options: dict[str, Any] | None = None
     max_tool_calls: int | None = None
