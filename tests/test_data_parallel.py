@@ -257,8 +257,8 @@ def test_a_client_gone_mid_stream_frees_its_replica_and_its_load(dp_server):
     dp_server.wait_idle("key-acme")
     replicas = _replicas(dp_server)
     assert [r["load"] for r in replicas] == [0, 0]
-    assert [r["kv"]["kv_in_use_slots"] for r in replicas] == [0, 0]
     status, info = dp_server.get("/server_info?check_integrity=1", "key-acme")
+    assert [r["kv"]["kv_in_use_slots"] for r in replicas] == [0, 0], (replicas, info.get("integrity"))
     assert info["integrity"] == "ok"
 
 
