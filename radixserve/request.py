@@ -18,6 +18,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,3 +353,12 @@ class Req:
             f"{self.max_new_tokens}, computed={self.computed_len}, cached={self.cached_len}, "
             f"prio={self.priority})"
         )
+
+
+def distinct_prompts(reqs: Sequence[Req]) -> list[Req]:
+    """The requests whose prompt differs from the one before (n samples of a prompt are consecutive)."""
+    out: list[Req] = []
+    for r in reqs:
+        if not out or out[-1].token_ids[: out[-1].prompt_len] != r.token_ids[: r.prompt_len]:
+            out.append(r)
+    return out

@@ -26,7 +26,31 @@ from radixserve.server.app import build_app
 from radixserve.server.auth import Auth
 from radixserve.server.state import ServerState
 
+VERBOSE = bool(os.environ.get("WALK_VERBOSE"))
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "radixserve") + os.sep
+
+
+def caller(frame: FrameType) -> str | None:
+    """The radixserve module of the nearest radixserve frame that called (or awaits) this one."""
+    f = frame.f_back
+    while f is not None and not f.f_code.co_filename.startswith(ROOT):
+        f = f.f_back
+    return None if f is None else f.f_code.co_filename[len(ROOT):]
+
+
+def doors(seq: list[tuple[str, str | None]]) -> tuple[list[str], int]:
+    """(rooms in the order entered, returns) counting only calls from one module into another:
+    a module's calls to its own functions stay in the room, a callee's return to its caller is
+    not an entry, and calls into the room last entered fold into that stay; a return is an
+    entry into a module entered before."""
+    entered: list[str] = []
+    returns = 0
+    for m, by in seq:
+        if m == by or (entered and entered[-1] == m):
+            continue
+        returns += m in entered
+        entered.append(m)
+    return entered, returns
 
 
 def fold(seq: list[str]) -> tuple[list[str], int]:
@@ -44,14 +68,14 @@ def fold(seq: list[str]) -> tuple[list[str], int]:
     return stays, returns
 
 
-async def walk(engine: Engine, stream: bool) -> list[str]:
+async def walk(engine: Engine, stream: bool) -> list[tuple[str, str | None]]:
     state = ServerState(engine, ServerConfig(), Auth(), "walk")
     await state.build_token_table()
     server = TestServer(build_app(state))
     await server.start_server()
     body = {"model": "", "input": "Say hello.", "max_output_tokens": 8, "stream": stream}
     starts: dict[CodeType, int] = {}
-    seq: list[str] = []
+    seq: list[tuple[str, str | None]] = []
 
     def first_entry(frame: FrameType) -> bool:  # the frame stands at its RESUME: entered, not resumed
         code = frame.f_code
@@ -62,7 +86,9 @@ async def walk(engine: Engine, stream: bool) -> list[str]:
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         name = frame.f_code.co_filename
         if event == "call" and name.startswith(ROOT) and first_entry(frame):
-            seq.append(name[len(ROOT):])
+            seq.append((name[len(ROOT):], caller(frame)))
+            if VERBOSE:
+                print(f"{caller(frame)} -> {name[len(ROOT):]}:{frame.f_code.co_qualname}")
 
     try:
         async with aiohttp.ClientSession() as session:
@@ -82,10 +108,14 @@ def main() -> None:
     stream = len(sys.argv) > 2 and sys.argv[2] == "stream"
     with Engine(model, kv_cache_tokens=4096) as engine:
         seq = asyncio.run(walk(engine, stream))
-    for label, names in (("radixserve/", seq), ("radixserve/server/", [m for m in seq if m.startswith("server/")])):
+    server = [m for m, _ in seq if m.startswith("server/")]
+    for label, names in (("radixserve/", [m for m, _ in seq]), ("radixserve/server/", server)):
         stays, returns = fold(names)
-        print(f"{label}: {len(stays)} stays in {len(set(stays))} rooms, {returns} returns")
-    print(" -> ".join(fold([m for m in seq if m.startswith("server/")])[0]))
+        print(f"every entry, {label}: {len(stays)} stays in {len(set(stays))} rooms, {returns} returns")
+    print("  " + " -> ".join(fold(server)[0]))
+    entered, returns = doors([(m, by) for m, by in seq if m.startswith("server/")])
+    print(f"calls between server modules: {len(entered)} entries into {len(set(entered))} rooms, {returns} returns")
+    print("  " + " -> ".join(entered))
 
 
 if __name__ == "__main__":

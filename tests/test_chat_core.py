@@ -98,6 +98,7 @@ def test_the_renderer_names_the_field_the_conversation_came_in():
 
 def _admit(plan: Plan, error: ApiError, where: str = tools.CHAT_PARAMS) -> tuple[ApiError, RequestOptions]:
     plan.tool_schemas = where
+    chat_core.constrain(plan, None)  # where a call's schema errors go is the plan's
     opts = RequestOptions(rename={"json_schema": "response_format"})
 
     @asynccontextmanager

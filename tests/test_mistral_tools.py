@@ -147,7 +147,8 @@ def test_responses_and_messages_ask_for_the_markers_and_the_token_triggered_call
     """The other two APIs build the same request: special tokens kept in auto mode only, and
     the call constrained from the [TOOL_CALLS] token (the Messages and Responses readers then
     parse it as chat's does: tests/test_server_units.py)."""
-    from radixserve.server import anthropic_convert, responses
+    from chat_plans import messages_plan, responses_plan
+
     from radixserve.server.anthropic_protocol import MessagesRequest
     from radixserve.server.errors import decode_body
     from radixserve.server.responses_protocol import CreateResponseRequest
@@ -157,11 +158,10 @@ def test_responses_and_messages_ask_for_the_markers_and_the_token_triggered_call
     for choice, auto in (({"type": "auto"}, True), ({"type": "none"}, False), ({"type": "any"}, False)):
         b = decode_body(json.dumps({"model": "", "max_tokens": 8, "messages": ASK, "tools": [tool], "tool_choice": choice}).encode(),
                         MessagesRequest)
-        conv = anthropic_convert.conversation(b, None, fmt)
-        params, _ = anthropic_convert.engine_request(b, conv)
+        conv, params = messages_plan(b, None, fmt)
         assert params.skip_special_tokens is not auto and keeps_markers(conv.mode, fmt) is auto
         assert (params.structural_tag is not None and "token_triggered_tags" in params.structural_tag) is auto
     b = decode_body(json.dumps({"input": "hi", "tools": [{"type": "function", **WEATHER["function"]}]}).encode(),
                     CreateResponseRequest)
-    _, params = responses.plan_of(b, None, fmt)
+    _, params = responses_plan(b, None, fmt)
     assert params.skip_special_tokens is False and "[TOOL_CALLS]" in (params.structural_tag or "")

@@ -12,12 +12,13 @@ import sys
 
 import openai
 import pytest
+from chat_plans import chat_plan
 from server_helpers import USER, ServerProcess
 
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Output
 from radixserve.server import reasoning
-from radixserve.server.openai import chat_choice, chat_params, chat_plan
+from radixserve.server.openai import chat_choice
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 
@@ -76,7 +77,7 @@ def test_the_cli_choices_are_the_parsers_there_are():
 
 def _plan(parser: str | None, **body):
     b = ChatCompletionRequest(messages=[ChatMessage("user", "hi")], **body)
-    return b, chat_plan(b, parser)
+    return b, *chat_plan(b, parser)
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
@@ -84,18 +85,18 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 def test_a_constraint_starts_after_the_reasoning_only_with_a_parser_and_thinking_on():
     json_fmt = {"response_format": {"type": "json_object"}}
-    b, plan = _plan("qwen3", **json_fmt)
-    assert chat_params(b, plan)[0].grammar_after == "</think>"
-    b, plan = _plan("qwen3", tools=[TOOL], tool_choice="required")
-    assert chat_params(b, plan)[0].grammar_after == "</think>" and chat_params(b, plan)[0].json_schema
-    b, plan = _plan("qwen3")  # nothing to constrain
-    assert chat_params(b, plan)[0].grammar_after is None
-    b, plan = _plan(None, **json_fmt)  # no parser: unchanged
-    assert chat_params(b, plan)[0].grammar_after is None and plan.parser is None
-    b, plan = _plan("qwen3", chat_template_kwargs={"enable_thinking": False}, **json_fmt)
-    assert chat_params(b, plan)[0].grammar_after is None and plan.parser is None  # the template closed it
-    b, plan = _plan("deepseek_r1", grammar_after="ANSWER:", regex="[0-9]+")
-    assert chat_params(b, plan)[0].grammar_after == "ANSWER:"  # the client's own marker wins
+    b, plan, params = _plan("qwen3", **json_fmt)
+    assert params[0].grammar_after == "</think>"
+    b, plan, params = _plan("qwen3", tools=[TOOL], tool_choice="required")
+    assert params[0].grammar_after == "</think>" and params[0].json_schema
+    b, plan, params = _plan("qwen3")  # nothing to constrain
+    assert params[0].grammar_after is None
+    b, plan, params = _plan(None, **json_fmt)  # no parser: unchanged
+    assert params[0].grammar_after is None and plan.parser is None
+    b, plan, params = _plan("qwen3", chat_template_kwargs={"enable_thinking": False}, **json_fmt)
+    assert params[0].grammar_after is None and plan.parser is None  # the template closed it
+    b, plan, params = _plan("deepseek_r1", grammar_after="ANSWER:", regex="[0-9]+")
+    assert params[0].grammar_after == "ANSWER:"  # the client's own marker wins
 
 
 def _out(text: str, reason: str = "stop") -> Output:
@@ -103,18 +104,18 @@ def _out(text: str, reason: str = "stop") -> Output:
 
 
 def test_tool_calls_and_json_are_read_from_the_content_only():
-    b, plan = _plan("qwen3", tools=[TOOL], tool_choice="required")
+    b, plan, params = _plan("qwen3", tools=[TOOL], tool_choice="required")
     c = chat_choice(None, 0, _out('<think>call f with {"x": 2}</think>\n{"name": "f", "arguments": {"x": 1}}'), plan)
     assert c.finish_reason == "tool_calls" and c.message.content is None
     assert c.message.reasoning_content == 'call f with {"x": 2}'
     assert json.loads(c.message.tool_calls[0].function.arguments) == {"x": 1}
-    b, plan = _plan("qwen3", tools=[TOOL])  # auto: a tagged call inside the reasoning is not a call
+    b, plan, params = _plan("qwen3", tools=[TOOL])  # auto: a tagged call inside the reasoning is not a call
     c = chat_choice(None, 0, _out('<think><tool_call>{"name": "f", "arguments": {}}</tool_call></think>Hi'), plan)
     assert c.finish_reason == "stop" and c.message.tool_calls is None and c.message.content == "Hi"
-    b, plan = _plan("deepseek_r1", response_format={"type": "json_object"})
+    b, plan, params = _plan("deepseek_r1", response_format={"type": "json_object"})
     c = chat_choice(None, 0, _out("still thinking", "length"), plan)
     assert (c.message.reasoning_content, c.message.content, c.finish_reason) == ("still thinking", None, "length")
-    b, plan = _plan(None, tools=[TOOL])  # no parser: the tags are content
+    b, plan, params = _plan(None, tools=[TOOL])  # no parser: the tags are content
     c = chat_choice(None, 0, _out("<think>x</think>y"), plan)
     assert c.message.content == "<think>x</think>y" and c.message.reasoning_content is None
 

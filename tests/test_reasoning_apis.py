@@ -15,16 +15,17 @@ import msgspec
 import openai
 import pydantic
 import pytest
+from chat_plans import messages_plan, responses_plan, responses_reply
 from helpers import Sink
 from server_helpers import USER, ServerProcess
 
 from radixserve.engine.outputs import Delta, Output
-from radixserve.server import anthropic_cache, anthropic_stream, chat_core, responses, responses_stream
+from radixserve.server import anthropic_cache, anthropic_stream, responses, responses_stream
 from radixserve.server import anthropic_convert as convert
 from radixserve.server.anthropic_cache import Breakpoints
 from radixserve.server.anthropic_protocol import Message, MessagesRequest
 from radixserve.server.errors import ApiError, decode_body
-from radixserve.server.responses_input import listed_items, to_messages
+from radixserve.server.responses_input import listed_items, new_response, to_messages
 from radixserve.server.responses_protocol import CreateResponseRequest
 
 ONE_TAG = ["<think>", "\n", "plan", " it", "</think>", "\n\n", "The", " answer"]  # </think> is one token
@@ -80,8 +81,8 @@ def _request(**body) -> CreateResponseRequest:
 
 def _respond(pieces: list[str], parser: str | None, reason: str = "stop", **body) -> openai.types.responses.Response:
     b = _request(**body)
-    plan, _ = responses.plan_of(b, parser)
-    resp = responses._new_response(SimpleNamespace(model_name="m"), b)
+    plan, _ = responses_plan(b, parser)
+    resp = new_response("m", b)
     responses.finish(resp, _out(pieces, reason), plan, ("rs_1", "msg_1"), Tok(pieces))
     return openai.types.responses.Response.model_validate_json(msgspec.json.encode(resp))
 
@@ -102,12 +103,12 @@ def test_a_response_starts_with_its_reasoning_item_and_counts_its_tokens(pieces,
 
 def test_a_required_tool_call_is_read_after_the_reasoning_and_constrained_only_there():
     tool = {"type": "function", "name": "f", "parameters": FN}
-    _, params = responses.plan_of(_request(tools=[tool], tool_choice="required"), "qwen3")
+    _, params = responses_plan(_request(tools=[tool], tool_choice="required"), "qwen3")
     assert params.grammar_after == "</think>" and params.json_schema
     r = _respond(CALL, "qwen3", tools=[tool], tool_choice="required")
     assert [o.type for o in r.output] == ["reasoning", "function_call"]  # no message
     assert r.output[0].content[0].text == 'call f with {"x": 2}' and json.loads(r.output[1].arguments) == {"x": 1}
-    assert responses.plan_of(_request(text={"format": {"type": "json_object"}}), None)[1].grammar_after is None
+    assert responses_plan(_request(text={"format": {"type": "json_object"}}), None)[1].grammar_after is None
 
 
 def test_a_response_cut_off_while_reasoning_is_its_reasoning_item_alone():
@@ -118,10 +119,10 @@ def test_a_response_cut_off_while_reasoning_is_its_reasoning_item_alone():
 
 
 def test_reasoning_effort_none_turns_thinking_off_in_the_template_and_the_split_off():
-    plan, params = responses.plan_of(_request(reasoning={"effort": "none"}, text={"format": {"type": "json_object"}}), "qwen3")
+    plan, params = responses_plan(_request(reasoning={"effort": "none"}, text={"format": {"type": "json_object"}}), "qwen3")
     assert plan.parser is None and plan.template_kwargs == {"enable_thinking": False}
     assert params.grammar_after is None  # the template closed the reasoning: constrained from the first token
-    assert responses.plan_of(_request(reasoning={"effort": "low"}), "qwen3")[0].parser == "qwen3"
+    assert responses_plan(_request(reasoning={"effort": "low"}), "qwen3")[0].parser == "qwen3"
 
 
 def test_a_reasoning_item_sent_back_is_listed_but_left_out_of_the_prompt():
@@ -149,10 +150,9 @@ def _stream_response(pieces: list[str], parser: str | None, monkeypatch, **body)
 
     state = SimpleNamespace(model_name="m", run=run, engine=SimpleNamespace(tokenizer=Tok(pieces)))
     b = _request(**body)
-    plan, _ = responses.plan_of(b, parser)
-    resp = responses._new_response(state, b)
+    plan, _ = responses_plan(b, parser)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
-    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", b, plan, chat_core.Rendered(), flight, resp))
+    asyncio.run(responses._stream(*responses_reply(state, b, plan), flight))
     frames = _frames(sink)
     assert [name for name, _ in frames] == [data["type"] for _, data in frames]
     adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
@@ -213,15 +213,15 @@ def test_thinking_needs_a_parser_and_its_budget_is_checked_as_anthropic_checks_i
     b = _msg(max_tokens=1024, **ENABLED)
     with pytest.raises(ApiError, match=r"^thinking.budget_tokens: must be less than max_tokens \(1024\)"):
         convert.engine_request(b, convert.conversation(b, "qwen3"))
-    off = convert.conversation(_msg(thinking={"type": "disabled"}), "qwen3")
+    off, _ = messages_plan(_msg(thinking={"type": "disabled"}), "qwen3")
     assert (off.parser, off.template_kwargs) == (None, {"enable_thinking": False})  # the template closes the reasoning
-    assert convert.conversation(_msg(), "qwen3").parser == "qwen3"  # omitted: the model's default, split
+    assert messages_plan(_msg(), "qwen3")[0].parser == "qwen3"  # omitted: the model's default, split
     assert convert.conversation(_msg(**ENABLED), "deepseek_r1").template_kwargs == {"enable_thinking": True}
 
 
 def _message(pieces: list[str], parser: str | None, reason: str = "stop", **body) -> anthropic.types.Message:
     b = _msg(**body)
-    conv = convert.conversation(b, parser)
+    conv, _ = messages_plan(b, parser)
     blocks, stop, seq = convert.answer(_out(pieces, reason), conv, b)
     use = anthropic_cache.Breakpoints([]).usage(_out(pieces))
     wire = msgspec.json.encode(Message("msg_1", "assistant", "m", blocks, stop, seq, use))
@@ -235,7 +235,7 @@ def test_a_message_starts_with_a_thinking_block_then_the_content_blocks():
     assert m.content[1].text == "The answer" and m.stop_reason == "end_turn"
     tool = {"name": "f", "input_schema": FN}
     b = _msg(tools=[tool], tool_choice={"type": "any"}, **ENABLED)
-    params, _ = convert.engine_request(b, convert.conversation(b, "qwen3"))
+    _, params = messages_plan(b, "qwen3")
     assert params.grammar_after == "</think>" and params.json_schema
     m = _message(CALL, "qwen3", tools=[tool], tool_choice={"type": "any"}, **ENABLED)
     assert [x.type for x in m.content] == ["thinking", "tool_use"] and m.content[1].input == {"x": 1}
@@ -269,7 +269,7 @@ def _stream_message(pieces: list[str], parser: str | None, monkeypatch, **body) 
     state = SimpleNamespace(model_name="m", merged=merged)
     b = _msg(**body)
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
-    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, parser), b, "msg_1",
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, messages_plan(b, parser)[0], b, "msg_1",
                                                   Breakpoints([]).usage))
     frames = _frames(sink)
     assert [name for name, _ in frames] == [data["type"] for _, data in frames]

@@ -8,8 +8,8 @@ import pytest
 
 from grammars.spec import GrammarError
 from radixserve.request import InvalidParam
-from radixserve.server.admission import Admission
-from radixserve.server.auth import OPEN_TENANT, Auth, Tenant, load_tenants, request_priority
+from radixserve.server.admission import Admission, request_priority
+from radixserve.server.auth import OPEN_TENANT, Auth, Tenant, load_tenants
 from radixserve.server.errors import ApiError, decode_body, value_error
 from radixserve.server.protocol import ChatCompletionRequest
 

@@ -13,11 +13,11 @@ import anthropic
 import openai
 import pydantic
 import pytest
+from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
 from helpers import Sink
 from test_reasoning_apis import Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
-from radixserve.server import anthropic_convert as convert
-from radixserve.server import anthropic_stream, chat_core, responses, responses_stream, sse
+from radixserve.server import anthropic_stream, responses, responses_stream, sse
 from radixserve.server import openai as chat
 from radixserve.server.anthropic_cache import Breakpoints
 from radixserve.server.errors import decode_body
@@ -106,7 +106,7 @@ def test_chat_streams_text_then_each_call_as_a_tool_call_delta_as_it_completes(m
     b = decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "stream": True}).encode(),
                     ChatCompletionRequest)
     state = SimpleNamespace(model_name="m", merged=sink.merged)
-    asyncio.run(chat._chat_stream(None, state, b, SimpleNamespace(), chat.chat_plan(b, None)))
+    asyncio.run(chat._chat_stream(None, state, b, SimpleNamespace(), chat_plan(b, None)[0]))
     datas = [line.removeprefix("data: ") for line in sink.data.decode().split("\n\n") if line.startswith("data: ")]
     assert datas[-1] == "[DONE]"
     chunks = [openai.types.chat.ChatCompletionChunk.model_validate_json(x) for x in datas[:-1]]
@@ -131,10 +131,9 @@ def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
     monkeypatch.setattr(responses_stream.EventWriter, "open", _opens_into(sink))
     state = SimpleNamespace(model_name="m", run=sink.run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
     b = _request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")])
-    plan, _ = responses.plan_of(b, None)
-    resp = responses._new_response(state, b)
+    plan, _ = responses_plan(b, None)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
-    asyncio.run(responses._stream(SimpleNamespace(app={"state": state}), "t", b, plan, chat_core.Rendered(), flight, resp))
+    asyncio.run(responses._stream(*responses_reply(state, b, plan), flight))
     adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
     events = [adapter.validate_python(data) for _, data in _frames(sink)]
     done = [e.item for e in events if e.type == "response.output_item.done"]
@@ -159,7 +158,7 @@ def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
     state = SimpleNamespace(model_name="m", merged=sink.merged)
     b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
-    asyncio.run(anthropic_stream.stream_message(None, state, flight, convert.conversation(b, None), b, "msg_1",
+    asyncio.run(anthropic_stream.stream_message(None, state, flight, messages_plan(b, None)[0], b, "msg_1",
                                                   Breakpoints([]).usage))
     adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
     events = [adapter.validate_python(data) for name, data in _frames(sink) if name != "ping"]

@@ -9,9 +9,9 @@ with `prompt=` and the prompt text as a JSON string (a JSON list when one call r
 different prompts): the prompt as the model saw it, chat template included. Never the API key.
 
 What a request used is noted by the code that learns it (authentication: the tenant;
-admission: the prompt tokens; the end of each engine run: its completion tokens) into an
-`Entry` this module's middleware puts in a context variable for the request's task; the tasks
-a route starts to run several requests copy the context, and so share the entry.
+admission: the prompt tokens; the end of each engine run: its completion tokens) into the
+`Entry` this module's middleware puts in a context variable (CURRENT) for the request's task;
+the tasks a route starts to run several requests copy the context, and so share the entry.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.request import Req
+from radixserve.request import Req, distinct_prompts
 
 log = logging.getLogger("radixserve.access")
 CLIENT_GONE = 499  # nginx's "client closed request"
@@ -52,39 +52,7 @@ class Entry:
         return " ".join(parts)
 
 
-_current: ContextVar[Entry | None] = ContextVar("radixserve_access_entry", default=None)
-
-
-def note_tenant(tenant_id: str) -> None:
-    entry = _current.get()
-    if entry is not None:
-        entry.tenant = tenant_id
-
-
-def note_admitted(reqs: Sequence[Req], texts: list[str] | None = None) -> None:
-    """The admitted requests' prompt tokens (each distinct prompt once, as the usage a client
-    sees counts them) and, with --log-requests, their prompt texts."""
-    entry = _current.get()
-    if entry is None:
-        return
-    entry.prompt_tokens = (entry.prompt_tokens or 0) + sum(r.prompt_len for r in distinct_prompts(reqs))
-    if texts is not None:
-        entry.prompts = [*(entry.prompts or []), *texts]
-
-
-def note_completion(tokens: int) -> None:
-    entry = _current.get()
-    if entry is not None:
-        entry.completion_tokens = (entry.completion_tokens or 0) + tokens
-
-
-def distinct_prompts(reqs: Sequence[Req]) -> list[Req]:
-    """The requests whose prompt differs from the one before (n samples of a prompt are consecutive)."""
-    out: list[Req] = []
-    for r in reqs:
-        if not out or out[-1].token_ids[: out[-1].prompt_len] != r.token_ids[: r.prompt_len]:
-            out.append(r)
-    return out
+CURRENT: ContextVar[Entry | None] = ContextVar("radixserve_access_entry", default=None)  # the request's entry
 
 
 def prompt_texts(tokenizer: Any, reqs: Sequence[Req]) -> list[str]:
@@ -96,7 +64,7 @@ def prompt_texts(tokenizer: Any, reqs: Sequence[Req]) -> list[str]:
 async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """Outermost: it sees the status the errors middleware made of any exception."""
     entry = Entry()
-    token = _current.set(entry)
+    token = CURRENT.set(entry)
     start = time.monotonic()
     status = 500
     try:
@@ -110,7 +78,7 @@ async def middleware(request: web.Request, handler: Callable[[web.Request], Awai
         status = CLIENT_GONE
         raise
     finally:
-        _current.reset(token)
+        CURRENT.reset(token)
         if log.isEnabledFor(logging.INFO):
             log.info(entry.line(request.method, request.rel_url.raw_path, status, (time.monotonic() - start) * 1e3))
 

@@ -21,6 +21,13 @@ class Ticket:
     ran: bool = False  # handed to the engine (its run counts its use)
 
 
+def request_priority(tenant: Tenant, requested: int | None) -> int:
+    """A tenant's class caps its requests' priority and is their default; no class: free choice."""
+    if tenant.priority is None:
+        return requested or 0
+    return tenant.priority if requested is None else min(requested, tenant.priority)
+
+
 class Admission:
     def __init__(self, max_queued: int, retry_after_s: int = 1) -> None:
         self.max_queued = max_queued

@@ -28,7 +28,9 @@ from radixserve.server.anthropic_protocol import (
 )
 from radixserve.server.anthropic_stream import stream_message
 from radixserve.server.body import too_large
+from radixserve.server.chat_core import Api, Call, Turn
 from radixserve.server.errors import ApiError
+from radixserve.server.state import Flight
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -76,29 +78,42 @@ def _json(obj: object) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
 
 
-@anthropic_errors
-async def messages(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await chat_core.begin(request, MessagesRequest)
-    plan = convert.conversation(b, state.config.reasoning_parser, state.tool_format)
-    params, opts = convert.engine_request(b, plan)
-    mid = f"msg_{uuid.uuid4().hex[:24]}"
+async def _translate(call: Call) -> Turn:
+    b: MessagesRequest = call.body
+    parser, fmt = call.state.config.reasoning_parser, call.state.tool_format
+    plan = convert.conversation(b, parser, fmt)
+    sampling, opts = convert.engine_request(b, plan)
     marks = caching.find(b)
-    render = caching.renderer(state, chat_core.renderer(state.engine, plan, convert.RENAME), marks, opts,
-                              lambda cut: convert.conversation(cut, state.config.reasoning_parser, state.tool_format),
-                              convert.RENAME)
-    async with chat_core.admit(state, tenant, plan, [render], [params], opts, arrival) as flight:
-        if b.stream:
-            return await stream_message(request, state, flight, plan, b, mid, marks.usage)
-        out = (await state.collect(flight))[0]
-        content, reason, sequence = convert.answer(out, plan, b)
-        return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, marks.usage(out)))
+
+    def cut_plan(cut: MessagesRequest) -> chat_core.Plan:  # a breakpoint's prefix, rendered as the whole is
+        return chat_core.constrain(convert.conversation(cut, parser, fmt), parser)
+
+    def wrap(render: Callable[[], list[int]]) -> Callable[[], list[int]]:
+        return caching.renderer(call.state, render, marks, opts, cut_plan, convert.RENAME)
+
+    return Turn(plan, sampling, opts, wrap=wrap, data=marks)
+
+
+async def _reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
+    b: MessagesRequest = call.body
+    state, marks = call.state, turn.data
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    if b.stream:
+        return await stream_message(call.request, state, flight, turn.plan, b, mid, marks.usage)
+    out = (await state.collect(flight))[0]
+    content, reason, sequence = convert.answer(out, turn.plan, b)
+    return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, marks.usage(out)))
+
+
+MESSAGES = Api(MessagesRequest, convert.RENAME, _translate, _reply)
+messages = anthropic_errors(chat_core.route(MESSAGES))
 
 
 @anthropic_errors
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """The rendered prompt's tokens (system, messages and the offered tools), generating nothing."""
     state, _, _, b = await chat_core.begin(request, CountTokensRequest, admit=False)
-    plan = convert.conversation(b, state.config.reasoning_parser)
+    plan = chat_core.constrain(convert.conversation(b, state.config.reasoning_parser), state.config.reasoning_parser)
     ids = await state.off_loop(chat_core.renderer(state.engine, plan, convert.RENAME))
     return _json(TokenCount(len(ids)))
 

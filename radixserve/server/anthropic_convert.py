@@ -21,8 +21,7 @@ import re
 from typing import Any
 
 from radixserve.engine.outputs import Output
-from radixserve.request import SamplingParams
-from radixserve.server import chat_core, tools
+from radixserve.server import chat_core, reasoning, tools
 from radixserve.server.anthropic_protocol import (
     Block,
     ContentBlock,
@@ -81,7 +80,7 @@ def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, too
     plan.one_call = bool(b.tool_choice and b.tool_choice.disable_parallel_tool_use)
     fmt = b.output_config.format if b.output_config is not None else None
     plan.schema = (json.dumps(fmt.schema), True) if fmt is not None else None
-    return chat_core.constrain(plan, reasoning_parser)
+    return plan
 
 
 def _thinking(t: ThinkingConfig | None, parser: str | None) -> dict[str, Any]:
@@ -201,8 +200,8 @@ def _choose(offered: list[tools.Tool], choice: ToolChoice | None) -> tuple[str, 
     return tools.choose(offered, {"auto": "auto", "any": "required", "none": "none"}[choice.type])
 
 
-def engine_request(b: MessagesRequest, plan: Plan) -> tuple[SamplingParams, RequestOptions]:
-    """Sampling through the chat core (its defaults, e.g. temperature 1.0, are Anthropic's too)."""
+def engine_request(b: MessagesRequest, plan: Plan) -> tuple[chat_core.Sampling, RequestOptions]:
+    """The chat core's sampling (its defaults, e.g. temperature 1.0, are Anthropic's too)."""
     if b.container is not None:
         raise bad("container", "code execution containers are not supported by this server")
     budget = b.thinking.budget_tokens if b.thinking is not None else None
@@ -212,15 +211,15 @@ def engine_request(b: MessagesRequest, plan: Plan) -> tuple[SamplingParams, Requ
         raise bad("output_config.format", "cannot be combined with a required tool call (tool_choice any or tool)")
     sampling = chat_core.Sampling(max_tokens=b.max_tokens, stop=b.stop_sequences, temperature=b.temperature,
                                   top_p=b.top_p, top_k=b.top_k)
-    return chat_core.sampling_params(plan, sampling)[0], RequestOptions(rename=RENAME)
+    return sampling, RequestOptions(rename=RENAME)
 
 
 def answer(out: Output, plan: Plan, b: MessagesRequest,
            streamed: list[ToolCall] | None = None) -> tuple[list[ContentBlock], str, str | None]:
     """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
     is an ApiError 500); `streamed`: the calls a stream sent (their blocks keep its ids)."""
-    reason = chat_core.finish_reason(out)
-    a = chat_core.answer(out, plan, streamed)
+    a = reasoning.read(out, plan, streamed)  # an engine error is a 500
+    reason = out.finish_reason
     uses = [tool_use(c) for c in a.calls]
     blocks: list[ContentBlock] = []
     if a.reasoning is not None:  # cut off while thinking: the thinking block alone

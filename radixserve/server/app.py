@@ -101,7 +101,7 @@ async def server_info(request: web.Request) -> web.Response:
     """The server's configuration and KV accounting. `?check_integrity=1` (admin only) also
     checks that every KV page is free, cached or owned by exactly one request."""
     state: ServerState = request.app["state"]
-    tenant = state.authenticate(request)
+    tenant = state.auth.of_request(request)
     e, c = state.engine, state.config
     extra: dict[str, Any] = {}
     if tenant.admin:  # the global counters say what every tenant sent: admins only
@@ -184,7 +184,7 @@ def spec_stats(s: EngineStats) -> dict[str, Any]:
 async def model_info(request: web.Request) -> web.Response:
     """What SGLang's client reads first (`RuntimeEndpoint` calls GET /get_model_info)."""
     state: ServerState = request.app["state"]
-    state.authenticate(request)
+    state.auth.of_request(request)
     path = state.engine.model_path
     hf = _hf_config(path)
     return _json(ModelInfo(str(path), state.model_name, str(path), True, state.engine.context_len,
@@ -205,7 +205,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """`?keep_disk=1`: drop the pool's prefixes only; the disk tier keeps its blocks (a later
     prompt reads them back, as after an eviction)."""
     state: ServerState = request.app["state"]
-    if not state.authenticate(request).admin:
+    if not state.auth.of_request(request).admin:
         raise ApiError(403, "flush_cache: only an admin tenant may flush the shared prefix cache", code="not_admin")
     keep = request.query.get("keep_disk", "0")
     if keep not in ("0", "1", "true", "false"):
@@ -219,7 +219,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    tenant = state.authenticate(request)
+    tenant = state.auth.of_request(request)
     body = await read_body(request, AbortRequest)
     for rid in ((engine_rids(tenant, body.rid, 1) or [body.rid])[0], body.rid):  # the caller's rid, or a server-made one
         req = state.active.get(rid)
@@ -239,7 +239,7 @@ async def metrics(request: web.Request) -> web.Response:
         if not (metrics_key and key and hmac.compare_digest(key.encode("utf-8", "surrogateescape"), metrics_key.encode())):
             if state.auth.open:
                 raise ApiError(401, "metrics: send the --metrics-key as 'Authorization: Bearer <key>'", code="invalid_api_key")
-            if not state.authenticate(request).admin:
+            if not state.auth.of_request(request).admin:
                 raise ApiError(403, "metrics: only an admin key or the --metrics-key may read /metrics", code="not_admin")
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 

@@ -22,8 +22,10 @@ import tomllib
 from pathlib import Path
 
 import msgspec
+from aiohttp import web
 
 from radixserve.cache.prefix import DEFAULT_TENANT
+from radixserve.server import access_log
 from radixserve.server.errors import ApiError
 
 
@@ -38,13 +40,6 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __repr__(self) -> str:  # never show the key
         return f"Tenant({self.id!r}, priority={self.priority})"
-
-
-def request_priority(tenant: Tenant, requested: int | None) -> int:
-    """A tenant's class caps its requests' priority and is their default; no class: free choice."""
-    if tenant.priority is None:
-        return requested or 0
-    return tenant.priority if requested is None else min(requested, tenant.priority)
 
 
 class _TenantsFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,6 +72,13 @@ class Auth:
     @property
     def open(self) -> bool:
         return not self._keys
+
+    def of_request(self, request: web.Request) -> Tenant:
+        """The tenant of a request's key (a 401 without a valid one), noted in its access-log entry."""
+        tenant = self.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        if (entry := access_log.CURRENT.get()) is not None:
+            entry.tenant = tenant.id
+        return tenant
 
     def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> Tenant:
         if self.open:

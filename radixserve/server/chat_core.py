@@ -1,9 +1,12 @@
 """One chat core under the three chat APIs (chat completions, Responses, Messages). Each API
-module translates its wire types into a Plan and a Sampling and reads the engine's outputs back
-into its own; everything between lives here once. A request walks:
+module translates its wire types into a Turn (a Plan, a Sampling, the engine options) and reads
+the engine's outputs back into its own (an Api: its body type, `translate` and `reply`);
+everything between lives here once, in `serve`, which walks each stage once, in order:
 
-    begin (clock, tenant, overload, body, model) -> plan (the API's translation, then constrain)
-      -> sampling_params -> admit (renderer: chat template + prefill, off the loop) -> answer
+    authenticate (auth; an overloaded server refuses here, before the body is read)
+      -> decode (body; the model checked) -> plan (the API's translate, then prepare: the tool
+      constraint, the reasoning split, the sampling parameters) -> admit (the renderer: chat
+      template + prefill, off the loop; state.admit) -> submit and stream out (the API's reply)
 
 Errors name the API's own fields: the renderer and admission rename the engine's field names
 (value_error with the API's rename map), and a tool call schema's compile error names the tool
@@ -12,21 +15,19 @@ whose parameters hold the problem (tools.blame, at the place the API keeps them)
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from aiohttp import web
 
-from radixserve.engine.outputs import Output
 from radixserve.engine.protocol import EngineClient
 from radixserve.request import SamplingParams
 from radixserve.server import reasoning, tools
 from radixserve.server.auth import Tenant
 from radixserve.server.body import read_body
 from radixserve.server.errors import ApiError, value_error
-from radixserve.server.protocol import ToolCall
 from radixserve.server.state import Flight, RequestOptions, ServerState
 
 
@@ -48,6 +49,8 @@ class Plan:
     one_call: bool = False  # parallel calls off: the first call only
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
     prefill: str = ""  # the start of the answer (Anthropic's final assistant turn), which the model continues
+    keep_markers: bool = False  # calls marked with special tokens: decoded with them (tools.keeps_markers)
+    call_field: tuple[str, str] | None = None  # a constrained call's engine field and the API param it names
 
 
 def constrain(plan: Plan, reasoning_parser: str | None, free: bool = True) -> Plan:
@@ -62,6 +65,10 @@ def constrain(plan: Plan, reasoning_parser: str | None, free: bool = True) -> Pl
     elif plan.mode == "auto" and free and plan.schema is None and plan.tag is None:
         plan.tag = tools.auto_tag(plan.offered, plan.tool_format, plan.one_call)
         plan.call_tag = plan.tag is not None
+    plan.keep_markers = tools.keeps_markers(plan.mode, plan.tool_format)
+    field = tools.schema_field(plan.mode, plan.call_tag)
+    if field is not None:
+        plan.call_field = (field, tools.error_param(plan.offered, plan.callable, plan.tool_schemas))
     if plan.mode == "none":
         plan.offered = []
     plan.parser = reasoning.active(reasoning_parser, plan.template_kwargs)
@@ -112,12 +119,19 @@ class Sampling:
 
 
 def sampling_params(plan: Plan, s: Sampling) -> list[SamplingParams]:
-    """One per choice. With a reasoning parser a constraint starts after the reasoning; calls
-    marked with special tokens (tools.keeps_markers) are decoded with them."""
+    """One per choice (of a constrained plan). With a reasoning parser a constraint starts after
+    the reasoning; calls marked with special tokens (plan.keep_markers) are decoded with them."""
     constrained = any(x is not None for x in (plan.schema, plan.tag, s.regex, s.ebnf))
     after = reasoning.grammar_after(plan.parser, constrained)
-    s = replace(s, skip_special_tokens=s.skip_special_tokens and not tools.keeps_markers(plan.mode, plan.tool_format))
+    s = replace(s, skip_special_tokens=s.skip_special_tokens and not plan.keep_markers)
     return [s.params(i, plan.schema, plan.tag, after) for i in range(s.n)]
+
+
+def prepare(plan: Plan, s: Sampling, reasoning_parser: str | None) -> list[SamplingParams]:
+    """A translated plan constrained (a client's regex or EBNF leaves auto calls free), and its
+    choices' sampling parameters."""
+    constrain(plan, reasoning_parser, free=s.regex is None and s.ebnf is None)
+    return sampling_params(plan, s)
 
 
 @dataclass
@@ -160,16 +174,15 @@ def renderer(engine: EngineClient, plan: Plan, rename: dict[str, str], prefix: t
 async def admit(state: ServerState, tenant: Tenant, plan: Plan, prompts: Sequence[Callable[[], list[int]]],
                 params: Sequence[SamplingParams], opts: RequestOptions, arrival: float) -> AsyncIterator[Flight]:
     """state.admit, with a constrained call's compile errors naming the tools: the call schema's
-    field (tools.schema_field) is renamed to the one callable tool's parameters, and an error
+    field (plan.call_field) is renamed to the one callable tool's parameters, and an error
     pointing into them names that tool (tools.blame)."""
-    field = tools.schema_field(plan.mode, plan.call_tag)
-    if field is not None:
-        opts.rename = {**opts.rename, field: tools.error_param(plan.offered, plan.callable, plan.tool_schemas)}
+    if plan.call_field is not None:
+        opts.rename = {**opts.rename, plan.call_field[0]: plan.call_field[1]}
     try:
         async with state.admit(tenant, prompts, params, opts, arrival) as flight:
             yield flight
     except ApiError as e:
-        if field is None:
+        if plan.call_field is None:
             raise
         raise tools.blame(e, plan.offered, plan.callable, plan.tool_schemas) from None
 
@@ -179,23 +192,75 @@ async def begin(request: web.Request, typ: type, admit: bool = True) -> tuple[Se
     before the body is read (`admit` False: a route that queues nothing), the body, the model."""
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
-    tenant = state.authenticate(request)
+    tenant = state.auth.of_request(request)
     if admit:
         state.admission.check(tenant)
     b = await read_body(request, typ)
-    state.check_model(b.model)
+    if b.model and b.model != state.model_name:
+        raise ApiError(404, f"model {b.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
     return state, arrival, tenant, b
 
 
-def finish_reason(out: Output) -> str:
-    """The output's finish reason; an engine error is a 500."""
-    if out.finish_reason == "error":
-        raise ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
-    return out.finish_reason
+@dataclass
+class Call:
+    """One chat call as its stages see it: the HTTP request, the server, who asks, when it
+    arrived, and its decoded body (the API's wire type)."""
+
+    request: web.Request
+    state: ServerState
+    tenant: Tenant
+    arrival: float
+    body: Any
 
 
-def answer(out: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> reasoning.Answer:
-    """A finished output as the plan reads it (reasoning.answer; an engine error is the caller's
-    to refuse first: finish_reason); `streamed`: the calls a stream sent, whose ids they keep."""
-    return reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format,
-                            plan.one_call, streamed)
+@dataclass
+class Turn:
+    """An API's translation of a call: what to run and how its reply is shaped.
+
+    `prefix`: a stored turn (text, ids) the rendering reuses; `rendered`: where the prompt as
+    rendered goes (a Responses turn stores it); `wrap`: the renderer wrapped (Messages' cache
+    breakpoints); `prompts`: how many prompts run (the choices; else one per choice); `data`:
+    the API's own (what its reply needs)."""
+
+    plan: Plan
+    sampling: Sampling
+    options: RequestOptions
+    prefix: tuple[str, list[int]] | None = None
+    rendered: Rendered | None = None
+    wrap: Callable[[Callable[[], list[int]]], Callable[[], list[int]]] | None = None
+    data: Any = None
+
+
+@dataclass(frozen=True)
+class Api:
+    """A chat API on the core: its body's wire type, its field names for the engine's (`rename`,
+    whose "prompt" is the field the conversation came in), the translation in (no await but a
+    store read) and the reply (whole or streamed, from the admitted flight)."""
+
+    body: type
+    rename: dict[str, str]
+    translate: Callable[[Call], Awaitable[Turn]]
+    reply: Callable[[Call, Turn, Flight], Awaitable[web.StreamResponse]]
+
+
+async def serve(request: web.Request, api: Api) -> web.StreamResponse:
+    """One chat request, each stage once, in order (the module docstring)."""
+    state, arrival, tenant, body = await begin(request, api.body)
+    call = Call(request, state, tenant, arrival, body)
+    turn = await api.translate(call)
+    params = prepare(turn.plan, turn.sampling, state.config.reasoning_parser)
+    render = renderer(state.engine, turn.plan, api.rename, turn.prefix, turn.rendered)
+    if turn.wrap is not None:
+        render = turn.wrap(render)
+    async with admit(state, tenant, turn.plan, [render] * len(params), params, turn.options, arrival) as flight:
+        return await api.reply(call, turn, flight)
+
+
+def route(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The aiohttp handler of an API's chat route."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await serve(request, api)
+
+    return handler

@@ -15,13 +15,13 @@ from radixserve.server.openai import (
     MAX_TOP_LOGPROBS,
     RENAME,
     begin,
-    finish_reason,
     include_usage,
     request_options,
     sampling_params,
     usage,
 )
 from radixserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from radixserve.server.reasoning import finish_reason
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import Flight, ServerState
 

@@ -84,7 +84,7 @@ def _response(state: ServerState, body: GenerateRequest, out: Output, text: str,
 async def generate(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
-    tenant = state.authenticate(request)
+    tenant = state.auth.of_request(request)
     state.admission.check(tenant)  # overloaded: refused before the body is read
     body = await read_body(request, GenerateRequest)
     prompts, batched = _prompts(body)
@@ -133,7 +133,7 @@ async def concat_and_append(request: web.Request) -> web.Response:
     true positions (exact attention, where SGLang's splice approximates). So this checks the
     body and acknowledges it; the client then goes on as with any server that supports it."""
     state: ServerState = request.app["state"]
-    state.authenticate(request)
+    state.auth.of_request(request)
     body = await read_body(request, ConcatAndAppendRequest)
     return web.Response(body=msgspec.json.encode({"success": True, "src_rids": body.src_rids, "dst_rid": body.dst_rid}),
                         content_type="application/json")

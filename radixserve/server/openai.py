@@ -15,7 +15,7 @@ from radixserve.limits import MAX_N
 from radixserve.request import Retention, SamplingParams, TokenLogprob
 from radixserve.server import chat_core, reasoning, tools
 from radixserve.server.auth import Tenant
-from radixserve.server.chat_core import Plan, finish_reason
+from radixserve.server.chat_core import Api, Call, Plan, Turn
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     AssistantMessage,
@@ -160,7 +160,8 @@ def _check_template_kwargs(kw: dict[str, Any] | None) -> None:
             raise ApiError(400, f"chat_template_kwargs.{k}: {why}", param=f"chat_template_kwargs.{k}")
 
 
-def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_format: str = "hermes") -> Plan:
+def chat_plan(b: ChatCompletionRequest, tool_format: str = "hermes") -> Plan:
+    """The request's plan, before the core's constraint (chat_core.prepare)."""
     tag = None
     if b.response_format is not None and b.response_format.get("type") == "structural_tag":
         tag = json.dumps({k: v for k, v in b.response_format.items() if k != "type"})
@@ -171,34 +172,39 @@ def chat_plan(b: ChatCompletionRequest, reasoning_parser: str | None, tool_forma
     if mode == "required" and (schema is not None or tag is not None):
         raise ApiError(400, "response_format: cannot be combined with a required tool call", param="response_format")
     _check_template_kwargs(b.chat_template_kwargs)
-    plan = Plan(_messages(b), tools.CHAT_PARAMS, offered, mode, callable_tools, schema, tag, tool_format=tool_format,
+    return Plan(_messages(b), tools.CHAT_PARAMS, offered, mode, callable_tools, schema, tag, tool_format=tool_format,
                 one_call=b.parallel_tool_calls is False, template_kwargs=b.chat_template_kwargs or {})
-    return chat_core.constrain(plan, reasoning_parser, free=b.regex is None and b.ebnf is None)
 
 
-def chat_params(b: ChatCompletionRequest, plan: Plan) -> list[SamplingParams]:
-    """One per choice (chat_core.sampling_params)."""
+def chat_sampling(b: ChatCompletionRequest) -> chat_core.Sampling:
     if b.top_logprobs is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     top = b.top_logprobs or 0
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs: {top} is out of range [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    return chat_core.sampling_params(plan, sampling(b, max_tokens, top, b.logprobs))
+    return sampling(b, max_tokens, top, b.logprobs)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await begin(request, ChatCompletionRequest)
-    plan = chat_plan(b, state.config.reasoning_parser, state.tool_format)
-    params = chat_params(b, plan)
+async def _translate(call: Call) -> Turn:
+    b: ChatCompletionRequest = call.body
+    check_common(b)
+    plan = chat_plan(b, call.state.tool_format)
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
-    render = chat_core.renderer(state.engine, plan, RENAME)
-    async with chat_core.admit(state, tenant, plan, [render] * b.n, params, opts, arrival) as flight:
-        if not b.stream or plan.mode == "required":  # a required call: parsed whole, at the end
-            return await _chat_whole(request, state, b, flight, plan)
-        return await _chat_stream(request, state, b, flight, plan)
+    return Turn(plan, chat_sampling(b), opts)
+
+
+async def _reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
+    b: ChatCompletionRequest = call.body
+    if not b.stream or turn.plan.mode == "required":  # a required call: parsed whole, at the end
+        return await _chat_whole(call.request, call.state, b, flight, turn.plan)
+    return await _chat_stream(call.request, call.state, b, flight, turn.plan)
+
+
+CHAT = Api(ChatCompletionRequest, RENAME, _translate, _reply)
+chat_completions = chat_core.route(CHAT)
 
 
 async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletionRequest, flight: Flight,
@@ -287,11 +293,10 @@ def include_usage(b: _OpenAISampling) -> bool:
 
 
 def plan_answer(o: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> tuple[reasoning.Answer, str]:
-    """A finished output as the plan reads it (chat_core.answer), and its finish reason:
-    "tool_calls" when it stopped after calls."""
-    reason = finish_reason(o)
-    a = chat_core.answer(o, plan, streamed)
-    return a, "tool_calls" if a.calls and reason == "stop" else reason
+    """A finished output as the plan reads it (reasoning.read: an engine error is a 500), and its
+    finish reason: "tool_calls" when it stopped after calls."""
+    a = reasoning.read(o, plan, streamed)
+    return a, "tool_calls" if a.calls and o.finish_reason == "stop" else o.finish_reason
 
 
 def chat_choice(state: ServerState, i: int, o: Output, plan: Plan) -> ChatChoice:
@@ -318,7 +323,7 @@ async def _stream_whole(request: web.Request, cid: str, created: int, model: str
 # -- completions -----------------------------------------------------------------------------
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    state.authenticate(request)
+    state.auth.of_request(request)
     card = ModelCard(state.model_name, state.created, max_model_len=state.engine.context_len)
     return web.Response(body=msgspec.json.encode(ModelList([card])), content_type="application/json")
 
@@ -326,7 +331,7 @@ async def models(request: web.Request) -> web.Response:
 async def model(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: the openai client's `models.retrieve`."""
     state: ServerState = request.app["state"]
-    state.authenticate(request)
+    state.auth.of_request(request)
     name = request.match_info["model"]
     if name != state.model_name:
         raise ApiError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}", param="model",

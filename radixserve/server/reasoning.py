@@ -17,11 +17,16 @@ reasoning, content and the tool calls read from the content only), `reasoning_to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from radixserve.engine.outputs import Output
 from radixserve.server import tools
+from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.tool_parsers import CallStream, partial_tail
+
+if TYPE_CHECKING:
+    from radixserve.server.chat_core import Plan
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = {"qwen3": False, "deepseek_r1": True}  # parser -> the output starts inside the reasoning
@@ -230,6 +235,20 @@ def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none"
             if sent.function == calls[i].function:
                 calls[i] = sent
     return Answer(thought, content, calls)
+
+
+def finish_reason(out: Output) -> str:
+    """The output's finish reason; an engine error is a 500."""
+    if out.finish_reason == "error":
+        raise ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
+    return out.finish_reason
+
+
+def read(out: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> Answer:
+    """A finished output as its plan reads it (`answer`; an engine error is a 500: finish_reason);
+    `streamed`: the calls a stream sent, whose ids they keep."""
+    return answer(out.text, finish_reason(out), plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call,
+                  streamed)
 
 
 def reasoning_tokens(tok: Any, ids: list[int]) -> int:

@@ -1,12 +1,12 @@
 """OpenAI Responses API: POST /v1/responses (whole or streamed), and stored responses:
 GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
 
-A request becomes a chat_core Plan (its input items as chat messages, its tools: responses_input)
-and runs through the chat core: rendered by the model's chat template, admitted, then collected
-or streamed. A stored response keeps its Context: a continuation (previous_response_id) renders
-the whole conversation and, when that text starts with the stored one, reuses its tokens (prompt
-and output, as the engine ran them) as its first tokens, so the prefix cache holds the whole
-earlier turn.
+A request runs through the chat core (chat_core.serve): translated into a Turn by
+responses_input (its input items as chat messages, its tools), rendered by the model's chat
+template and admitted there, then collected or streamed here (`reply`). A stored response
+keeps its Context: a continuation (previous_response_id) renders the whole conversation and,
+when that text starts with the stored one, reuses its tokens (prompt and output, as the engine
+ran them) as its first tokens, so the prefix cache holds the whole earlier turn.
 
 With --reasoning-parser the output's `<think>` part is a leading reasoning item (counted in
 usage.output_tokens_details.reasoning_tokens) and the message or calls come from the rest, as
@@ -17,7 +17,6 @@ what a continuation shows of it."""
 
 from __future__ import annotations
 
-import time
 from contextlib import aclosing
 from typing import Any
 
@@ -25,12 +24,11 @@ import msgspec
 from aiohttp import web
 
 from radixserve.engine.outputs import Output
-from radixserve.request import Retention, SamplingParams
 from radixserve.server import chat_core, reasoning, responses_stored, tools
-from radixserve.server.chat_core import Plan, Rendered
+from radixserve.server.chat_core import Api, Call, Plan, Rendered, Turn
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
-from radixserve.server.responses_input import choose, echo_text, listed_items, new_id, parse_tools, text_schema, to_messages
+from radixserve.server.responses_input import RENAME, Pending, translate
 from radixserve.server.responses_protocol import (
     Context,
     CreateResponseRequest,
@@ -48,97 +46,31 @@ from radixserve.server.responses_protocol import (
     ResponseUsage,
 )
 from radixserve.server.responses_store import StoredResponse, pack_context
-from radixserve.server.responses_stored import STORE, db, not_found
+from radixserve.server.responses_stored import STORE, db
 from radixserve.server.responses_stream import EventWriter, LiveItems, function_item
-from radixserve.server.state import Flight, RequestOptions, ServerState
-
-RENAME = {"max_new_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input", "json_schema": "text.format"}
+from radixserve.server.state import Flight
 
 
 # -- create ----------------------------------------------------------------------------------
-async def create(request: web.Request) -> web.StreamResponse:
-    state, arrival, tenant, b = await chat_core.begin(request, CreateResponseRequest)
-    plan, params = plan_of(b, state.config.reasoning_parser, state.tool_format)
-    prev = await _continued(request, tenant.id, b, plan)
-    rendered = Rendered()
-    render = chat_core.renderer(state.engine, plan, RENAME, None if prev is None else (prev.text, prev.ids), rendered)
-    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key,  # a routing hint, as in chat
-                          retention=Retention.named(b.prompt_cache_retention, "prompt_cache_retention"))
-    async with chat_core.admit(state, tenant, plan, [render], [params], opts, arrival) as flight:
-        resp = _new_response(state, b)
-        if b.stream:
-            return await _stream(request, tenant.id, b, plan, rendered, flight, resp)
-        out = (await state.collect(flight))[0]
-        chat_core.finish_reason(out)  # an engine error is a 500, as in chat
-        finish(resp, out, plan, item_ids(), state.engine.tokenizer)
-        await _save(request, tenant.id, b, plan, rendered, out, resp)
-        return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
+async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
+    """The response, whole or as typed events (responses_input.translate began it)."""
+    b: CreateResponseRequest = call.body
+    if b.stream:
+        return await _stream(call, turn, flight)
+    out = (await call.state.collect(flight))[0]
+    pending: Pending = turn.data
+    finish(pending.resp, out, turn.plan, pending.ids, call.state.engine.tokenizer)  # an engine error is a 500, as in chat
+    await _save(call, turn, out)
+    return web.Response(body=msgspec.json.encode(pending.resp), content_type="application/json")
 
 
-def plan_of(b: CreateResponseRequest, reasoning_parser: str | None,
-            tool_format: str = "hermes") -> tuple[Plan, SamplingParams]:
-    """The request checked, as a plan and its one choice's sampling parameters; the
-    instructions are the first message. Without the stored context it may continue (_continued)."""
-    if b.max_output_tokens is not None and b.max_output_tokens < 1:
-        raise ApiError(400, f"max_output_tokens: must be at least 1, got {b.max_output_tokens}", param="max_output_tokens")
-    if b.top_logprobs:
-        raise ApiError(400, "top_logprobs: logprobs are not supported on /v1/responses", param="top_logprobs")
-    if b.background:
-        raise ApiError(400, "background: background responses are not supported", param="background")
-    schema = text_schema(b.text)
-    offered = parse_tools(b.tools)
-    mode, callable_tools = choose(offered, b.tool_choice)
-    if mode == "required" and schema is not None:
-        raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
-    kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
-    system = [{"role": "system", "content": b.instructions}] if b.instructions else []
-    plan = Plan([*system, *to_messages(b.input)], tools.RESPONSES_PARAMS, offered, mode, callable_tools, schema,
-                tool_format=tool_format, one_call=b.parallel_tool_calls is False, template_kwargs=kwargs)
-    chat_core.constrain(plan, reasoning_parser)
-    sampling = chat_core.Sampling(max_tokens=b.max_output_tokens, temperature=b.temperature, top_p=b.top_p)
-    return plan, chat_core.sampling_params(plan, sampling)[0]
-
-
-async def _continued(request: web.Request, tenant: str, b: CreateResponseRequest, plan: Plan) -> Context | None:
-    """The stored context a continuation (previous_response_id) goes on from: its conversation
-    goes into the plan, after the instructions."""
-    rid = b.previous_response_id
-    if rid is None:
-        return None
-    row = await db(request, request.app[STORE].get, tenant, rid)
-    if row is None:
-        raise not_found(rid, "previous_response_id")
-    prev = row.loaded_context()
-    at = _conversation_at(b)
-    plan.messages[at:at] = prev.messages
-    return prev
-
-
-def _conversation_at(b: CreateResponseRequest) -> int:
-    """Where a plan's conversation starts: after the instructions, which are this request's own
-    (a stored turn keeps the conversation without them)."""
-    return 1 if b.instructions else 0
-
-
-def _new_response(state: ServerState, b: CreateResponseRequest) -> ResponseObject:
-    return ResponseObject(
-        id=new_id("resp"), created_at=int(time.time()), model=state.model_name, status="in_progress", output=[],
-        instructions=b.instructions, tools=b.tools or [], tool_choice=b.tool_choice or "auto", text=echo_text(b.text),
-        temperature=1.0 if b.temperature is None else b.temperature, top_p=1.0 if b.top_p is None else b.top_p,
-        max_output_tokens=b.max_output_tokens, previous_response_id=b.previous_response_id, metadata=b.metadata or {},
-        parallel_tool_calls=b.parallel_tool_calls is not False, store=b.store, user=b.user,
-        truncation=b.truncation or "disabled")
-
-
-def item_ids() -> tuple[str, str]:
-    """The ids of a response's reasoning item and message, known before its text is."""
-    return new_id("rs"), new_id("msg")
+RESPONSES = Api(CreateResponseRequest, RENAME, translate, reply)
 
 
 def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any,
            streamed: list[ToolCall] | None = None) -> None:
     """Fill in the output items, the status and the usage of a finished request."""
-    a = chat_core.answer(out, plan, streamed)
+    a = reasoning.read(out, plan, streamed)
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
@@ -160,13 +92,12 @@ def _output_items(out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> lis
     return items + [function_item(c) for c in a.calls]
 
 
-async def _stream(request: web.Request, tenant: str, b: CreateResponseRequest, plan: Plan, rendered: Rendered,
-                  flight: Flight, resp: ResponseObject) -> web.StreamResponse:
-    state: ServerState = request.app["state"]
-    w = await EventWriter.open(request)
+async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
+    state, plan, pending = call.state, turn.plan, turn.data
+    resp = pending.resp
+    w = await EventWriter.open(call.request)
     await w.start(resp)
-    ids = item_ids()
-    live = LiveItems(w, plan.parser, ids, plan.mode != "required",
+    live = LiveItems(w, plan.parser, pending.ids, plan.mode != "required",
                      tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call))
     out: Output | None = None
     async with aclosing(state.run(flight.reqs[0], flight.tickets[0], flight.arrival)) as deltas:
@@ -176,9 +107,9 @@ async def _stream(request: web.Request, tenant: str, b: CreateResponseRequest, p
     if out is None or out.finish_reason == "error":
         await w.fail(resp, "server_error", f"internal error while generating: {out.error if out else 'no output'}")
         return w.response
-    finish(resp, out, plan, ids, state.engine.tokenizer, live.streamed_calls())
+    finish(resp, out, plan, pending.ids, state.engine.tokenizer, live.streamed_calls())
     try:
-        await _save(request, tenant, b, plan, rendered, out, resp)
+        await _save(call, turn, out)
     except ApiError as e:
         await w.fail(resp, "server_error", e.message)
         return w.response
@@ -188,19 +119,20 @@ async def _stream(request: web.Request, tenant: str, b: CreateResponseRequest, p
 
 
 # -- storing ---------------------------------------------------------------------------------
-async def _save(request: web.Request, tenant: str, b: CreateResponseRequest, plan: Plan, rendered: Rendered, out: Output,
-                resp: ResponseObject) -> None:
-    if not b.store:
+async def _save(call: Call, turn: Turn, out: Output) -> None:
+    pending: Pending = turn.data
+    items, rendered = pending.items, turn.rendered
+    if items is None or rendered is None:  # store: false
         return
-    tok = request.app["state"].engine.tokenizer
+    tok, resp = call.state.engine.tokenizer, pending.resp
 
     def row() -> StoredResponse:
-        ctx = _context_after(tok, plan.messages[_conversation_at(b):], rendered, out)
-        return StoredResponse(resp.id, tenant, resp.created_at, msgspec.json.encode(resp),
-                              msgspec.json.encode(listed_items(b.input)), pack_context(ctx))
+        ctx = _context_after(tok, pending.conversation, rendered, out)
+        return StoredResponse(resp.id, call.tenant.id, resp.created_at, msgspec.json.encode(resp), items,
+                              pack_context(ctx))
 
-    store = request.app[STORE]
-    await db(request, lambda: store.put(row()))
+    store = call.request.app[STORE]
+    await db(call.request, lambda: store.put(row()))
 
 
 def _context_after(tok: Any, messages: list[dict[str, Any]], rendered: Rendered, out: Output) -> Context:
@@ -233,5 +165,5 @@ OPENAPI_ROUTES: list[tuple[str, str, type | None, type | None, str]] = [
 
 def add_routes(app: web.Application) -> None:
     """Register this module's routes on the app."""
-    app.router.add_post("/v1/responses", create)
+    app.router.add_post("/v1/responses", chat_core.route(RESPONSES))
     responses_stored.add_routes(app)

@@ -1,6 +1,7 @@
-"""A Responses request in chat terms: its input items as chat messages, its flat function tools
-and tool_choice as the chat path's (server/tools.py), text.format as a JSON schema; and the
-input items as /input_items lists them. Every error names the Responses field.
+"""A Responses request in chat terms (`translate`: the chat core's Turn): its input items as
+chat messages, its flat function tools and tool_choice as the chat path's (server/tools.py),
+text.format as a JSON schema, a continuation's stored conversation; and the input items as
+/input_items lists them. Every error names the Responses field.
 
 A reasoning item sent back (as a client managing its own context does) is dropped from the
 prompt: an earlier turn's reasoning is not shown to the model again, as reasoning models'
@@ -9,14 +10,89 @@ templates drop it."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from radixserve.request import Retention
 from radixserve.server import tools
+from radixserve.server.chat_core import Call, Plan, Rendered, Sampling, Turn
 from radixserve.server.errors import ApiError
-from radixserve.server.responses_protocol import InputItem, InputPart, TextConfig
+from radixserve.server.responses_protocol import CreateResponseRequest, InputItem, InputPart, ResponseObject, TextConfig
+from radixserve.server.responses_stored import STORE, db, not_found
+from radixserve.server.state import RequestOptions
 
 ROLES = ("user", "assistant", "system", "developer")
+RENAME = {"max_new_tokens": "max_output_tokens", "prompt": "input", "input_ids": "input", "json_schema": "text.format"}
+
+
+# -- the request -> the chat core's turn -----------------------------------------------------
+@dataclass
+class Pending:
+    """What a Responses reply fills in: the response begun, its reasoning item's and message's
+    ids (known before their text is), and for a stored turn the conversation it continues
+    (without the instructions) and the input items as /input_items lists them."""
+
+    resp: ResponseObject
+    ids: tuple[str, str]
+    conversation: list[dict[str, Any]]
+    items: bytes | None
+
+
+async def translate(call: Call) -> Turn:
+    """The chat core's turn of a Responses request; a continuation (previous_response_id) goes
+    on from its stored context: its conversation after the instructions, its prompt and output
+    tokens reused as the rendering's prefix where the new text starts with them."""
+    b: CreateResponseRequest = call.body
+    plan, sampling = plan_of(b, call.state.tool_format)
+    prev = None
+    if b.previous_response_id is not None:
+        row = await db(call.request, call.request.app[STORE].get, call.tenant.id, b.previous_response_id)
+        if row is None:
+            raise not_found(b.previous_response_id, "previous_response_id")
+        prev = row.loaded_context()
+    at = 1 if b.instructions else 0  # the instructions are this request's own: a stored turn keeps the rest
+    if prev is not None:
+        plan.messages[at:at] = prev.messages
+    opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key,  # a routing hint, as in chat
+                          retention=Retention.named(b.prompt_cache_retention, "prompt_cache_retention"))
+    items = msgspec.json.encode(listed_items(b.input)) if b.store else None
+    pending = Pending(new_response(call.state.model_name, b), (new_id("rs"), new_id("msg")), plan.messages[at:], items)
+    return Turn(plan, sampling, opts, None if prev is None else (prev.text, prev.ids), Rendered(), data=pending)
+
+
+def plan_of(b: CreateResponseRequest, tool_format: str = "hermes") -> tuple[Plan, Sampling]:
+    """The request checked, as a plan (the instructions first) and its sampling, before the
+    stored context it may continue (translate) and the core's constraint (chat_core.prepare)."""
+    if b.max_output_tokens is not None and b.max_output_tokens < 1:
+        raise ApiError(400, f"max_output_tokens: must be at least 1, got {b.max_output_tokens}", param="max_output_tokens")
+    if b.top_logprobs:
+        raise ApiError(400, "top_logprobs: logprobs are not supported on /v1/responses", param="top_logprobs")
+    if b.background:
+        raise ApiError(400, "background: background responses are not supported", param="background")
+    schema = text_schema(b.text)
+    offered = parse_tools(b.tools)
+    mode, callable_tools = choose(offered, b.tool_choice)
+    if mode == "required" and schema is not None:
+        raise ApiError(400, "text.format: cannot be combined with a required tool call", param="text.format")
+    kwargs = {"enable_thinking": False} if (b.reasoning or {}).get("effort") == "none" else {}
+    system = [{"role": "system", "content": b.instructions}] if b.instructions else []
+    plan = Plan([*system, *to_messages(b.input)], tools.RESPONSES_PARAMS, offered, mode, callable_tools, schema,
+                tool_format=tool_format, one_call=b.parallel_tool_calls is False, template_kwargs=kwargs)
+    return plan, Sampling(max_tokens=b.max_output_tokens, temperature=b.temperature, top_p=b.top_p)
+
+
+def new_response(model: str, b: CreateResponseRequest) -> ResponseObject:
+    return ResponseObject(
+        id=new_id("resp"), created_at=int(time.time()), model=model, status="in_progress", output=[],
+        instructions=b.instructions, tools=b.tools or [], tool_choice=b.tool_choice or "auto", text=echo_text(b.text),
+        temperature=1.0 if b.temperature is None else b.temperature, top_p=1.0 if b.top_p is None else b.top_p,
+        max_output_tokens=b.max_output_tokens, previous_response_id=b.previous_response_id, metadata=b.metadata or {},
+        parallel_tool_calls=b.parallel_tool_calls is not False, store=b.store, user=b.user,
+        truncation=b.truncation or "disabled")
 
 
 def new_id(prefix: str) -> str:

@@ -4,6 +4,7 @@ tenant's id gets the very 404 an id that never existed gets."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from collections.abc import Callable
@@ -35,7 +36,7 @@ def db_path(config: Any) -> Path:
 async def db(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
     """A store call, off the event loop; a store that fails says so (and is logged)."""
     try:
-        return await request.app["state"].off_loop(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(request.app["state"].executor, fn, *args)
     except (sqlite3.Error, OSError) as e:
         log.exception("the response store failed")
         raise ApiError(500, f"the response store failed: {e}", code="store_error") from None
@@ -47,7 +48,7 @@ def not_found(rid: str, param: str) -> ApiError:
 
 
 async def _stored(request: web.Request) -> StoredResponse:
-    tenant = request.app["state"].authenticate(request)
+    tenant = request.app["state"].auth.of_request(request)
     rid = request.match_info["response_id"]
     row = await db(request, request.app[STORE].get, tenant.id, rid)
     if row is None:
@@ -61,7 +62,7 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    tenant = request.app["state"].authenticate(request)
+    tenant = request.app["state"].auth.of_request(request)
     rid = request.match_info["response_id"]
     if not await db(request, request.app[STORE].delete, tenant.id, rid):
         raise not_found(rid, "response_id")

@@ -14,15 +14,13 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from aiohttp import web
-
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.protocol import EngineClient, EngineDied
-from radixserve.request import Req, Retention, SamplingParams, TokenLogprob
+from radixserve.request import Req, Retention, SamplingParams, TokenLogprob, distinct_prompts
 from radixserve.server import access_log, tool_parsers
-from radixserve.server.admission import Admission, Ticket
-from radixserve.server.auth import Auth, Tenant, request_priority
+from radixserve.server.admission import Admission, Ticket, request_priority
+from radixserve.server.auth import Auth, Tenant
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.metrics import Metrics
 
@@ -132,11 +130,6 @@ class ServerState:
         why = getattr(self.engine, "dead", None)
         return why if why not in (None, "shut down") else None
 
-    def authenticate(self, request: web.Request) -> Tenant:
-        tenant = self.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-        access_log.note_tenant(tenant.id)
-        return tenant
-
     def tenant_info(self, tenant: Tenant) -> dict[str, Any]:
         """One tenant's own view: its queue, in-flight requests and usage, nothing of others'."""
         adm = self.admission
@@ -145,11 +138,6 @@ class ServerState:
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def check_model(self, model: str, param: str = "model") -> None:
-        if model and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param=param, code="model_not_found")
 
     # -- requests ---------------------------------------------------------------------------
     @asynccontextmanager
@@ -176,7 +164,9 @@ class ServerState:
             texts = None
             if self.config.log_requests:  # the access log's prompt texts, decoded off the loop
                 texts = await self.off_loop(access_log.prompt_texts, self.engine.tokenizer, flight.reqs)
-            access_log.note_admitted(flight.reqs, texts)
+            if (entry := access_log.CURRENT.get()) is not None:
+                entry.prompt_tokens = (entry.prompt_tokens or 0) + sum(r.prompt_len for r in distinct_prompts(flight.reqs))
+                entry.prompts = [*(entry.prompts or []), *texts] if texts is not None else entry.prompts
             for r in flight.reqs:
                 self.active[r.rid] = r
             try:
@@ -245,7 +235,8 @@ class ServerState:
             self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
             used = out if out is not None else _aborted(req, last, tokens)
             self.usage[ticket.tenant].add(used)
-            access_log.note_completion(used.completion_tokens)
+            if (entry := access_log.CURRENT.get()) is not None:
+                entry.completion_tokens = (entry.completion_tokens or 0) + used.completion_tokens
             self.active.pop(req.rid, None)
 
     async def collect(self, flight: Flight) -> list[Output]:
