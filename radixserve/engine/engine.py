@@ -67,10 +67,16 @@ class Engine(RequestFront):
         t0 = time.monotonic()
         loaded = load_model(cfg.model.path, self.dtype, self.device, cfg.model.quantization)
         self.quantization = loaded.quantization
+        self.kv_heads = loaded.arch.num_kv_heads  # this rank's (its shard's, with tensor parallelism)
+        tp = cfg.model.tensor_parallel
+        self.tp: Any = None  # rank 0's side of --tensor-parallel (engine/tensor_parallel.py)
+        self.tp_group: Any = None
+        if tp != 1:
+            self.kv_heads = self._shard(loaded.model, tp)
         if not cfg.model.disable_packed_linears:
             pack_linears(loaded.model, self.dtype, self.device)
             fuse = getattr(loaded.model, "fuse_decode", None)
-            if fuse is not None and fuse():
+            if fuse is not None and tp == 1 and fuse():
                 how = "in one native call" if self.kv_dtype == self.dtype or is_quantized(self.kv_dtype) else \
                     "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
@@ -90,7 +96,7 @@ class Engine(RequestFront):
         a = self.arch
         self.window = max(a.layer_windows, default=0) if not cfg.cache.disable_hybrid_swa_memory else 0
         slots, window_slots = self._pool_slots()
-        self.pool = KVPool(a.num_layers, slots, a.num_kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype,
+        self.pool = KVPool(a.num_layers, slots, self.kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype,
                            a.layer_windows, window_slots)
         self.num_slots = self.pool.num_slots
         ps = cfg.cache.page_size
@@ -101,6 +107,8 @@ class Engine(RequestFront):
         self._grammar_cache = self._new_grammar_cache()  # nothing started yet: see on_idle below
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
+        if tp != 1:
+            self._start_workers(loaded.path, slots, window_slots, cfg.attention_backend)
         self.post = PostProcessor(self.tokenizer, self.sampler, self.eos_ids, self.context_len)
         self.post.jump_forward = not cfg.disable_jump_forward
         self.tier = self._disk_tier(loaded.path)
@@ -123,6 +131,32 @@ class Engine(RequestFront):
     def add(self, req: Req, sink: Callable[[Delta], None]) -> None:
         """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""
         self._loop.add(req, sink)
+
+    def _shard(self, model: Any, n: int) -> int:
+        """Cut the model to rank 0's shard of n (tensor parallelism); returns its KV heads."""
+        from radixserve.engine import tensor_parallel
+        from radixserve.models.tp import Group
+
+        if n < 1:
+            raise ValueError(f"tensor_parallel: must be a positive integer, got {n}")
+        if self.device.type != "cpu":
+            raise ValueError("tensor_parallel: runs on CPU (gloo) only so far; NCCL on CUDA is not built yet")
+        if self.config.cache.kv_disk_dir is not None:
+            raise ValueError("kv_disk_dir: the disk tier does not hold a tensor-parallel pool's KV (each rank holds "
+                             "part of it) yet; leave one of the two out")
+        torch.set_num_threads(tensor_parallel.threads_per_rank(n))
+        self.tp_group = Group()
+        return tensor_parallel.shard(model, 0, n, self.tp_group).kv_heads
+
+    def _start_workers(self, path: Any, slots: int, window_slots: int, backend: str) -> None:
+        """Ranks 1..N-1 (after rank 0 has built its pool: they build theirs alike)."""
+        from radixserve.engine import tensor_parallel as t
+
+        n, m = self.config.model.tensor_parallel, self.config.model
+        spec = t.WorkerSpec(str(path), self.dtype, m.quantization, self.kv_dtype, slots, window_slots, backend,
+                            not m.disable_packed_linears, t.threads_per_rank(n), n, t.new_init_file(), t.new_shm_name())
+        self.tp = t.TensorParallel(spec, self.tp_group)
+        self.runner.tp = self.tp
 
     def _disk_tier(self, path: Any) -> KVTier | None:
         """The KV cache's disk tier (--kv-disk-dir), keyed by this model's fingerprint."""
@@ -160,7 +194,7 @@ class Engine(RequestFront):
         c, a = self.config, self.arch
         windowed = sum(1 for w in a.layer_windows if w) if self.window else 0
         ratio = c.cache.swa_full_tokens_ratio if windowed else 0.0
-        layer_bytes = kv_bytes_per_token(1, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        layer_bytes = kv_bytes_per_token(1, self.kv_heads, a.head_dim, self.kv_dtype)
         per_token = layer_bytes * (a.num_layers - windowed + ratio * windowed)
         if c.cache.kv_cache_tokens is not None:
             n = c.cache.kv_cache_tokens
@@ -364,6 +398,8 @@ class Engine(RequestFront):
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._loop.stop()
+        if self.tp is not None:
+            self.tp.close()
         if self.tier is not None:
             self.tier.close()
         self.runner.close()

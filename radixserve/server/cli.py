@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import agents, compare, offline, prefix, reliability, route, serving, sessions, spec, structured, tools
+    from radixserve.bench import agents, compare, offline, prefix, reliability, route, serving, sessions, spec, structured, tools, tp
 
     compare.add_args(bsub.add_parser("compare", help="five workloads against OpenAI-compatible servers (llama.cpp, ...)"))
     agents.add_args(bsub.add_parser("agents", help="agent programs in frontend_lang vs sequential openai-client calls"))
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_args(bsub.add_parser("sessions", help="an agent session's time to first token: pool, disk tier, restart, cold"))
     spec.add_args(bsub.add_parser("spec", help="speculative decoding from context copies, on vs off: rewrite, JSON, chat"))
     tools.add_args(bsub.add_parser("tools", help="tool calls in auto mode against OpenAI-compatible servers: made, valid, text"))
+    tp.add_args(bsub.add_parser("tp", help="tensor parallelism: one rank vs N on the same cores, step times, all-reduce share"))
     return p
 
 
@@ -74,12 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             from radixserve.server import serve
 
             return serve.run(args)
-        from radixserve.bench import agents, compare, offline, prefix, reliability, route, serving, sessions, spec, structured, tools
+        import importlib
 
-        runs = {"agents": agents.run, "compare": compare.run, "offline": offline.run, "prefix": prefix.run,
-                "reliability": reliability.run, "route": route.run, "serving": serving.run, "sessions": sessions.run, "spec": spec.run,
-                "structured": structured.run, "tools": tools.run}
-        return runs[args.bench](args)
+        return importlib.import_module(f"radixserve.bench.{args.bench}").run(args)  # each bench module has run(args)
     except (ModelLoadError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,57 @@
+"""Tensor parallelism (--tensor-parallel N, engine/tensor_parallel.py, models/tp.py): two ranks
+(rank 0 in the engine, one worker process, gloo on CPU) give one rank's greedy tokens, and its
+logprobs to rounding: only the order of the sums over o_proj's and down_proj's input features
+differs (each rank sums its part, then the parts are added)."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve import Engine
+from radixserve.models.tp import Shard, _split
+from radixserve.request import SamplingParams
+
+PROMPTS = ["The cat sat on the mat and", "hello world, this is a longer prompt that takes two chunks of sixteen tokens",
+           "The cat sat on the mat and then"]  # the third shares the first's prefix: a cache hit on both ranks
+
+
+def _run(path, **kw) -> list:
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True)
+    with Engine(str(path), dtype="float32", kv_cache_tokens=2048, chunked_prefill_size=16, **kw) as e:
+        first = e.generate(PROMPTS[:2], params)
+        return first + e.generate(PROMPTS[2:], params)  # after the first two: its prefix is cached
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"])
+def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs_to_rounding(tiny_models, arch):
+    one, two = _run(tiny_models[arch]), _run(tiny_models[arch], tensor_parallel=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert two[2].cached_tokens > 0
+    for a, b in zip(one, two):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_kv_heads_split_as_evenly_as_they_go_and_each_rank_needs_one():
+    assert _split(3, 2) == [0, 2, 3] and _split(192, 2) == [0, 96, 192]
+    assert [(s.kv_lo, s.kv_hi) for s in (Shard.of(r, 2, 3, 1536) for r in range(2))] == [(0, 2), (2, 3)]
+    with pytest.raises(ValueError, match="tensor_parallel: 4 ranks, but the model has 3 KV heads"):
+        Shard.of(0, 4, 3, 1536)
+
+
+def test_a_quantized_model_or_the_disk_tier_is_refused_by_name(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel: shards float weights only.*--quantization none"):
+        Engine(None, tensor_parallel=2, kv_cache_tokens=1024)  # the default model: its GGUF's Q4_1 blocks
+    with pytest.raises(ValueError, match="^kv_disk_dir: the disk tier does not hold a tensor-parallel pool"):
+        Engine(str(tiny_llama), tensor_parallel=2, kv_cache_tokens=1024, kv_disk_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="^tensor_parallel: 3 ranks, but the model has 2 KV heads"):
+        Engine(str(tiny_llama), tensor_parallel=3, kv_cache_tokens=1024)
+
+
+@pytest.mark.slow
+def test_smollm2_in_fp32_on_two_ranks_gives_one_ranks_greedy_tokens(smollm2_dir):
+    """SmolLM2-135M: 9 query heads over 3 KV heads, split 6 + 3 (2 KV heads and 1)."""
+    one = _run(smollm2_dir, quantization="none")
+    two = _run(smollm2_dir, quantization="none", tensor_parallel=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert max(abs(x.logprob - y.logprob) for a, b in zip(one, two) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
