@@ -55,3 +55,17 @@ def test_smollm2_in_fp32_on_two_ranks_gives_one_ranks_greedy_tokens(smollm2_dir)
     two = _run(smollm2_dir, quantization="none", tensor_parallel=2)
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
     assert max(abs(x.logprob - y.logprob) for a, b in zip(one, two) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+def test_bench_tp_times_one_rank_and_two_and_the_all_reduce_share(tiny_llama, tmp_path, capsys):
+    import json
+
+    from radixserve.server.cli import main
+
+    out = tmp_path / "tp.json"
+    assert main(["bench", "tp", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-tokens", "1024",
+                 "--batch", "2", "--prompt-len", "32", "--output-len", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["decode_allreduce_share"] == 0
+    assert all(r["prefill_ms"] > 0 and r["decode_ms"] > 0 for r in rows) and 0 < rows[1]["decode_allreduce_share"] < 1
+    assert "2 ranks / 1: prefill x" in capsys.readouterr().out
