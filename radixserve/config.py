@@ -50,6 +50,8 @@ class ModelConfig:
     disable_packed_linears: bool = option(False, "CPU: keep plain torch linears (no oneDNN-packed copy of the weights)")
     tensor_parallel: int = option(1, "split each layer's heads and MLP over N processes (float weights; gloo on CPU); "
                                      "the engine is rank 0, N - 1 workers follow its steps")
+    pipeline_parallel: int = option(1, "split the layers into N stages in N processes, micro-batches flowing stage to "
+                                       "stage (any weights, GGUF blocks included; gloo on CPU)")
     disable_cpu_kernels: bool = option(False, "CPU: use torch ops instead of radixserve's native kernels (kernels/cpu.py)")
 
 

@@ -1,7 +1,9 @@
-"""Tensor parallelism (--tensor-parallel N, engine/tensor_parallel.py, models/tp.py): two ranks
-(rank 0 in the engine, one worker process, gloo on CPU) give one rank's greedy tokens, and its
-logprobs to rounding: only the order of the sums over o_proj's and down_proj's input features
-differs (each rank sums its part, then the parts are added)."""
+"""Tensor and pipeline parallelism (--tensor-parallel N, --pipeline-parallel N;
+engine/model_parallel.py, models/tp.py, models/pp.py): two ranks (rank 0 in the engine, one
+worker process) give one rank's greedy tokens, and its logprobs to rounding. Tensor parallel:
+the order of the sums over o_proj's and down_proj's input features differs (each rank sums its
+part, then the parts are added); both: a micro-batch's or a shard's row and column counts may
+pick another matmul kernel, and one rank's decode runs the fused native step."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ PROMPTS = ["The cat sat on the mat and", "hello world, this is a longer prompt t
 
 def _run(path, **kw) -> list:
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True)
-    with Engine(str(path), dtype="float32", kv_cache_tokens=2048, chunked_prefill_size=16, **kw) as e:
+    with Engine(None if path is None else str(path), dtype="float32", kv_cache_tokens=2048, chunked_prefill_size=16, **kw) as e:
         first = e.generate(PROMPTS[:2], params)
         return first + e.generate(PROMPTS[2:], params)  # after the first two: its prefix is cached
 
@@ -42,10 +44,21 @@ def test_kv_heads_split_as_evenly_as_they_go_and_each_rank_needs_one():
 def test_a_quantized_model_or_the_disk_tier_is_refused_by_name(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel: shards float weights only.*--quantization none"):
         Engine(None, tensor_parallel=2, kv_cache_tokens=1024)  # the default model: its GGUF's Q4_1 blocks
-    with pytest.raises(ValueError, match="^kv_disk_dir: the disk tier does not hold a tensor-parallel pool"):
+    with pytest.raises(ValueError, match="^kv_disk_dir: the disk tier does not hold a split pool's KV"):
         Engine(str(tiny_llama), tensor_parallel=2, kv_cache_tokens=1024, kv_disk_dir=str(tmp_path))
     with pytest.raises(ValueError, match="^tensor_parallel: 3 ranks, but the model has 2 KV heads"):
         Engine(str(tiny_llama), tensor_parallel=3, kv_cache_tokens=1024)
+    with pytest.raises(ValueError, match="^pipeline_parallel: 3 stages, but the model has 2 layers"):
+        Engine(str(tiny_llama), pipeline_parallel=3, kv_cache_tokens=1024)
+    with pytest.raises(ValueError, match="^pipeline_parallel: not together with tensor_parallel yet"):
+        Engine(str(tiny_llama), pipeline_parallel=2, tensor_parallel=2, kv_cache_tokens=1024)
+
+
+@pytest.mark.slow
+def test_smollm2s_q4_1_file_in_two_pipeline_stages_gives_one_ranks_greedy_tokens():
+    """Pipeline stages keep whole layers: a GGUF's quantized linears split as they are."""
+    one, two = _run(None), _run(None, pipeline_parallel=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
 
 
 @pytest.mark.slow
@@ -66,6 +79,36 @@ def test_bench_tp_times_one_rank_and_two_and_the_all_reduce_share(tiny_llama, tm
     assert main(["bench", "tp", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-tokens", "1024",
                  "--batch", "2", "--prompt-len", "32", "--output-len", "4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["decode_allreduce_share"] == 0
+    assert [r["ranks"] for r in rows] == ["1", "tensor 2", "pipeline 2"] and rows[0]["decode_allreduce_share"] == 0
     assert all(r["prefill_ms"] > 0 and r["decode_ms"] > 0 for r in rows) and 0 < rows[1]["decode_allreduce_share"] < 1
-    assert "2 ranks / 1: prefill x" in capsys.readouterr().out
+    assert "tensor 2 / 1: prefill x" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM"])
+def test_two_pipeline_stages_give_one_ranks_tokens_and_logprobs_to_rounding(tiny_models, arch):
+    """Every layer computes what it does in one process; the kernels differ where a micro-batch's
+    row count picks another matmul, and one rank's decode runs the fused native step."""
+    one, two = _run(tiny_models[arch]), _run(tiny_models[arch], pipeline_parallel=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] and two[2].cached_tokens > 0
+    assert max(abs(x.logprob - y.logprob) for a, b in zip(one, two) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_pipeline_micro_batches_cut_whole_sequences_or_a_lone_one_as_chunked_prefill_would():
+    import torch
+
+    from radixserve.batch import ForwardBatch, SeqView
+    from radixserve.models.pp import micro_batches
+
+    def batch(seqs):
+        t = sum(s.q_len for s in seqs)
+        rows = torch.arange(t)
+        return ForwardBatch(rows, rows, rows + 100, seqs, None)
+
+    three = micro_batches(batch([SeqView(0, 5, 0, list(range(5))), SeqView(5, 1, 9, list(range(10))),
+                                 SeqView(6, 4, 0, list(range(4)))]), 2)
+    assert [[(s.q_start, s.q_len) for s in mb[3]] for mb in three] == [[(0, 5)], [(0, 1), (1, 4)]]
+    assert three[1][2].tolist() == [105, 106, 107, 108, 109]  # its rows' out slots
+    lone = micro_batches(batch([SeqView(0, 10, 3, list(range(13)))]), 2)
+    assert [[(s.q_start, s.q_len, s.prefix_len, len(s.slots)) for s in mb[3]] for mb in lone] == [[(0, 5, 3, 8)],
+                                                                                                 [(0, 5, 8, 13)]]
+    assert len(micro_batches(batch([SeqView(0, 1, 7, list(range(8)))]), 2)) == 1  # one decode row: one micro-batch

@@ -68,15 +68,17 @@ class Engine(RequestFront):
         loaded = load_model(cfg.model.path, self.dtype, self.device, cfg.model.quantization)
         self.quantization = loaded.quantization
         self.kv_heads = loaded.arch.num_kv_heads  # this rank's (its shard's, with tensor parallelism)
-        tp = cfg.model.tensor_parallel
-        self.tp: Any = None  # rank 0's side of --tensor-parallel (engine/tensor_parallel.py)
+        self.pool_layers, self.pool_windows = loaded.arch.num_layers, loaded.arch.layer_windows  # (its stage's, pipelined)
+        self.parallel: Any = None  # rank 0's side of --tensor-parallel / --pipeline-parallel (engine/model_parallel.py)
         self.tp_group: Any = None
-        if tp != 1:
-            self.kv_heads = self._shard(loaded.model, tp)
+        self.stage: Any = None
+        split = cfg.model.tensor_parallel != 1 or cfg.model.pipeline_parallel != 1
+        if split:
+            self._split(loaded.model)
         if not cfg.model.disable_packed_linears:
             pack_linears(loaded.model, self.dtype, self.device)
             fuse = getattr(loaded.model, "fuse_decode", None)
-            if fuse is not None and tp == 1 and fuse():
+            if fuse is not None and not split and fuse():
                 how = "in one native call" if self.kv_dtype == self.dtype or is_quantized(self.kv_dtype) else \
                     "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
@@ -96,8 +98,8 @@ class Engine(RequestFront):
         a = self.arch
         self.window = max(a.layer_windows, default=0) if not cfg.cache.disable_hybrid_swa_memory else 0
         slots, window_slots = self._pool_slots()
-        self.pool = KVPool(a.num_layers, slots, self.kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype,
-                           a.layer_windows, window_slots)
+        self.pool = KVPool(self.pool_layers, slots, self.kv_heads, a.head_dim, self.dtype, self.device, self.kv_dtype,
+                           self.pool_windows, window_slots)
         self.num_slots = self.pool.num_slots
         ps = cfg.cache.page_size
         allocator = WindowedAllocator(slots, window_slots, ps) if window_slots else SlotAllocator(slots, ps)
@@ -107,8 +109,8 @@ class Engine(RequestFront):
         self._grammar_cache = self._new_grammar_cache()  # nothing started yet: see on_idle below
         backend = create_backend(cfg.attention_backend, self.pool, self.device)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
-        if tp != 1:
-            self._start_workers(loaded.path, slots, window_slots, cfg.attention_backend)
+        if split:
+            self._start_workers(slots, window_slots, loaded.model, backend)
         self.post = PostProcessor(self.tokenizer, self.sampler, self.eos_ids, self.context_len)
         self.post.jump_forward = not cfg.disable_jump_forward
         self.tier = self._disk_tier(loaded.path)
@@ -132,31 +134,44 @@ class Engine(RequestFront):
         """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""
         self._loop.add(req, sink)
 
-    def _shard(self, model: Any, n: int) -> int:
-        """Cut the model to rank 0's shard of n (tensor parallelism); returns its KV heads."""
-        from radixserve.engine import tensor_parallel
+    def _split(self, model: Any) -> None:
+        """Cut the model to rank 0's part: its tensor-parallel shard (this rank's KV heads) or
+        its pipeline stage (this rank's layers)."""
+        from radixserve.engine import model_parallel as mp
         from radixserve.models.tp import Group
 
-        if n < 1:
-            raise ValueError(f"tensor_parallel: must be a positive integer, got {n}")
+        tp, pp = self.config.model.tensor_parallel, self.config.model.pipeline_parallel
+        for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp)):
+            if n < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {n}")
+        if tp > 1 and pp > 1:
+            raise ValueError("pipeline_parallel: not together with tensor_parallel yet; give one of them")
+        name = "tensor_parallel" if tp > 1 else "pipeline_parallel"
         if self.device.type != "cpu":
-            raise ValueError("tensor_parallel: runs on CPU (gloo) only so far; NCCL on CUDA is not built yet")
+            raise ValueError(f"{name}: runs on CPU (gloo) only so far; NCCL on CUDA is not built yet")
         if self.config.cache.kv_disk_dir is not None:
-            raise ValueError("kv_disk_dir: the disk tier does not hold a tensor-parallel pool's KV (each rank holds "
-                             "part of it) yet; leave one of the two out")
-        torch.set_num_threads(tensor_parallel.threads_per_rank(n))
-        self.tp_group = Group()
-        return tensor_parallel.shard(model, 0, n, self.tp_group).kv_heads
+            raise ValueError(f"kv_disk_dir: the disk tier does not hold a split pool's KV (each rank holds part of it) yet; "
+                             f"leave out kv_disk_dir or {name}")
+        torch.set_num_threads(mp.threads_per_rank(max(tp, pp)))
+        if tp > 1:
+            self.tp_group = Group()
+            self.kv_heads = mp.shard(model, 0, tp, self.tp_group).kv_heads
+        else:
+            self.stage = mp.stage(model, 0, pp)
+            self.pool_layers = self.stage.hi - self.stage.lo
+            self.pool_windows = self.pool_windows[self.stage.lo : self.stage.hi]
 
-    def _start_workers(self, path: Any, slots: int, window_slots: int, backend: str) -> None:
+    def _start_workers(self, slots: int, window_slots: int, model: Any, backend: Any) -> None:
         """Ranks 1..N-1 (after rank 0 has built its pool: they build theirs alike)."""
-        from radixserve.engine import tensor_parallel as t
+        from radixserve.engine import model_parallel as mp
 
-        n, m = self.config.model.tensor_parallel, self.config.model
-        spec = t.WorkerSpec(str(path), self.dtype, m.quantization, self.kv_dtype, slots, window_slots, backend,
-                            not m.disable_packed_linears, t.threads_per_rank(n), n, t.new_init_file(), t.new_shm_name())
-        self.tp = t.TensorParallel(spec, self.tp_group)
-        self.runner.tp = self.tp
+        m = self.config.model
+        n = max(m.tensor_parallel, m.pipeline_parallel)
+        spec = mp.WorkerSpec(mp.TENSOR if m.tensor_parallel > 1 else mp.PIPELINE, m.path, self.dtype, m.quantization,
+                             self.kv_dtype, slots, window_slots, self.config.attention_backend, not m.disable_packed_linears,
+                             mp.threads_per_rank(n), n, mp.new_init_file(), mp.new_shm_name())
+        self.parallel = mp.ModelParallel(spec, model, backend, self.tp_group if self.tp_group is not None else self.stage)
+        self.runner.parallel = self.parallel
 
     def _disk_tier(self, path: Any) -> KVTier | None:
         """The KV cache's disk tier (--kv-disk-dir), keyed by this model's fingerprint."""
@@ -398,8 +413,8 @@ class Engine(RequestFront):
     # -- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._loop.stop()
-        if self.tp is not None:
-            self.tp.close()
+        if self.parallel is not None:
+            self.parallel.close()
         if self.tier is not None:
             self.tier.close()
         self.runner.close()

@@ -33,7 +33,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.fault_hook: Callable[[SchedulePlan], None] | None = None  # tests inject faults here
-        self.tp: Any = None  # tensor parallelism: the workers each step's batch goes to (engine/tensor_parallel.py)
+        self.parallel: Any = None  # tensor or pipeline parallelism: runs the forward with the workers (engine/model_parallel.py)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-masks")
 
     def close(self) -> None:
@@ -59,9 +59,7 @@ class ModelRunner:
         masks = None  # grammar rows are filled on a helper thread while the model runs
         if any(r.grammar is not None for r in row_reqs):
             masks = self._mask_pool.submit(self.sampler.grammar_masks, row_reqs, row_drafts)
-        if self.tp is not None:
-            self.tp.step(batch)
-        hidden = self.model(batch)
+        hidden = self.parallel.forward(batch) if self.parallel is not None else self.model(batch)
         rows: list[int] = []
         prompt_at: list[tuple[Req, list[int], int]] = []  # (req, target positions, first index into rows)
         for it, seq in zip(plan.items, batch.seqs):
