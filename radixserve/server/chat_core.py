@@ -220,8 +220,8 @@ class Turn:
 
     `prefix`: a stored turn (text, ids) the rendering reuses; `rendered`: where the prompt as
     rendered goes (a Responses turn stores it); `wrap`: the renderer wrapped (Messages' cache
-    breakpoints); `prompts`: how many prompts run (the choices; else one per choice); `data`:
-    the API's own (what its reply needs)."""
+    breakpoints); `data`: the API's own (what its reply needs). One prompt runs per choice
+    (the sampling's n)."""
 
     plan: Plan
     sampling: Sampling
