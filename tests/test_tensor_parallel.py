@@ -24,6 +24,7 @@ def _run(path, **kw) -> list:
         return first + e.generate(PROMPTS[2:], params)  # after the first two: its prefix is cached
 
 
+@pytest.mark.slow  # starts a worker process
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"])
 def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs_to_rounding(tiny_models, arch):
     one, two = _run(tiny_models[arch]), _run(tiny_models[arch], tensor_parallel=2)
@@ -70,6 +71,7 @@ def test_smollm2_in_fp32_on_two_ranks_gives_one_ranks_greedy_tokens(smollm2_dir)
     assert max(abs(x.logprob - y.logprob) for a, b in zip(one, two) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
+@pytest.mark.slow  # starts a worker process
 def test_bench_tp_times_one_rank_and_two_and_the_all_reduce_share(tiny_llama, tmp_path, capsys):
     import json
 
@@ -84,6 +86,7 @@ def test_bench_tp_times_one_rank_and_two_and_the_all_reduce_share(tiny_llama, tm
     assert "tensor 2 / 1: prefill x" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # starts a worker process
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM"])
 def test_two_pipeline_stages_give_one_ranks_tokens_and_logprobs_to_rounding(tiny_models, arch):
     """Every layer computes what it does in one process; the kernels differ where a micro-batch's
