@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve import Engine
-from radixserve.models.tp import Shard, _split
+from radixserve.models.tp import Shard, split_evenly
 from radixserve.request import SamplingParams
 
 PROMPTS = ["The cat sat on the mat and", "hello world, this is a longer prompt that takes two chunks of sixteen tokens",
@@ -36,7 +36,7 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs_to_rounding(tiny_mo
 
 
 def test_kv_heads_split_as_evenly_as_they_go_and_each_rank_needs_one():
-    assert _split(3, 2) == [0, 2, 3] and _split(192, 2) == [0, 96, 192]
+    assert split_evenly(3, 2) == [0, 2, 3] and split_evenly(192, 2) == [0, 96, 192]
     assert [(s.kv_lo, s.kv_hi) for s in (Shard.of(r, 2, 3, 1536) for r in range(2))] == [(0, 2), (2, 3)]
     with pytest.raises(ValueError, match="tensor_parallel: 4 ranks, but the model has 3 KV heads"):
         Shard.of(0, 4, 3, 1536)

@@ -167,10 +167,11 @@ class Engine(RequestFront):
 
         m = self.config.model
         n = max(m.tensor_parallel, m.pipeline_parallel)
-        spec = mp.WorkerSpec(mp.TENSOR if m.tensor_parallel > 1 else mp.PIPELINE, m.path, self.dtype, m.quantization,
-                             self.kv_dtype, slots, window_slots, self.config.attention_backend, not m.disable_packed_linears,
-                             mp.threads_per_rank(n), n, mp.new_init_file(), mp.new_shm_name())
-        self.parallel = mp.ModelParallel(spec, model, backend, self.tp_group if self.tp_group is not None else self.stage)
+        tensor = self.tp_group is not None
+        spec = mp.WorkerSpec(mp.TENSOR if tensor else mp.PIPELINE, m.path, self.dtype, m.quantization, self.kv_dtype, slots,
+                             window_slots, self.config.attention_backend, not m.disable_packed_linears, mp.threads_per_rank(n),
+                             n, mp.new_init_file(), mp.new_shm_name() if tensor else "")
+        self.parallel = mp.ModelParallel(spec, model, backend, self.tp_group if tensor else self.stage)
         self.runner.parallel = self.parallel
 
     def _disk_tier(self, path: Any) -> KVTier | None:

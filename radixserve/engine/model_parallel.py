@@ -18,7 +18,6 @@ torch.distributed is never loaded on the default path.
 from __future__ import annotations
 
 import datetime
-import logging
 import multiprocessing as mp
 import os
 import tempfile
@@ -33,7 +32,6 @@ from radixserve.batch import ForwardBatch
 from radixserve.models.pp import Stage, cut_model, micro_batches, run_stage
 from radixserve.models.tp import Group, Shard, ShmAllReduce, shard_model
 
-log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # a worker loads the whole model before it keeps its part
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=600)  # a long prefill chunk on a slow CPU
 TENSOR, PIPELINE = "tensor", "pipeline"
@@ -55,7 +53,7 @@ class WorkerSpec:
     threads: int
     size: int
     init_file: str
-    shm_name: str  # tensor parallel: the shared-memory all-reduce's segment (rank 0 makes it)
+    shm_name: str  # tensor parallel: the shared-memory all-reduce's segment (rank 0 makes it); else ""
 
 
 def threads_per_rank(size: int) -> int:

@@ -19,32 +19,27 @@ from typing import Any
 import torch
 
 from radixserve.batch import ForwardBatch, SeqView
-from radixserve.models.tp import _split
+from radixserve.models.tp import split_evenly
 
 MIN_SPLIT_ROWS = 8  # a lone sequence fed fewer rows than this runs as one micro-batch
 
 
 @dataclass(frozen=True)
 class Stage:
-    """Rank r's layers [lo, hi) of `layers`."""
+    """Rank r's layers [lo, hi)."""
 
     rank: int
     size: int
     lo: int
     hi: int
-    layers: int
 
     @classmethod
     def of(cls, rank: int, size: int, layers: int) -> Stage:
         if layers < size:
             raise ValueError(f"pipeline_parallel: {size} stages, but the model has {layers} layers; "
                              f"each stage needs at least one (use at most {layers})")
-        b = _split(layers, size)
-        return cls(rank, size, b[rank], b[rank + 1], layers)
-
-    @property
-    def first(self) -> bool:
-        return self.rank == 0
+        b = split_evenly(layers, size)
+        return cls(rank, size, b[rank], b[rank + 1])
 
     @property
     def last(self) -> bool:

@@ -45,8 +45,8 @@ class Shard:
         if kv_heads < size:
             raise ValueError(f"tensor_parallel: {size} ranks, but the model has {kv_heads} KV heads; "
                              f"each rank needs at least one (use at most {kv_heads})")
-        kv = _split(kv_heads, size)
-        inter = _split(intermediate, size)
+        kv = split_evenly(kv_heads, size)
+        inter = split_evenly(intermediate, size)
         return cls(rank, size, kv[rank], kv[rank + 1], inter[rank], inter[rank + 1])
 
     @property
@@ -54,7 +54,7 @@ class Shard:
         return self.kv_hi - self.kv_lo
 
 
-def _split(n: int, parts: int) -> list[int]:
+def split_evenly(n: int, parts: int) -> list[int]:
     """Bounds of n split into `parts` runs as even as they go (the first ones one longer)."""
     base, extra = divmod(n, parts)
     bounds = [0]
@@ -132,8 +132,7 @@ class Group:
     timed for bench tp."""
 
     shm: ShmAllReduce | None = None
-    seconds: float = 0.0  # time spent in all-reduces
-    calls: int = 0
+    seconds: float = 0.0  # time spent in all-reduces, while timed
     timed: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +143,6 @@ class Group:
             dist.all_reduce(x)
         if self.timed:
             self.seconds += time.perf_counter() - t0
-            self.calls += 1
         return x
 
 
