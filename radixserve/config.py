@@ -25,6 +25,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_ref", "triton")
 EVICTION_POLICIES = ("lru", "priority")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+KV_CONNECTORS = ("shm", "tcp")  # radixserve.engine.kv_connector
 ROUTER_POLICIES = ("prefix", "round_robin", "random", "least_loaded")  # radixserve.routing's registry
 
 
@@ -78,6 +79,10 @@ class CacheConfig:
                                      "retained by prompt_cache_retention or cache_control stays until its TTL)")
     kv_disk_block_tokens: int = option(64, "tokens per disk-tier block (a multiple of page_size; what a prompt's "
                                                "tail past its last whole block costs to recompute)")
+    kv_connector: str | None = option(None, "prefill/decode disaggregation: how this engine hands prompts' KV pages "
+                                            "to another and takes another's: shm (one machine) or tcp (set by "
+                                            "--disaggregate; unset: no hand-off)", KV_CONNECTORS)
+    kv_connector_host: str = option("127.0.0.1", "tcp connector: the address it serves its staged pages on")
 
     def check(self) -> None:
         """The pool's sizing options, refused before a model loads (ValueError naming the option)."""
@@ -98,6 +103,11 @@ class CacheConfig:
                              f"got {self.kv_disk_block_tokens}")
         if self.kv_disk_dir is not None and self.disable_radix_cache:
             raise ValueError("kv_disk_dir: the disk tier lies under the prefix cache; it cannot go with disable_radix_cache")
+        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector: {self.kv_connector!r} is not one of {', '.join(KV_CONNECTORS)}")
+        if self.kv_connector is not None and self.disable_radix_cache:
+            raise ValueError("kv_connector: handed-off pages enter through the prefix cache; it cannot go with "
+                             "disable_radix_cache")
 
 
 @dataclass(frozen=True)
@@ -211,10 +221,36 @@ class RouterConfig:
     router_block_tokens: int = option(16, "prefix index block, in tokens (in characters: 4x, where only text is seen)")
     router_max_prefix_tokens: int = option(4096, "how much of a prompt's start the prefix index keys on, in tokens")
     router_max_blocks_per_replica: int = option(65536, "prefix index blocks remembered per replica (LRU beyond)")
+    disaggregate: bool = option(False, "prefill/decode disaggregation: some replicas only prefill, handing each "
+                                       "prompt's KV pages to a decode replica (--kv-connector, shm by default); "
+                                       "--data-parallel replicas in all, at least 2")
+    prefill_replicas: int | None = option(None, "with --disaggregate: how many replicas prefill (default: half, "
+                                                "at least 1); the rest decode")
+    disaggregate_min_tokens: int = option(256, "with --disaggregate: a prompt whose uncached part is shorter than "
+                                               "this is prefilled on its decode replica (no hand-off)")
+
+    @property
+    def replicas(self) -> int:
+        """Engine processes in all: --data-parallel, at least 2 when disaggregated."""
+        return max(self.data_parallel, 2) if self.disaggregate else self.data_parallel
+
+    @property
+    def prefill(self) -> int:
+        """Replicas 0..prefill-1 prefill, the rest decode (0: every replica does both)."""
+        if not self.disaggregate:
+            return 0
+        return self.prefill_replicas if self.prefill_replicas is not None else self.replicas // 2
 
     def check(self) -> None:
         if self.data_parallel < 1:
             raise ValueError(f"data_parallel: must be a positive integer, got {self.data_parallel}")
+        if self.prefill_replicas is not None and not self.disaggregate:
+            raise ValueError("prefill_replicas: goes with disaggregate")
+        if self.disaggregate and not 1 <= self.prefill < self.replicas:
+            raise ValueError(f"prefill_replicas: must leave at least one of the {self.replicas} replicas to decode "
+                             f"and be at least 1, got {self.prefill_replicas}")
+        if self.disaggregate_min_tokens < 0:
+            raise ValueError(f"disaggregate_min_tokens: must be >= 0, got {self.disaggregate_min_tokens}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy: {self.router_policy!r} is not one of {', '.join(ROUTER_POLICIES)}")
         if not 0 <= self.router_cache_threshold <= 1:

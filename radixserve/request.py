@@ -241,6 +241,18 @@ class Retention:
         return cls(RETENTIONS[name], tokens) if RETENTIONS[name] else None
 
 
+@dataclass(frozen=True)
+class KVPages:
+    """A prompt's KV for tokens [start, upto), handed from the engine that computed it to the one
+    that continues the request (prefill/decode disaggregation; engine/kv_connector.py): `key`
+    names the pages at `location`, the producer's connector ("" when asking a producer to publish)."""
+
+    key: str
+    start: int
+    upto: int
+    location: str = ""
+
+
 @dataclass
 class TokenLogprob:
     """One position's log-probability, with the top alternatives (logprob, token_id)."""
@@ -281,6 +293,8 @@ class Req:
         self.retention = retention
         self.retain_until = time.time() + retention.seconds if retention is not None else 0.0  # epoch seconds
         self.disk_tokens = 0  # prompt tokens a lower tier put back into the pool for it (while it waited)
+        self.kv_export: KVPages | None = None  # publish these pages of its prompt once computed (a prefill replica)
+        self.kv_import: KVPages | None = None  # take these pages from another engine before it runs (a decode replica)
         self.max_new_tokens = params.max_new_tokens if params.max_new_tokens is not None else max_new_tokens
         self.arrival = time.monotonic()
         self.status = ReqStatus.WAITING

@@ -90,6 +90,9 @@ class KVPool:
         self.v_scale: list[torch.Tensor] = tensors(kv_heads, dtype=SCALE_DTYPE) if self.quantized else []
         for t in self.k + self.v + self.k_scale + self.v_scale:
             t[-1].zero_()  # the pad slot; a zero scale: it reads as zeros when quantized too
+        self.parts = [*self.k, *self.v, *self.k_scale, *self.v_scale]  # a token's KV, in `gather`'s order
+        self.part_row_bytes = [t[0].numel() * t.element_size() for t in self.parts]
+        self.row_bytes = sum(self.part_row_bytes)  # one slot's KV as stored, scales included
         n_win = sum(windowed)
         self.bytes_per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.kv_dtype)  # every layer
         self.window_bytes_per_token = kv_bytes_per_token(n_win, kv_heads, head_dim, self.kv_dtype)  # in the window pool
@@ -104,6 +107,22 @@ class KVPool:
     def nbytes(self) -> int:
         w = self.window_bytes_per_token
         return self.num_slots * (self.bytes_per_token - w) + self.window_slots * w
+
+    def gather(self, slots: list[int]) -> torch.Tensor:
+        """The stored KV of `slots`, as bytes on the CPU: each part's rows in turn (every layer's
+        K, every layer's V, then their scales), len(slots) * row_bytes in all. A one-pool layout only
+        (the disk tier and the KV hand-off refuse a sliding-window pool)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.k[0].device)
+        return torch.cat([t.index_select(0, idx).reshape(-1).view(torch.uint8) for t in self.parts]).cpu()
+
+    def scatter(self, data: torch.Tensor, rows: int, slots: list[int], skip: int = 0) -> None:
+        """Write rows [skip, skip + len(slots)) of `data`, what `gather` made of `rows` slots, into `slots`."""
+        dst = torch.tensor(slots, dtype=torch.long, device=self.k[0].device)
+        off = 0
+        for t, rb in zip(self.parts, self.part_row_bytes):
+            part = data[off : off + rows * rb].view(t.dtype).view(rows, *t.shape[1:])
+            t.index_copy_(0, dst, part[skip : skip + len(slots)].to(t.device))
+            off += rows * rb
 
     def pad_for(self, window: int) -> int:
         """The zeroed pad slot of a layer with this window (0: a full-attention layer)."""

@@ -17,6 +17,20 @@ blocks it finds again, so the router keeps what it knew of it.
 A request that had received nothing from it yet is resubmitted on another replica; one that
 had streamed part of its answer ends with an error naming the replica. If every replica is
 gone at once, the engine is `dead` (the server exits, as it does for one engine).
+
+Prefill/decode disaggregation (--disaggregate): replicas 0..P-1 prefill, the rest decode, as
+SGLang's PD router and vLLM's disaggregated proxy split them, so a long prompt's prefill never
+stalls another request's decode steps. A request is routed to a decode replica first (by prefix
+and load, among the decode replicas); that replica is asked how much of the prompt it already
+holds (`match_len`); if what is left is at least --disaggregate-min-tokens, a prefill replica
+(by prefix and load, among the prefill replicas: forks of one prompt meet in one prefill cache)
+computes the prompt up to its last token and publishes the KV pages past what the decode replica
+holds through the KV connector (engine/kv_connector.py: shm, or tcp), and the request goes to
+its decode replica carrying their key (engine/kv_handoff.py). The decode replica computes the
+last token itself and samples everything, so output is the colocated engine's. A failed
+prefill (its replica gone, its pages lost) costs only time: the decode replica computes the
+prompt. Every hand-off the coordinator begins, it releases when the request ends (whatever
+the path); a producer drops what is never taken after kv_connector.STAGED_TTL_S.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -34,11 +49,12 @@ from typing import Any
 
 from radixserve.cache.prefix import DEFAULT_TENANT, Namespace
 from radixserve.config import EngineConfig, RouterConfig
+from radixserve.engine import kv_connector
 from radixserve.engine.front import RequestFront
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.process import EngineProcess
 from radixserve.engine.protocol import EngineDied, EngineStats
-from radixserve.request import Req, SamplingParams
+from radixserve.request import KVPages, Req, SamplingParams
 from radixserve.routing import RouteKey, make_router
 
 log = logging.getLogger(__name__)
@@ -46,10 +62,14 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (1.0, 5.0, 30.0)  # before a dead replica's 1st, 2nd, 3rd and later restarts
 
 
+PREFILL, DECODE, BOTH = "prefill", "decode", "both"
+
+
 @dataclass
 class Replica:
     index: int
     engine: EngineProcess | None  # None while (re)starting
+    role: str = BOTH  # prefill or decode when disaggregated
     load: int = 0  # requests routed here and not finished
     restarts: int = 0
 
@@ -66,12 +86,16 @@ class DataParallelEngine(RequestFront):
     def __init__(self, model: str | None = None, router: RouterConfig | None = None, *,
                  restart: bool = True, **overrides: Any) -> None:
         self.router_config = cfg = router or RouterConfig(data_parallel=2)
+        cfg.check()
         self.router = make_router(cfg)
         self._model, self._restart = model, restart
+        n = cfg.replicas
+        if cfg.disaggregate:
+            overrides = {"kv_connector": "shm", **overrides}
         self.config = EngineConfig.build(model, **overrides)  # refuses a bad option before N processes start
         gpus = _visible_gpus() if self.config.model.device in ("auto", "cuda") else []
-        self._gpus = gpus if len(gpus) >= cfg.data_parallel else []
-        self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, cfg.data_parallel)
+        self._gpus = gpus if len(gpus) >= n else []
+        self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, n)
         # NOTE: loaded here, once: the replicas start on threads, and transformers' lazy imports
         # are not thread-safe (two threads importing AutoTokenizer at once fail)
         from radixserve.models.files import load_tokenizer, tokenizer_dir
@@ -81,15 +105,15 @@ class DataParallelEngine(RequestFront):
         self._closing = False
         self.dead: str | None = None
         self.on_death: Callable[[str], None] | None = None
-        with ThreadPoolExecutor(cfg.data_parallel) as pool:
-            futures = [pool.submit(self._start, i) for i in range(cfg.data_parallel)]
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(self._start, i) for i in range(n)]
             errors = [f.exception() for f in futures]
         started = [f.result() for f in futures if f.exception() is None]
-        if len(started) < cfg.data_parallel:
+        if len(started) < n:
             for e in started:
                 e.shutdown()
             raise next(e for e in errors if e is not None)
-        self.replicas = [Replica(i, e) for i, e in enumerate(started)]
+        self.replicas = [Replica(i, e, _role(i, cfg.prefill)) for i, e in enumerate(started)]
         first = started[0]  # what the replicas share, as the first one reports it
         self.model_name, self.model_path, self.quantization = first.model_name, first.model_path, first.quantization
         self.context_len, self.vocab_size, self.model_vocab_size = first.context_len, first.vocab_size, first.model_vocab_size
@@ -98,6 +122,9 @@ class DataParallelEngine(RequestFront):
         self.load_seconds, self.load_peak_rss, self.cpu_kernels = first.load_seconds, first.load_peak_rss, first.cpu_kernels
         self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet
         self._running: dict[str, int] = {}  # rid -> replica, submitted
+        self._handoffs: dict[str, KVPages | None] = {}  # rid -> the pages a prefill replica was asked to publish (None: none)
+        self._prefilling: dict[str, _Prefill] = {}  # rid -> its prefill under way
+        self._cancelled: set[str] = set()  # rids aborted while their prefill ran
         for r in self.replicas:
             self._watch(r)
 
@@ -106,9 +133,13 @@ class DataParallelEngine(RequestFront):
         return next((r.engine.pid for r in self.replicas if r.engine is not None), 0)
 
     def _start(self, i: int) -> EngineProcess:
-        return EngineProcess(self._model, env=_replica_env(i, self.router_config.data_parallel, self._gpus),
-                             tokenizer=self.tokenizer, **_replica_disk(self.config, self._overrides, i,
-                                                                       self.router_config.data_parallel))
+        n = self.router_config.replicas
+        return EngineProcess(self._model, env=_replica_env(i, n, self._gpus), tokenizer=self.tokenizer,
+                             **_replica_disk(self.config, self._overrides, i, n))
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.router_config.disaggregate
 
     @property
     def _keeps_prefixes(self) -> bool:
@@ -122,12 +153,14 @@ class DataParallelEngine(RequestFront):
             return
         self._placed[req.rid] = self._choose(req, hint, exclude=())
 
-    def _choose(self, req: Req, hint: str | None, exclude: tuple[int, ...] | set[int]) -> int:
+    def _choose(self, req: Req, hint: str | None, exclude: tuple[int, ...] | set[int], role: str = DECODE) -> int:
+        """A healthy replica that runs `role` (decode: the request itself; prefill: its hand-off)."""
         ns = Namespace(req.tenant or DEFAULT_TENANT, req.cache_salt)
         with self._lock:
-            loads = {r.index: r.load for r in self.replicas if r.healthy and r.index not in exclude}
+            loads = {r.index: r.load for r in self.replicas
+                     if r.healthy and r.index not in exclude and r.role in (role, BOTH)}
             if not loads:
-                raise EngineDied("no data-parallel replica is serving (restarting)")
+                raise EngineDied(f"no data-parallel {role} replica is serving (restarting)")
             keyed = req.token_ids[:min(req.prompt_len, self.router_config.router_max_prefix_tokens)]
             i = self.router.choose(RouteKey(ns, keyed, hint), loads)
             self.replicas[i].load += 1
@@ -141,6 +174,10 @@ class DataParallelEngine(RequestFront):
     async def prepare_grammar(self, req: Req) -> None:
         """Compile on the replica the request goes to; if it dies meanwhile, on another."""
         tried: set[int] = set()
+        if req.grammar_spec is not None and self.disaggregated:
+            self.route(req)
+            if not await self._prefill_elsewhere(req, self._placed[req.rid]):  # before it is sent ahead to decode
+                return  # aborted meanwhile: its submit ends at once
         while True:
             self.route(req)
             i = self._placed[req.rid]
@@ -164,6 +201,10 @@ class DataParallelEngine(RequestFront):
         i = self._placed.pop(req.rid)
         tried: set[int] = set()
         try:
+            if self.disaggregated and (req.rid in self._cancelled or (
+                    req.rid not in self._handoffs and not await self._prefill_elsewhere(req, i))):
+                yield _ended(req, "abort")
+                return
             while True:
                 self._running[req.rid] = i
                 received = False
@@ -181,7 +222,7 @@ class DataParallelEngine(RequestFront):
                     i = self._choose(req, None, exclude=tried)
                 except EngineDied as e:
                     i = -1
-                    yield _failed(req, str(e))
+                    yield _ended(req, "error", str(e))
                     return
                 log.warning("request %s: replica %s died before answering; resubmitted on replica %d",
                             req.rid, sorted(tried), i)
@@ -189,6 +230,72 @@ class DataParallelEngine(RequestFront):
             self._running.pop(req.rid, None)
             if i >= 0:
                 self._release(i)
+            self._end_handoff(req.rid)
+
+    # -- prefill/decode disaggregation --------------------------------------------------------
+    async def _prefill_elsewhere(self, req: Req, d: int) -> bool:
+        """Have a prefill replica compute the request's prompt (but its last token) and publish
+        the pages decode replica `d` lacks; on success the request carries their key
+        (`kv_import`). Any failure leaves it without: `d` computes the prompt. False if the
+        request was aborted meanwhile."""
+        self._handoffs[req.rid] = None
+        page = self.config.cache.page_size
+        upto = (req.prompt_len - 1) // page * page
+        engine = self.replicas[d].engine
+        state = self._prefilling[req.rid] = _Prefill(-1, f"{req.rid}/prefill")
+        try:
+            have = await engine.match_len(req) if engine is not None else 0
+            if not state.aborted and upto - have >= max(self.router_config.disaggregate_min_tokens, 1):
+                state.replica = self._choose(req, None, exclude=(), role=PREFILL)
+        except EngineDied:
+            pass  # no replica to ask or to prefill on: the decode replica computes the prompt
+        finally:
+            if state.replica < 0:
+                self._prefilling.pop(req.rid, None)
+        if (p := state.replica) < 0:
+            return self._settled(req, state)
+        pages = KVPages(secrets.token_hex(16), have // page * page, upto)
+        pre = Req(req.token_ids[:upto], SamplingParams(max_new_tokens=1, temperature=0.0), rid=state.rid,
+                  priority=req.priority, max_new_tokens=1, tenant=req.tenant, cache_salt=req.cache_salt,
+                  public_prefix_len=min(req.public_prefix_len, upto))
+        pre.kv_export = pages
+        producer = self.replicas[p].engine
+        ok = False
+        try:
+            if producer is not None:
+                self._handoffs[req.rid] = dataclasses.replace(pages, location=producer.kv_location)
+                async with aclosing(producer.submit(pre)) as deltas:
+                    async for delta in deltas:
+                        out = delta.output
+                        if delta.finished and out is not None:
+                            ok = out.error is None and out.finish_reason == "length"
+                            if not ok:
+                                log.warning("request %s: its prefill on replica %d failed (%s); its decode replica "
+                                            "computes the prompt", req.rid, p, out.error or out.finish_reason)
+        except EngineDied:
+            pass
+        finally:
+            self._prefilling.pop(req.rid, None)
+            self._release(p)
+        if ok:
+            req.kv_import = self._handoffs[req.rid]
+        return self._settled(req, state)
+
+    def _settled(self, req: Req, state: _Prefill) -> bool:
+        """False (and the request remembered as cancelled) if it was aborted during its prefill."""
+        if state.aborted:
+            self._cancelled.add(req.rid)
+        return not state.aborted
+
+    def _end_handoff(self, rid: str) -> None:
+        """Drop what the request's prefill replica published, if it is still there (taken, this is a no-op)."""
+        self._cancelled.discard(rid)
+        pages = self._handoffs.pop(rid, None)
+        if pages is not None:
+            if pages.location.startswith("shm:"):
+                kv_connector.release(pages.location, pages.key)
+            else:  # a socket call: off the event loop
+                threading.Thread(target=kv_connector.release, args=(pages.location, pages.key), daemon=True).start()
 
     async def _stream(self, i: int, req: Req, max_backlog: int | None) -> AsyncGenerator[Delta | None, None]:
         """Replica i's deltas; a single None if it died before the first one."""
@@ -213,9 +320,16 @@ class DataParallelEngine(RequestFront):
             yield None
 
     def abort(self, rid: str) -> None:
+        if (pre := self._prefilling.get(rid)) is not None:  # its prefill is under way: it ends there
+            pre.aborted = True
+            producer = self.replicas[pre.replica].engine if pre.replica >= 0 else None
+            if producer is not None:
+                producer.abort(pre.rid)
+            return
         i = self._placed.pop(rid, None)
         if i is not None:  # routed, never submitted (its client left, or it was refused)
             self._release(i)
+            self._end_handoff(rid)
             return
         i = self._running.get(rid)
         engine = self.replicas[i].engine if i is not None else None
@@ -241,8 +355,8 @@ class DataParallelEngine(RequestFront):
         """For /server_info: the router and each replica's process, health, load, restarts and KV."""
         snaps = self.replica_snapshots()
         with self._lock:
-            replicas = [{"replica": r.index, "pid": r.engine.pid if r.engine else None, "healthy": r.healthy,
-                         "load": r.load, "restarts": r.restarts, "kv": dataclasses.asdict(s)}
+            replicas = [{"replica": r.index, "role": r.role, "pid": r.engine.pid if r.engine else None,
+                         "healthy": r.healthy, "load": r.load, "restarts": r.restarts, "kv": dataclasses.asdict(s)}
                         for r, s in zip(self.replicas, snaps)]
             return {"router": {"policy": self.router.name, "decisions": dict(self.router.decisions)}, "replicas": replicas}
 
@@ -315,8 +429,20 @@ class DataParallelEngine(RequestFront):
         self.shutdown()
 
 
-def _failed(req: Req, why: str) -> Delta:
-    out = Output(req.rid, "", [], "error", req.prompt_len, 0, 0, error=why)
+def _role(i: int, prefill: int) -> str:
+    """Replica i's role: the first `prefill` replicas prefill, the rest decode (0: all do both)."""
+    return BOTH if not prefill else PREFILL if i < prefill else DECODE
+
+
+@dataclass
+class _Prefill:
+    replica: int  # -1 until chosen
+    rid: str  # the prefill request's
+    aborted: bool = False
+
+
+def _ended(req: Req, reason: str, why: str | None = None) -> Delta:
+    out = Output(req.rid, "", [], reason, req.prompt_len, 0, 0, error=why)
     return Delta(req.rid, "", finished=True, output=out)
 
 

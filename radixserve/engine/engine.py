@@ -27,6 +27,8 @@ from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.front import DeltaStream, Prompt, RequestFront
 from radixserve.engine.jump_forward import forced_after
+from radixserve.engine.kv_connector import make_connector
+from radixserve.engine.kv_handoff import KVHandoff
 from radixserve.engine.kv_tier import KVTier, model_fingerprint
 from radixserve.engine.loop import EngineLoop, Stop
 from radixserve.engine.outputs import Delta, Output
@@ -114,7 +116,8 @@ class Engine(RequestFront):
         self.post = PostProcessor(self.tokenizer, self.sampler, self.eos_ids, self.context_len)
         self.post.jump_forward = not cfg.disable_jump_forward
         self.tier = self._disk_tier(loaded.path)
-        self._loop = EngineLoop(self.scheduler, self.runner, self.post, self.tier)
+        self.handoff = self._kv_handoff()
+        self._loop = EngineLoop(self.scheduler, self.runner, self.post, self.tier, self.handoff)
         self._loop.on_idle = self._grammar_cache.warm
         self._snapshot = self._stats()
         self.on_change: Callable[[], None] | None = None  # after each step or command, on the loop (the engine process sends there)
@@ -185,6 +188,29 @@ class Engine(RequestFront):
         facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization]
         store = DiskStore(c.kv_disk_dir, int(c.kv_disk_gb * 1e9), c.kv_disk_block_tokens, dict(c.tenant_max_cached_tokens))
         return KVTier(store, self.pool, model_fingerprint(Path(path), facts))
+
+    def _kv_handoff(self) -> KVHandoff | None:
+        """Prefill/decode disaggregation's KV connector (--kv-connector)."""
+        c = self.config.cache
+        if c.kv_connector is None:
+            return None
+        if self.cache.windowed is not None:
+            raise ValueError("kv_connector: the KV hand-off does not move a sliding-window pool's KV yet; "
+                             "add --disable-hybrid-swa-memory to use it with this model")
+        if self.parallel is not None:
+            raise ValueError("kv_connector: the KV hand-off does not move a split pool's KV (each rank holds part "
+                             "of it) yet; leave out tensor_parallel or pipeline_parallel")
+        return KVHandoff(self.pool, make_connector(c.kv_connector, c.kv_connector_host))
+
+    @property
+    def kv_location(self) -> str:
+        """Where another engine takes the KV pages this one publishes ("" without a connector)."""
+        return self.handoff.location if self.handoff is not None else ""
+
+    def match_len(self, req: Req) -> int:
+        """How much of the request's prompt the prefix cache holds now (waits for the step to end)."""
+        with self._loop.lock:
+            return self.cache.match_len(req)
 
     def _proposer(self) -> NgramProposer | None:
         s = self.config.spec
@@ -385,6 +411,7 @@ class Engine(RequestFront):
             kv_window_cached_tokens=prefix.window_tokens if self.cache.windowed is not None else 0,
             kv_pool_bytes=self.pool.nbytes,
             **(self.tier.stats() if self.tier is not None else {}),
+            **(self.handoff.stats() if self.handoff is not None else {}),
             **vars(c),
         )
 
@@ -418,6 +445,8 @@ class Engine(RequestFront):
             self.parallel.close()
         if self.tier is not None:
             self.tier.close()
+        if self.handoff is not None:
+            self.handoff.close()
         self.runner.close()
         self._grammar_cache.shutdown()  # kills its compile workers
 

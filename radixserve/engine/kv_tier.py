@@ -70,10 +70,8 @@ class KVTier:
         self.store = store
         self.fingerprint = fingerprint
         self.block = store.block_tokens
-        self.tensors = [*pool.k, *pool.v, *pool.k_scale, *pool.v_scale]  # a block's payload, in this order
-        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
-        self.block_bytes = self.block * sum(self.row_bytes)
-        self.device = pool.k[0].device
+        self.pool = pool
+        self.block_bytes = self.block * pool.row_bytes  # a block's payload: pool.gather of its slots
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # keys gathered, not yet written
         self._pending_bytes = 0
@@ -110,13 +108,8 @@ class KVTier:
                     continue
                 self._pending.add(key)
                 self._pending_bytes += self.block_bytes
-            payload = self._gather(slots[i * b : (i + 1) * b])
+            payload = self.pool.gather(slots[i * b : (i + 1) * b])
             self._writes.put(("put", key, ns, req.token_ids[i * b : (i + 1) * b], payload, until))
-
-    def _gather(self, slots: list[int]) -> torch.Tensor:
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        parts = [t.index_select(0, idx).reshape(-1).view(torch.uint8) for t in self.tensors]
-        return torch.cat(parts).cpu()
 
     def _write_loop(self) -> None:
         while (job := self._writes.get()) is not None:
@@ -197,13 +190,8 @@ class KVTier:
                 lo, hi = max(at, start + j * b), start + (j + 1) * b
                 if lo >= hi:
                     continue
-                dst = torch.tensor(slots[lo - at : hi - at], dtype=torch.long, device=self.device)
-                buf = torch.frombuffer(payload, dtype=torch.uint8)
-                off = 0
-                for t, rb in zip(self.tensors, self.row_bytes):
-                    rows = buf[off : off + b * rb].view(t.dtype).view(b, *t.shape[1:])
-                    t.index_copy_(0, dst, rows[lo - start - j * b : hi - start - j * b].to(self.device))
-                    off += b * rb
+                self.pool.scatter(torch.frombuffer(payload, dtype=torch.uint8), b, slots[lo - at : hi - at],
+                                  lo - start - j * b)
 
         t0 = time.perf_counter()
         req.disk_tokens = cache.adopt(req, upto, fill, have_from=start)

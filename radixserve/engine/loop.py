@@ -1,7 +1,8 @@
 """The engine loop: drain commands, schedule, run, post-process (engine.postprocess), stream.
 
 Callers talk to it only through `inbox` (commands in: Add, Abort, Stop; Loaded from the disk
-tier's reader) and per-request sinks (deltas out). It runs on its own thread in-process, or on the main thread of the engine process.
+tier's or the KV hand-off's reader) and per-request sinks (deltas out). It runs on its own
+thread in-process, or on the main thread of the engine process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.engine.kv_handoff import KVHandoff
 from radixserve.engine.kv_tier import KVTier
 from radixserve.engine.outputs import Delta
 from radixserve.engine.postprocess import PostProcessor
@@ -43,21 +45,25 @@ class Stop:
 
 @dataclass(frozen=True)
 class Loaded:
-    """The disk tier has read a waiting request's blocks (engine.kv_tier), from block `first`."""
+    """A lower tier has read a waiting request's KV: the disk tier (engine.kv_tier) its blocks from
+    block `first`, or the KV hand-off (engine.kv_handoff) another engine's pages from token `first`."""
 
     req: Req  # the request itself, not its rid: a rid may be reused once its request has left
     first: int
     payloads: list[memoryview]
+    source: KVTier | KVHandoff
 
 
 Command = Add | Abort | Stop | Loaded
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, post: PostProcessor, tier: KVTier | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, post: PostProcessor, tier: KVTier | None = None,
+                 handoff: KVHandoff | None = None) -> None:
         self.scheduler = scheduler
         self.tier = tier
-        self.loading: dict[str, Req] = {}  # requests waiting for the disk tier, outside the scheduler
+        self.handoff = handoff
+        self.loading: dict[str, Req] = {}  # requests waiting for the disk tier or the hand-off, outside the scheduler
         self.runner = runner
         self.post = post
         self.inbox: queue.Queue[Command] = queue.Queue()
@@ -148,11 +154,10 @@ class EngineLoop:
             if self.loading.get(cmd.req.rid) is not cmd.req:  # it left meanwhile
                 return True
             req = self.loading.pop(cmd.req.rid)
-            assert self.tier is not None
             try:
-                self.tier.put_back(req, self.scheduler.cache, cmd.first, cmd.payloads)
+                cmd.source.put_back(req, self.scheduler.cache, cmd.first, cmd.payloads)
             except Exception:  # the request computes what it could not put back
-                log.exception("KV disk tier: putting %s's blocks back failed (a miss)", req.rid)
+                log.exception("putting %s's KV into the pool failed (a miss)", req.rid)
             self.scheduler.add(req)
         elif isinstance(cmd, Abort):
             if (left := self.loading.pop(cmd.rid, None)) is not None:
@@ -205,24 +210,50 @@ class EngineLoop:
             self.scheduler.process(plan, result.accepted, kept)
             if self.tier is not None:
                 self._write_through(plan)
+            if self.handoff is not None:
+                self._export(plan)
 
     def _fetch(self, req: Req) -> bool:
-        """Ask the disk tier for the request's blocks; True if it waits for them (a Loaded)."""
+        """Ask the KV hand-off for the request's pages, or the disk tier for its blocks; True if
+        it waits for them (a Loaded)."""
+        if req.kv_import is not None and self.handoff is not None:
+            handoff = self.handoff
+            handoff.fetch(req, lambda first, got: self.inbox.put(Loaded(req, first, got, handoff)))
+            return True
         if self.tier is None:
             return False
         try:
-            return self.tier.fetch(req, self.scheduler.cache, lambda first, got: self.inbox.put(Loaded(req, first, got)))
+            tier = self.tier
+            return tier.fetch(req, self.scheduler.cache, lambda first, got: self.inbox.put(Loaded(req, first, got, tier)))
         except Exception:
             log.exception("KV disk tier: looking up %s's blocks failed (a miss)", req.rid)
             return False
 
+    @staticmethod
+    def _prefilled(plan: SchedulePlan) -> list[Req]:
+        """The requests whose prompt's last token was computed this step (their KV is in the pool)."""
+        return [it.req for it in plan.items
+                if it.spec is None and it.start < it.req.prompt_len <= it.start + it.length
+                and it.req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR)]
+
     def _write_through(self, plan: SchedulePlan) -> None:
-        """Prompts whose prefill ended this step go to the disk tier (their KV is in the pool)."""
-        for it in plan.items:
-            req = it.req
-            if (it.spec is None and it.start < req.prompt_len <= it.start + it.length
-                    and req.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR)):
-                self._save(req, self.scheduler.cache.slots(req))
+        """Prompts whose prefill ended this step go to the disk tier."""
+        for req in self._prefilled(plan):
+            self._save(req, self.scheduler.cache.slots(req))
+
+    def _export(self, plan: SchedulePlan) -> None:
+        """Prompts whose prefill ended this step, marked kv_export, publish their pages; one that
+        cannot ends with an error (its coordinator then has the decode side compute them)."""
+        assert self.handoff is not None
+        for req in self._prefilled(plan):
+            if req.kv_export is None:
+                continue
+            try:
+                self.handoff.export(req, self.scheduler.cache.slots(req))
+            except Exception as e:
+                log.exception("KV hand-off: publishing %s's pages failed", req.rid)
+                req.error = f"publishing its KV pages failed: {e!r}"
+                req.finish_reason = FinishReason.ERROR  # over its length finish: the hand-off is what it was for
 
     def _save(self, req: Req, slots: list[int], upto: int | None = None) -> None:
         assert self.tier is not None

@@ -52,6 +52,7 @@ from radixserve.engine.protocol import (
     FlushCache,
     FromEngine,
     GetStats,
+    MatchLen,
     Reply,
     Shutdown,
     ToEngine,
@@ -102,6 +103,7 @@ class EngineProcess(RequestFront):
         self.dtype, self.device, self.pid = info.dtype, info.device, info.pid
         self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
         self.load_seconds, self.load_peak_rss, self.cpu_kernels = info.load_seconds, info.load_peak_rss, info.cpu_kernels
+        self.kv_location = info.kv_location
         self.default_max_new_tokens = self.config.default_max_new_tokens
         self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots, kv_dtype=info.kv_dtype,
                                      kv_bytes_per_token=info.kv_bytes_per_token)
@@ -205,6 +207,14 @@ class EngineProcess(RequestFront):
 
     def check_integrity(self) -> None:
         self._wait(self._call(CheckIntegrity))
+
+    async def match_len(self, req: Req) -> int:
+        """How much of the request's prompt the engine's prefix cache holds now, in tokens."""
+        reply = await asyncio.wrap_future(self._call(lambda cid: MatchLen(
+            cid, req.token_ids[: req.prompt_len], req.tenant, req.cache_salt, req.public_prefix_len)))
+        if reply.error is not None:
+            raise reply.error.exception()
+        return int(reply.value or 0)
 
     def _call(self, make: Callable[[int], Call]) -> Future[Reply]:
         """Send the call `make` builds with a fresh call id; its Reply completes the future."""
@@ -330,7 +340,7 @@ class _Core:
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid(),
                              e.quantization, e.weight_bytes,
                              str(e.kv_dtype).removeprefix("torch."), e.pool.bytes_per_token, e.load_seconds,
-                             e.load_peak_rss, e.cpu_kernels))
+                             e.load_peak_rss, e.cpu_kernels, e.kv_location))
         self._flush()  # the first stats, before any step
 
     def send(self, msg: Any) -> None:
@@ -377,6 +387,10 @@ class _Core:
                     reply = Reply(msg.call_id, stats=e.stats())
                 elif isinstance(msg, FlushCache):
                     reply = Reply(msg.call_id, value=e.flush_cache(msg.keep_disk))
+                elif isinstance(msg, MatchLen):
+                    probe = Req(list(msg.input_ids), SamplingParams(), tenant=msg.tenant, cache_salt=msg.cache_salt,
+                                public_prefix_len=msg.public_prefix_len)
+                    reply = Reply(msg.call_id, value=e.match_len(probe))
                 else:
                     e.check_integrity()
                     reply = Reply(msg.call_id)

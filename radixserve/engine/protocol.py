@@ -20,7 +20,7 @@ import msgspec
 from grammars.spec import GrammarError
 from radixserve.config import EngineConfig
 from radixserve.engine.outputs import Delta
-from radixserve.request import InvalidParam, Req, Retention, SamplingParams
+from radixserve.request import InvalidParam, KVPages, Req, Retention, SamplingParams
 
 __all__ = ["InvalidParam", "EngineClient", "EngineDied", "EngineStats", "AddRequest"]
 
@@ -73,6 +73,9 @@ class EngineStats:
     kv_disk_skipped_tokens: int = 0  # not written: the writer too far behind, or no room without a retained block
     kv_disk_loaded_tokens: int = 0  # put back into the pool
     kv_disk_corrupt_blocks: int = 0  # found torn or corrupt by a read: misses, deleted
+    kv_exported_tokens: int = 0  # prefill/decode hand-off (--kv-connector): prompt tokens' KV published for another engine
+    kv_imported_tokens: int = 0  # taken from another engine and put into the pool
+    kv_staged_handoffs: int = 0  # published and not yet taken (dropped after kv_connector.STAGED_TTL_S)
 
     @classmethod
     def sum(cls, parts: list[EngineStats]) -> EngineStats:
@@ -113,16 +116,20 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     public_prefix_len: int = 0
     call_id: int = 0
     retention: Retention | None = None
+    kv_export: KVPages | None = None
+    kv_import: KVPages | None = None
 
     @classmethod
     def of(cls, req: Req, call_id: int = 0) -> AddRequest:
         return cls(req.rid, req.token_ids[: req.prompt_len], req.params, req.max_new_tokens, req.priority, req.tenant,
-                   req.cache_salt, req.public_prefix_len, call_id, req.retention)
+                   req.cache_salt, req.public_prefix_len, call_id, req.retention, req.kv_export, req.kv_import)
 
     def build(self) -> Req:
-        return Req(list(self.input_ids), self.params, rid=self.rid, priority=self.priority,
-                   max_new_tokens=self.max_new_tokens, tenant=self.tenant, cache_salt=self.cache_salt,
-                   public_prefix_len=self.public_prefix_len, retention=self.retention)
+        req = Req(list(self.input_ids), self.params, rid=self.rid, priority=self.priority,
+                  max_new_tokens=self.max_new_tokens, tenant=self.tenant, cache_salt=self.cache_salt,
+                  public_prefix_len=self.public_prefix_len, retention=self.retention)
+        req.kv_export, req.kv_import = self.kv_export, self.kv_import
+        return req
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -142,14 +149,25 @@ class CheckIntegrity(msgspec.Struct, tag="check_integrity", frozen=True):
     call_id: int
 
 
-Call = AddRequest | GetStats | FlushCache | CheckIntegrity  # each answered by one Reply with its call_id (AddRequest: when it has one)
+class MatchLen(msgspec.Struct, tag="match_len", frozen=True):
+    """How much of a prompt the engine's prefix cache holds now (Reply.value, in tokens)."""
+
+    call_id: int
+    input_ids: list[int]
+    tenant: str | None = None
+    cache_salt: str | None = None
+    public_prefix_len: int = 0
+
+
+# each Call is answered by one Reply with its call_id (an AddRequest: when it has one)
+Call = AddRequest | GetStats | FlushCache | CheckIntegrity | MatchLen
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToEngine = AddRequest | Abort | GetStats | FlushCache | CheckIntegrity | Shutdown
+ToEngine = AddRequest | Abort | GetStats | FlushCache | CheckIntegrity | MatchLen | Shutdown
 
 
 # -- engine -> front ----------------------------------------------------------------------------
@@ -173,6 +191,7 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     load_seconds: float = 0.0  # the model's load (weights read and packed), and the process's peak RSS then
     load_peak_rss: int = 0
     cpu_kernels: str = ""  # the native CPU kernels' build (kernels.cpu: avx512+vnni+bf16, avx2, ...), or ""
+    kv_location: str = ""  # its KV connector's address (--kv-connector; engine/kv_connector.py), or ""
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         kwargs["grammar_tenant_compiles"] = kwargs["grammar_compile_workers"]
     routing = router_config(args)
     engine: EngineClient
-    if routing.data_parallel > 1:  # N engine processes behind this server, requests routed by prefix and load
+    if routing.replicas > 1:  # N engine processes behind this server, requests routed by prefix and load
         from radixserve.engine.data_parallel import DataParallelEngine
 
         engine = DataParallelEngine(args.model, routing, **kwargs, tenant_max_cached_tokens=quotas)
