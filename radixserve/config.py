@@ -226,8 +226,9 @@ class RouterConfig:
                                        "--data-parallel replicas in all, at least 2")
     prefill_replicas: int | None = option(None, "with --disaggregate: how many replicas prefill (default: half, "
                                                 "at least 1); the rest decode")
-    disaggregate_min_tokens: int = option(256, "with --disaggregate: a prompt whose uncached part is shorter than "
-                                               "this is prefilled on its decode replica (no hand-off)")
+    disaggregate_min_tokens: int = option(32, "with --disaggregate: a prompt whose uncached part is shorter than "
+                                              "this is prefilled on its decode replica (no hand-off: as llm-d's "
+                                              "threshold)")
 
     @property
     def replicas(self) -> int:

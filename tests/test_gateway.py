@@ -109,7 +109,7 @@ def test_every_manifest_parses_and_builtin_kinds_validate_against_the_kubernetes
     docs = _manifests()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["Deployment", "Service", "InferencePool", "HTTPRoute", "ConfigMap", "ServiceAccount", "Role",
-                            "RoleBinding", "Deployment", "Service"])
+                            "RoleBinding", "Deployment", "Service", "PodMonitor", "ScaledObject"])
     for doc in (d for d in docs if d["kind"] in BUILTIN_KINDS):
         for version in ("1.29.0", kubernetes_validate.latest_version()):  # strict: an unknown field fails
             kubernetes_validate.validate(doc, version, strict=True)
@@ -117,6 +117,26 @@ def test_every_manifest_parses_and_builtin_kinds_validate_against_the_kubernetes
         bad = _get("Deployment", "radixserve")
         bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
         kubernetes_validate.validate(bad, "1.29.0", strict=True)
+
+
+def test_the_keda_scaled_object_scales_the_deployment_on_metrics_the_pods_export():
+    """keda-scaledobject.yaml: it targets radixserve.yaml's Deployment, scrapes its pods' port,
+    and every metric its queries name is one the server exports (the gauges, the TTFT histogram)."""
+    scaled, monitor, pods = _get("ScaledObject", "radixserve"), _get("PodMonitor", "radixserve"), _get("Deployment", "radixserve")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == pods["metadata"]["name"]
+    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]  # scale to zero: off
+    labels = pods["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ports = [p["name"] for p in pods["spec"]["template"]["spec"]["containers"][0]["ports"]]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["http"] and "http" in ports
+    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    names = {n for q in queries for n in re.findall(r"(radixserve[:_][a-z_:]+)\{", q)}
+    assert names == {WAITING, KV, "radixserve_time_to_first_token_seconds_bucket"}
+    metrics = Metrics(EngineStats, lambda: 0, 1.0, 0.1)
+    metrics.observe(0.5, 1.0, 4, "stop")
+    exported = {s.name for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert names <= exported
+    assert all(t["type"] == "prometheus" and float(t["metadata"]["threshold"]) > 0 for t in scaled["spec"]["triggers"])
 
 
 def test_the_inference_pool_validates_against_the_crd_schema():

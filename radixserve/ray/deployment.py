@@ -12,20 +12,25 @@ server is closed, and the server aborts the request and frees its KV.
 `check_health` (Ray Serve calls it every health_check_period_s) fails once the server exited
 or its /health is not 200, so the controller replaces the replica and routers stop sending to
 it. `record_routing_stats` (Ray's routing-stats hook) reports the engine's KV and prefill
-counters. The server is stopped (drained) when Serve shuts the replica down, and killed with
-the replica process otherwise (local_server.py).
+counters; `record_autoscaling_stats` (Ray's custom-metrics hook) the autoscaling signals
+(requests waiting and running, KV usage, TTFT p90: autoscale.py). A replica logs its cold start:
+from its actor's start to its server ready, and to its first answer. The server is stopped
+(drained) when Serve shuts the replica down, and killed with the replica process otherwise
+(local_server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 from ray import serve
 
+from radixserve.ray.autoscale import SIGNALS
 from radixserve.ray.envelope import RESPONSE_OWN, Envelope, Head, end_to_end
 from radixserve.ray.errors import ReplicaGone
 from radixserve.ray.local_server import LocalServer
@@ -40,11 +45,14 @@ REPLICA_HEADER = "x-radixserve-replica"
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class RadixServeReplica:
     def __init__(self, spec: ReplicaSpec, start_timeout: float = 600.0) -> None:
+        self._born = time.monotonic()
         self.id = serve.get_replica_context().replica_id.unique_id
         self._admin_key = spec.admin_key()
         self.server = LocalServer(list(spec.argv), start_timeout, spec.tenants)
         self._session: aiohttp.ClientSession | None = None
-        log.info("radixserve replica %s: server %s (pid %s)", self.id, self.server.url, self.server.pid)
+        self.cold_start: dict[str, float] = {"server_ready_s": round(time.monotonic() - self._born, 3)}
+        log.info("radixserve replica %s: server %s (pid %s) ready %.2f s after the replica started", self.id,
+                 self.server.url, self.server.pid, self.cold_start["server_ready_s"])
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:  # made on the replica's event loop, on first use
@@ -67,6 +75,10 @@ class RadixServeReplica:
                 raise ReplicaGone(self.id, why)
             yield Head(resp.status, (*end_to_end(resp.headers, RESPONSE_OWN), (REPLICA_HEADER, self.id)), self.id)
             async for chunk in resp.content.iter_any():
+                if "first_answer_s" not in self.cold_start and resp.status == 200:
+                    self.cold_start["first_answer_s"] = round(time.monotonic() - self._born, 3)
+                    log.info("radixserve replica %s: cold start: first answer %.2f s after the replica started (server "
+                             "ready at %.2f s)", self.id, self.cold_start["first_answer_s"], self.cold_start["server_ready_s"])
                 yield chunk
             complete = True
         except aiohttp.ClientError as e:
@@ -93,20 +105,31 @@ class RadixServeReplica:
         if (why := await self._cannot_serve()) is not None:
             raise RuntimeError(f"radixserve replica {self.id}: {why}")
 
-    async def record_routing_stats(self) -> dict[str, Any]:
-        """The replica's server: its URL and pids, and (with an admin key, or no key configured)
-        its engine's counters as /server_info's `kv` (prefill_tokens_computed, running, ...)."""
+    async def _server_info(self) -> dict[str, Any]:
+        """The server's /server_info as an admin sees it (with an admin key, or no key configured);
+        {} if it does not answer."""
         headers = {"Authorization": f"Bearer {self._admin_key}"} if self._admin_key else {}
-        info: dict[str, Any] = {}
         try:
             async with self._client().get(f"{self.server.url}/server_info", headers=headers,
                                           timeout=aiohttp.ClientTimeout(HEALTH_TIMEOUT_S)) as r:
                 if r.status == 200:
-                    info = await r.json()
+                    info: dict[str, Any] = await r.json()
+                    return info
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
+        return {}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """The replica's server: its URL and pids, its cold start, and its engine's counters as
+        /server_info's `kv` (prefill_tokens_computed, running, ...)."""
+        info = await self._server_info()
         return {"replica": self.id, "url": self.server.url, "server_pid": self.server.pid,
-                "engine_pid": info.get("engine_pid"), "kv": info.get("kv")}
+                "engine_pid": info.get("engine_pid"), "kv": info.get("kv"), "cold_start": self.cold_start}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The autoscaling signals (autoscale.SIGNALS) from /server_info's `autoscaling`."""
+        signals = (await self._server_info()).get("autoscaling") or {}
+        return {name: float(signals.get(name, 0.0)) for name in SIGNALS}
 
     def __del__(self) -> None:
         """Serve's graceful shutdown: the server drains (what runs already finished: Serve waits

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-RAY_ONLY = frozenset({"ray", "replicas", "host", "port"})  # the Ray proxy's, not a replica server's
+RAY_ONLY = frozenset({"ray", "replicas", "host", "port", "max_replicas", "warm_replicas", "autoscale_waiting",
+                      "autoscale_kv_usage", "autoscale_ttft_p90", "upscale_delay_s", "downscale_delay_s"})  # not a replica's
 
 
 class _Parser(argparse.ArgumentParser):

@@ -22,17 +22,34 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from radixserve.ray.autoscale import AutoscaleConfig
 from radixserve.ray.options import ReplicaSpec, options_from_args, parse
 
 log = logging.getLogger("radixserve.ray")
 APP_NAME = "radixserve"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-BUILDER_ARGS = ("model", "replicas", "options", "ray_actor_options", "health_check_period_s", "health_check_timeout_s")
+BUILDER_ARGS = ("model", "replicas", "options", "ray_actor_options", "health_check_period_s", "health_check_timeout_s",
+                "autoscaling")
+
+
+def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """`radixserve serve --ray --max-replicas N ...`'s autoscaling (None without --max-replicas)."""
+    if args.max_replicas is None:
+        if args.replicas < 1:
+            raise ValueError(f"replicas: must be a positive integer, got {args.replicas} (0 goes with --max-replicas)")
+        return None
+    cfg = AutoscaleConfig(args.replicas, args.max_replicas, args.warm_replicas, args.autoscale_waiting,
+                          args.autoscale_kv_usage, args.autoscale_ttft_p90 or None, args.upscale_delay_s,
+                          args.downscale_delay_s)
+    cfg.check()
+    return cfg
 
 
 def build_app(options: Mapping[str, Any] | None = None, replicas: int = 2, *, ray_actor_options: dict[str, Any] | None = None,
-              health_check_period_s: float = 10.0, health_check_timeout_s: float = 30.0) -> Any:
-    """The application: RadixServeIngress in front of `replicas` RadixServeReplica, each a
+              health_check_period_s: float = 10.0, health_check_timeout_s: float = 30.0,
+              autoscale: AutoscaleConfig | None = None) -> Any:
+    """The application: RadixServeIngress in front of `replicas` RadixServeReplica (with
+    `autoscale`: between its min and max replicas, on radixserve's signals: autoscale.py), each a
     `radixserve serve` with these options (field names: kv_cache_tokens, tenants, router_policy...),
     routed by PrefixAwareRequestRouter with the options' RouterConfig. Ray Serve's health-check
     defaults (10 s period, 30 s timeout) unless given."""
@@ -44,21 +61,26 @@ def build_app(options: Mapping[str, Any] | None = None, replicas: int = 2, *, ra
     from radixserve.server.serve import router_config
 
     opts = dict(options or {})
-    if replicas < 1:
+    if autoscale is not None:
+        autoscale.check()
+    elif replicas < 1:
         raise ValueError(f"replicas: must be a positive integer, got {replicas}")
     spec = ReplicaSpec.from_options(opts)  # a bad option or tenants file fails here, not in each replica
     args = parse(list(spec.argv))
     router = router_config(args)
     per_replica = args.max_queued_requests + args.max_running_requests * args.data_parallel  # its server refuses first
+    scaling: dict[str, Any] = ({"autoscaling_config": autoscale.ray_config()} if autoscale is not None
+                               else {"num_replicas": replicas})
+    most = autoscale.max_replicas if autoscale is not None else replicas
     engine = RadixServeReplica.options(  # type: ignore[attr-defined]  # a serve.deployment, typed by Ray as its class
-        num_replicas=replicas, max_ongoing_requests=per_replica,
+        **scaling, max_ongoing_requests=per_replica,
         ray_actor_options=ray_actor_options or _replica_resources(args.device),
         health_check_period_s=health_check_period_s, health_check_timeout_s=health_check_timeout_s,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,  # type: ignore[arg-type]
                                                   request_router_kwargs=dataclasses.asdict(router)),
     ).bind(spec)
     return RadixServeIngress.options(  # type: ignore[attr-defined]
-        max_ongoing_requests=per_replica * replicas).bind(engine, args.max_request_bytes)
+        max_ongoing_requests=per_replica * most).bind(engine, args.max_request_bytes)
 
 
 def _replica_resources(device: str) -> dict[str, Any]:
@@ -72,7 +94,8 @@ def _replica_resources(device: str) -> dict[str, Any]:
 
 def app_builder(args: Mapping[str, Any]) -> Any:
     """For `serve run` / a Serve config file: args model, replicas, options (a dict of
-    `radixserve serve` options), ray_actor_options, health_check_period_s, health_check_timeout_s."""
+    `radixserve serve` options), ray_actor_options, health_check_period_s, health_check_timeout_s,
+    autoscaling (AutoscaleConfig's fields but min_replicas, which is `replicas`)."""
     unknown = sorted(set(args) - set(BUILDER_ARGS))
     if unknown:
         raise ValueError(f"unknown radixserve application argument(s): {', '.join(unknown)} (known: {', '.join(BUILDER_ARGS)})")
@@ -80,27 +103,30 @@ def app_builder(args: Mapping[str, Any]) -> Any:
     if args.get("model") is not None:
         options["model"] = str(args["model"])
     hc = {k: float(args[k]) for k in ("health_check_period_s", "health_check_timeout_s") if k in args}
-    return build_app(options, int(args.get("replicas", 2)), ray_actor_options=args.get("ray_actor_options"), **hc)
+    replicas = int(args.get("replicas", 2))
+    scaling = args.get("autoscaling")
+    autoscale = AutoscaleConfig(min_replicas=replicas, **scaling) if scaling is not None else None
+    return build_app(options, replicas, ray_actor_options=args.get("ray_actor_options"), autoscale=autoscale, **hc)
 
 
 def run_ray(args: argparse.Namespace) -> int:
     """`radixserve serve --ray`: serve until SIGINT/SIGTERM."""
     from radixserve.server.serve import check_port
 
-    if args.replicas < 1:
-        raise ValueError(f"replicas: must be a positive integer, got {args.replicas}")
+    autoscale = autoscale_config(args)
     options = options_from_args(args)
-    started = connect(args.host, args.replicas, check=lambda: check_port(args.host, args.port))
+    most = autoscale.max_replicas if autoscale is not None else args.replicas
+    started = connect(args.host, most, check=lambda: check_port(args.host, args.port))
     import ray
     from ray import serve
 
     stop = _stop_on_signal()  # replaces the handler ray.init installed, which aborts the process on SIGTERM
     try:
-        app = build_app(options, args.replicas)
+        app = build_app(options, args.replicas, autoscale=autoscale)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/")
-        log.info("radixserve ready on Ray Serve at http://%s:%d | %d replicas | router %s", args.host, args.port,
-                 args.replicas, args.router_policy)
+        log.info("radixserve ready on Ray Serve at http://%s:%d | %s replicas | router %s", args.host, args.port,
+                 f"{args.replicas} to {most} (autoscaled)" if autoscale else args.replicas, args.router_policy)
         while not stop.wait(1.0):
             pass
         log.info("stopping: the replicas finish their running requests")

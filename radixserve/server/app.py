@@ -24,6 +24,7 @@ from radixserve.server import access_log, anthropic, completions, native, openai
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
 from radixserve.server.errors import ApiError
+from radixserve.server.metrics import kv_cache_usage
 from radixserve.server.openapi import DOCUMENT, openapi_document
 from radixserve.server.protocol import AbortRequest, ModelInfo
 from radixserve.server.state import ServerState, engine_rids
@@ -106,7 +107,11 @@ async def server_info(request: web.Request) -> web.Response:
     extra: dict[str, Any] = {}
     if tenant.admin:  # the global counters say what every tenant sent: admins only
         adm = state.admission
-        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(e.snapshot()), engine_pid=e.pid,
+        snap = e.snapshot()
+        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(snap), engine_pid=e.pid,
+                     autoscaling={"waiting": adm.queued + snap.waiting, "running": snap.running,
+                                  "kv_usage": round(kv_cache_usage(snap), 4),
+                                  "ttft_p90_s": round(state.metrics.ttft_p90(), 4)},
                      speculative_stats=spec_stats(e.snapshot()),
                      tenants={t: vars(u) for t, u in state.usage.items()},
                      open_connections=state.connections.open if state.connections else None)

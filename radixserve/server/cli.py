@@ -27,7 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import agents, compare, offline, prefix, reliability, route, serving, sessions, spec, structured, tools, tp
+    from radixserve.bench import (
+        agents,
+        autoscale,
+        compare,
+        disagg,
+        offline,
+        prefix,
+        reliability,
+        route,
+        serving,
+        sessions,
+        spec,
+        structured,
+        tools,
+        tp,
+    )
 
     compare.add_args(bsub.add_parser("compare", help="five workloads against OpenAI-compatible servers (llama.cpp, ...)"))
     agents.add_args(bsub.add_parser("agents", help="agent programs in frontend_lang vs sequential openai-client calls"))
@@ -40,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_args(bsub.add_parser("sessions", help="an agent session's time to first token: pool, disk tier, restart, cold"))
     spec.add_args(bsub.add_parser("spec", help="speculative decoding from context copies, on vs off: rewrite, JSON, chat"))
     tools.add_args(bsub.add_parser("tools", help="tool calls in auto mode against OpenAI-compatible servers: made, valid, text"))
+    autoscale.add_args(bsub.add_parser("autoscale", help="a load ramp on a local Ray cluster: the autoscaled "
+                                                         "deployment scales 1 -> 2 -> 1, no request lost, cold start"))
+    disagg.add_args(bsub.add_parser("disagg", help="prefill/decode disaggregation vs colocated replicas: short chats' "
+                                                   "TPOT p99 while long prompts arrive"))
     tp.add_args(bsub.add_parser("tp", help="tensor parallelism: one rank vs N on the same cores, step times, all-reduce share"))
     return p
 

@@ -14,6 +14,8 @@ one to one (examples/kubernetes/README.md):
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,6 +89,7 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=getattr(s, key))
 
 
+TTFT_WINDOW_S = 30.0  # the TTFT p90 an autoscaler reads (/server_info's autoscaling) is over this window
 GATEWAY_NAMESPACE = "radixserve"  # the gateway gauges: radixserve:num_requests_waiting, ...
 VLLM_NAMESPACE = "vllm"  # the same gauges under vLLM's names, for an endpoint picker's default mapping
 Replicas = Callable[[], list[EngineStats]]
@@ -153,6 +156,7 @@ class Metrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.ttft = Histogram("radixserve_time_to_first_token_seconds", "TTFT", registry=r, buckets=LATENCY_BUCKETS)
+        self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, TTFT): the autoscaling signal
         self.tpot = Histogram("radixserve_time_per_output_token_seconds", "TPOT", registry=r, buckets=TPOT_BUCKETS)
         self.e2e = Histogram("radixserve_e2e_request_latency_seconds", "end-to-end latency", registry=r, buckets=LATENCY_BUCKETS)
         self.finished = Counter("radixserve_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
@@ -170,11 +174,18 @@ class Metrics:
         if ttft is None:
             return
         self.ttft.observe(ttft)
+        self._recent_ttft.append((time.monotonic(), ttft))
         tpot = (e2e - ttft) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
         if completion_tokens > 1:
             self.tpot.observe(tpot)
         if finish_reason in ("stop", "length") and ttft <= self.slo_ttft_s and tpot <= self.slo_tpot_s:
             self.goodput.inc()
+
+    def ttft_p90(self, window_s: float = TTFT_WINDOW_S) -> float:
+        """The 90th percentile of the TTFTs observed in the last window_s (0 if none)."""
+        since = time.monotonic() - window_s
+        recent = sorted(t for at, t in self._recent_ttft if at >= since)
+        return recent[min(len(recent) - 1, int(0.9 * len(recent)))] if recent else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,7 +28,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster (the one RAY_ADDRESS or a running "
                                                       "`ray start` names, else a local one): --replicas engines behind "
                                                       "a prefix-aware request router (needs radixserve[ray])")
-    p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (default: 2)")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (default: 2); with "
+                                                           "--max-replicas, the fewest (0: scale to zero when idle)")
+    a = p.add_argument_group("autoscaling (with --ray and --max-replicas; radixserve/ray/autoscale.py)")
+    a.add_argument("--max-replicas", type=int, default=None, help="autoscale between --replicas and this many replicas "
+                                                                  "on requests waiting, KV usage and TTFT p90")
+    a.add_argument("--warm-replicas", type=int, default=0, help="idle replicas kept beyond what the load needs (a warm "
+                                                                "pool a burst finds started)")
+    a.add_argument("--autoscale-waiting", type=float, default=2.0, help="target requests waiting per replica")
+    a.add_argument("--autoscale-kv-usage", type=float, default=0.85, help="target KV pool usage (0 to 1)")
+    a.add_argument("--autoscale-ttft-p90", type=float, default=5.0, help="target TTFT p90 in seconds (0: not a signal)")
+    a.add_argument("--upscale-delay-s", type=float, default=10.0, help="how long a scale-up must be asked for")
+    a.add_argument("--downscale-delay-s", type=float, default=120.0, help="how long a scale-down must be asked for")
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
