@@ -75,6 +75,17 @@ def test_the_flags_build_a_config_ray_serve_accepts():
     assert autoscale_config(parse(["--replicas", "0", "--max-replicas", "2"])).min_replicas == 0  # scale to zero, opt-in
 
 
+def test_a_serve_config_asks_for_autoscaling_by_field():
+    from radixserve.ray.serve import app_builder
+
+    app = app_builder({"replicas": 1, "autoscaling": {"max_replicas": 3, "target_waiting": 4}})
+    assert app is not None
+    with pytest.raises(ValueError, match="autoscaling: unknown field.*max_replica\b"):
+        app_builder({"replicas": 1, "autoscaling": {"max_replica": 3}})
+    with pytest.raises(ValueError, match="max_replicas"):
+        app_builder({"replicas": 4, "autoscaling": {"max_replicas": 3}})
+
+
 def test_ttft_p90_is_over_the_recent_window_only(monkeypatch):
     from radixserve.engine.protocol import EngineStats
     from radixserve.server import metrics as m

@@ -148,6 +148,13 @@ def test_pages_that_never_come_are_computed(pair, tiny_engine):
     decode.check_integrity()
 
 
+def test_a_hand_off_without_a_connector_is_refused_by_name(tiny_engine):
+    req = tiny_engine.make_req("Hello", GREEDY)
+    req.kv_export = KVPages("ab", 0, 1)
+    with pytest.raises(ValueError, match="kv_export: this engine has no KV connector"):
+        tiny_engine.add(req, lambda d: None)
+
+
 def test_a_pool_the_hand_off_cannot_move_is_refused(tiny_models):
     with pytest.raises(ValueError, match="kv_connector"):
         Engine(str(tiny_models["Gemma3ForCausalLM"]), kv_cache_tokens=2048, kv_connector="shm")
@@ -180,7 +187,7 @@ async def _gather(e, reqs):
 def _settled(e):
     deadline = time.monotonic() + 10
     while True:
-        stats = [r.engine.stats() for r in e.replicas if r.engine is not None]
+        stats = [r.engine.stats() for r in e.replicas if r.healthy and r.engine is not None]
         if all(s.running == s.waiting == s.kv_in_use_slots == s.kv_staged_handoffs == 0 for s in stats):
             return stats
         assert time.monotonic() < deadline, stats
@@ -188,7 +195,7 @@ def _settled(e):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", kv_connector.CONNECTORS)
+@pytest.mark.parametrize("kind", [None, *kv_connector.CONNECTORS])  # None: as the CLI passes an unset flag (shm)
 def test_disaggregated_engine_is_exact_and_frees_every_page(tiny_llama, tiny_engine, kind):
     prompts = [SYSTEM + f"\nQuestion {i}: which tool first?" for i in range(4)] + ["Hi"]
     refs = tiny_engine.generate(prompts, GREEDY)
@@ -223,12 +230,16 @@ def test_disaggregated_engine_loses_nothing_to_an_abort_or_a_killed_replica(tiny
         assert out.finish_reason == "abort"
         _settled(e)
 
-        os.kill(e.replicas[0].engine.pid, signal.SIGKILL)  # the prefill replica: its decode replica computes
-        deadline = time.monotonic() + 10
-        while e.replicas[0].healthy and time.monotonic() < deadline:
-            time.sleep(0.05)
-        out = asyncio.run(_gather(e, [e.make_req(prompt, GREEDY)]))[0]
-        assert out.token_ids == ref.token_ids
+        async def prefill_killed_mid_transfer():  # its decode replica computes the prompt
+            req = e.make_req(prompt, GREEDY)
+            task = asyncio.ensure_future(_gather(e, [req]))
+            while req.rid not in e._prefilling or e._prefilling[req.rid].replica < 0:
+                await asyncio.sleep(0.001)
+            os.kill(e.replicas[0].engine.pid, signal.SIGKILL)
+            return (await task)[0]
+
+        out = asyncio.run(prefill_killed_mid_transfer())
+        assert out.token_ids == ref.token_ids and out.error is None
         _settled(e)
         e.check_integrity()
 

@@ -6,8 +6,8 @@ through the KV connector.
 
 The workload, the same for both: `--short-streams` clients chat back to back (short distinct
 prompts, `--short-output` tokens each), while long prompts (`--long-len` tokens, at least 2,000
-by default, distinct, a few tokens of output) arrive at each rate of `--long-rates` in turn
-(per second; 0: none). For each mode and rate: the short chats' time per output token (TPOT:
+by default, distinct, a few tokens of output) arrive evenly spaced at each rate of
+`--long-rates` in turn (per second; 0: none). For each mode and rate: the short chats' time per output token (TPOT:
 (last token - first token) / (tokens - 1), per request) at p50 and p99, their worst gap between
 two tokens (p99 of each request's largest), the short chats' output tokens per second (the
 price disaggregation pays: one replica decodes everything), and the long prompts' time to
@@ -89,7 +89,7 @@ async def _workload(engine: Any, args: argparse.Namespace, rate: float, rng: ran
         if rate <= 0:
             return
         pending = []
-        next_at = time.monotonic() + rng.uniform(0, 1 / rate)
+        next_at = time.monotonic() + 0.5 / rate  # evenly spaced: both modes see the same arrivals
         while next_at < end:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
@@ -98,7 +98,7 @@ async def _workload(engine: Any, args: argparse.Namespace, rate: float, rng: ran
                 ttfts.append(times[0] - t0)
 
             pending.append(asyncio.ensure_future(timed(time.monotonic())))
-            next_at += rng.expovariate(rate)
+            next_at += 1 / rate
         await asyncio.gather(*pending)
 
     t0 = time.monotonic()
@@ -122,8 +122,9 @@ def measure(args: argparse.Namespace, mode: str, rates: list[float]) -> list[dic
         asyncio.run(_workload(engine, warm, 0.0, rng))
         for rate in rates:
             row = {"mode": mode, **asyncio.run(_workload(engine, args, rate, rng))}
-            stats = engine.replica_snapshots()
+            stats = [r.engine.stats() for r in engine.replicas if r.engine is not None]  # cumulative
             row["prefill_on_decode_replica"] = stats[-1].prefill_tokens_computed
+            row["handed_off_tokens"] = sum(s.kv_exported_tokens for s in stats)
             rows.append(row)
             print(_line(row), flush=True)
     return rows
@@ -150,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
           "cores each")
     print(HEAD)
     rows = [r for m in modes for r in measure(args, m, rates)]
+    if any(r["mode"] == "disaggregated" and not r["handed_off_tokens"] for r in rows):
+        raise SystemExit("bench disagg: the disaggregated engine handed no KV pages over")
     by = {(r["mode"], r["long_rate"]): r for r in rows}
     for rate in rates:
         c, d = by.get(("colocated", rate)), by.get(("disaggregated", rate))

@@ -90,8 +90,8 @@ class DataParallelEngine(RequestFront):
         self.router = make_router(cfg)
         self._model, self._restart = model, restart
         n = cfg.replicas
-        if cfg.disaggregate:
-            overrides = {"kv_connector": "shm", **overrides}
+        if cfg.disaggregate and overrides.get("kv_connector") is None:  # (the CLI passes every flag, unset ones as None)
+            overrides = {**overrides, "kv_connector": "shm"}
         self.config = EngineConfig.build(model, **overrides)  # refuses a bad option before N processes start
         gpus = _visible_gpus() if self.config.model.device in ("auto", "cuda") else []
         self._gpus = gpus if len(gpus) >= n else []

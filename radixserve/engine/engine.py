@@ -39,7 +39,7 @@ from radixserve.engine.sampler import Sampler
 from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
 from radixserve.models.quant import weight_bytes
-from radixserve.request import Req, Retention, SamplingParams
+from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.spec import NgramProposer
@@ -134,7 +134,11 @@ class Engine(RequestFront):
         self._loop.inbox.put(Stop())
 
     def add(self, req: Req, sink: Callable[[Delta], None]) -> None:
-        """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop."""
+        """Queue a built request (its grammar prepared); `sink` gets its deltas, on the loop.
+        Raises InvalidParam for a KV hand-off this engine has no connector for."""
+        if self.handoff is None and (req.kv_export is not None or req.kv_import is not None):
+            field = "kv_export" if req.kv_export is not None else "kv_import"
+            raise InvalidParam(field, "this engine has no KV connector (--kv-connector) to hand KV pages over with")
         self._loop.add(req, sink)
 
     def _split(self, model: Any) -> None:

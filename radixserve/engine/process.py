@@ -430,7 +430,11 @@ class _Core:
                 if aborted:
                     self._refuse(msg, RuntimeError("aborted while its grammar compiled"))
                     return
-            e.add(req, sink)
+            try:
+                e.add(req, sink)
+            except ValueError as err:  # a KV hand-off this engine cannot make
+                self._refuse(msg, err)
+                return
             if msg.call_id:
                 self.send(Reply(msg.call_id))
 

@@ -105,7 +105,12 @@ def app_builder(args: Mapping[str, Any]) -> Any:
     hc = {k: float(args[k]) for k in ("health_check_period_s", "health_check_timeout_s") if k in args}
     replicas = int(args.get("replicas", 2))
     scaling = args.get("autoscaling")
-    autoscale = AutoscaleConfig(min_replicas=replicas, **scaling) if scaling is not None else None
+    autoscale = None
+    if scaling is not None:
+        known = {f.name for f in dataclasses.fields(AutoscaleConfig)} - {"min_replicas"}
+        if unknown := sorted(set(scaling) - known):
+            raise ValueError(f"autoscaling: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        autoscale = AutoscaleConfig(min_replicas=replicas, **scaling)
     return build_app(options, replicas, ray_actor_options=args.get("ray_actor_options"), autoscale=autoscale, **hc)
 
 

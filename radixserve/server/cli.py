@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.bench import (
         agents,
         autoscale,
+        coldstart,
         compare,
         disagg,
         offline,
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_args(bsub.add_parser("tools", help="tool calls in auto mode against OpenAI-compatible servers: made, valid, text"))
     autoscale.add_args(bsub.add_parser("autoscale", help="a load ramp on a local Ray cluster: the autoscaled "
                                                          "deployment scales 1 -> 2 -> 1, no request lost, cold start"))
+    coldstart.add_args(bsub.add_parser("coldstart", help="a new replica's start to its first token: weights in the "
+                                                         "page cache and from a cold disk"))
     disagg.add_args(bsub.add_parser("disagg", help="prefill/decode disaggregation vs colocated replicas: short chats' "
                                                    "TPOT p99 while long prompts arrive"))
     tp.add_args(bsub.add_parser("tp", help="tensor parallelism: one rank vs N on the same cores, step times, all-reduce share"))
