@@ -28,7 +28,7 @@ from typing import Any
 
 from radixserve.cli_args import add_engine_args, engine_kwargs
 
-DECISION = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*radixserve autoscaler: (.*)")
+DECISION = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*radixserve autoscaler: \S+ asks (.*)")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -182,7 +182,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ray.shutdown()
     statuses = Counter(s for _, s, _ in load.results)
     cold = [s["cold_start"] for s in stats.values() if s.get("cold_start")]
-    up = next((t for t, d in decisions if "-> 2 replicas" in d), None)
+    up = next((t for t, d in decisions if d.startswith("1 -> 2 replicas")), None)
+    for c in cold:  # the replica the scale-up started: from the decision to its first answer
+        if up is not None and "first_answer_s" in c and c["started_at"] >= up - 1:
+            c["decision_to_first_answer_s"] = round(c["started_at"] + c["first_answer_s"] - up, 3)
     return {"requests": len(load.results), "failed": sum(n for s, n in statuses.items() if s != 200),
             "statuses": dict(statuses), "served_by": dict(Counter(r for _, s, r in load.results if s == 200)),
             "timeline": timeline, "peak_replicas": max((n for _, n in timeline), default=0),

@@ -45,11 +45,17 @@ def evict(paths: list[Path]) -> int:
     return total
 
 
-def _model_files(model: str | None) -> list[Path]:
-    from radixserve.models.files import tokenizer_dir
-    from radixserve.models.loader import resolve_model_dir
+MODEL_PATH = [""]  # what the server loaded its weights from (/server_info's model_path)
 
-    return [Path(resolve_model_dir(model)), Path(tokenizer_dir(model))]
+
+def _model_files(model: str | None) -> list[Path]:
+    """The weights the server read (a .gguf, or a folder's files) and the tokenizer's folder."""
+    from radixserve.models.files import tokenizer_dir
+
+    loaded = Path(MODEL_PATH[0])
+    source = loaded / "gguf_source.txt"  # a GGUF's metadata folder names the file its weights are read from
+    weights = Path(source.read_text().strip()) if source.is_file() else loaded
+    return sorted({weights, loaded, Path(tokenizer_dir(model))})
 
 
 def start_once(args: argparse.Namespace) -> dict[str, float]:
@@ -84,7 +90,9 @@ def start_once(args: argparse.Namespace) -> dict[str, float]:
                     row["first_token_s"] = time.monotonic() - t0
                     break
         with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
-            row["engine_load_s"] = json.loads(r.read())["load"]["seconds"]
+            info = json.loads(r.read())
+        row["engine_load_s"] = info["load"]["seconds"]
+        MODEL_PATH[0] = info["model_path"]
     finally:
         proc.terminate()
         proc.wait(60)
@@ -92,9 +100,9 @@ def start_once(args: argparse.Namespace) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    files = _model_files(args.model)
     results: dict[str, list[dict[str, float]]] = {}
     start_once(args)  # a first start builds whatever is not cached yet (kernels, a GGUF's converted folder)
+    files = _model_files(args.model)
     for condition in ("page-cache", "cold-disk"):
         results[condition] = []
         for _ in range(args.runs):

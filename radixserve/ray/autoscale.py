@@ -1,8 +1,8 @@
 """Autoscaling the Ray deployment on radixserve's own signals, not on busy-ness.
 
 Each replica reports, through Ray Serve's `record_autoscaling_stats` hook (deployment.py),
-what its server's /server_info says: requests waiting (queued at admission and in the engine's
-queue), requests running, KV pool usage (pages in use / all), and the 90th percentile of the
+what its server's /server_info says: requests waiting (in the engine's queue, not yet admitted
+to a batch: radixserve:num_requests_waiting), requests running, KV pool usage (pages in use / all), and the 90th percentile of the
 time to first token over its last TTFT_WINDOW_S (server/metrics.py). Ray aggregates each over
 `look_back_period_s` and calls `RadixServePolicy` (Ray Serve's custom autoscaling policy hook,
 `AutoscalingConfig(policy=AutoscalingPolicy(policy_function=...))`) in its controller.
@@ -42,7 +42,7 @@ class AutoscaleConfig:
     target_ttft_p90_s: float | None = 5.0  # None: TTFT is not a signal
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 120.0
-    look_back_period_s: float = 10.0
+    look_back_period_s: float = 15.0  # over Ray's metrics_interval_s (10)
 
     def check(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):

@@ -45,12 +45,12 @@ REPLICA_HEADER = "x-radixserve-replica"
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class RadixServeReplica:
     def __init__(self, spec: ReplicaSpec, start_timeout: float = 600.0) -> None:
-        self._born = time.monotonic()
+        self._born, born_at = time.monotonic(), time.time()
         self.id = serve.get_replica_context().replica_id.unique_id
         self._admin_key = spec.admin_key()
         self.server = LocalServer(list(spec.argv), start_timeout, spec.tenants)
         self._session: aiohttp.ClientSession | None = None
-        self.cold_start: dict[str, float] = {"server_ready_s": round(time.monotonic() - self._born, 3)}
+        self.cold_start: dict[str, float] = {"started_at": born_at, "server_ready_s": round(time.monotonic() - self._born, 3)}
         log.info("radixserve replica %s: server %s (pid %s) ready %.2f s after the replica started", self.id,
                  self.server.url, self.server.pid, self.cold_start["server_ready_s"])
 

@@ -109,7 +109,7 @@ async def server_info(request: web.Request) -> web.Response:
         adm = state.admission
         snap = e.snapshot()
         extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(snap), engine_pid=e.pid,
-                     autoscaling={"waiting": adm.queued + snap.waiting, "running": snap.running,
+                     autoscaling={"waiting": snap.waiting, "running": snap.running,
                                   "kv_usage": round(kv_cache_usage(snap), 4),
                                   "ttft_p90_s": round(state.metrics.ttft_p90(), 4)},
                      speculative_stats=spec_stats(e.snapshot()),
