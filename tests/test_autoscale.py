@@ -104,7 +104,7 @@ def test_ttft_p90_is_over_the_recent_window_only(monkeypatch):
 
 @pytest.mark.slow
 def test_a_load_ramp_scales_one_to_two_and_back_losing_nothing(tiny_llama, tmp_path):
-    from radixserve.bench import autoscale
+    from radixserve.ray import ramp as autoscale
 
     p = argparse.ArgumentParser()
     autoscale.add_args(p)

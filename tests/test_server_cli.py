@@ -53,7 +53,11 @@ def test_serve_help_describes_every_flag_with_its_default_and_choices():
                          check=True).stdout
     blocks = _help_blocks(out)
     flags = {**_ENGINE_FLAGS, **scalar_fields(ServerConfig), **scalar_fields(RouterConfig)}
-    assert set(blocks) == {"--model", "--ray", "--replicas"} | {"--" + n.replace("_", "-") for n in flags}  # and -h, --help
+    from radixserve.ray.options import RAY_ONLY  # --ray, --replicas and the autoscaling flags (and host, port)
+
+    ray_flags = {"--" + n.replace("_", "-") for n in RAY_ONLY}
+    assert set(blocks) == {"--model"} | ray_flags | {"--" + n.replace("_", "-") for n in flags}  # and -h, --help
+    assert all(blocks[f][1] for f in ray_flags), "a Ray flag without a description"
     for name, f in flags.items():
         invocation, text = blocks["--" + name.replace("_", "-")]
         description = re.sub(r"\s*\(default: [^)]*\)$", "", text)

@@ -29,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
         agents,
-        autoscale,
         coldstart,
         compare,
         disagg,
@@ -44,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         tools,
         tp,
     )
+    from radixserve.ray import ramp  # (a bench on Ray: above the bench layer, as ray/ is; imports ray when it runs)
 
     compare.add_args(bsub.add_parser("compare", help="five workloads against OpenAI-compatible servers (llama.cpp, ...)"))
     agents.add_args(bsub.add_parser("agents", help="agent programs in frontend_lang vs sequential openai-client calls"))
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_args(bsub.add_parser("sessions", help="an agent session's time to first token: pool, disk tier, restart, cold"))
     spec.add_args(bsub.add_parser("spec", help="speculative decoding from context copies, on vs off: rewrite, JSON, chat"))
     tools.add_args(bsub.add_parser("tools", help="tool calls in auto mode against OpenAI-compatible servers: made, valid, text"))
-    autoscale.add_args(bsub.add_parser("autoscale", help="a load ramp on a local Ray cluster: the autoscaled "
+    ramp.add_args(bsub.add_parser("autoscale", help="a load ramp on a local Ray cluster: the autoscaled "
                                                          "deployment scales 1 -> 2 -> 1, no request lost, cold start"))
     coldstart.add_args(bsub.add_parser("coldstart", help="a new replica's start to its first token: weights in the "
                                                          "page cache and from a cold disk"))
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve.run(args)
         import importlib
 
-        return importlib.import_module(f"radixserve.bench.{args.bench}").run(args)  # each bench module has run(args)
+        module = "radixserve.ray.ramp" if args.bench == "autoscale" else f"radixserve.bench.{args.bench}"
+        return importlib.import_module(module).run(args)  # each bench module has run(args)
     except (ModelLoadError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """`radixserve bench autoscale`: a load ramp on a local Ray cluster against the autoscaled
 deployment (`radixserve serve --ray --max-replicas N`'s application: radixserve/ray/autoscale.py).
+It lives here, not in bench/, because it builds the Ray application (ray/ is above bench/).
 
 Phases: `--low` clients for `--phase-s`, then `--high` clients until the deployment has scaled
 up and the new replica has served (or `--phase-s` x 3), then `--low` again until it is back
