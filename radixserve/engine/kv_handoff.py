@@ -74,11 +74,12 @@ class KVHandoff:
             except Exception as e:  # a producer gone mid-transfer: a miss
                 log.warning("KV hand-off: %s: taking its pages from %s failed (%r); it computes them", req.rid,
                             pages.location, e)
-            if data is None:
-                log.warning("KV hand-off: %s: its pages were not at %s; it computes them", req.rid, pages.location)
             else:
-                log.debug("KV hand-off: %s: took %d tokens in %.1f ms", req.rid, pages.upto - pages.start,
-                          (time.perf_counter() - t0) * 1e3)
+                if data is None:
+                    log.warning("KV hand-off: %s: its pages were not at %s; it computes them", req.rid, pages.location)
+                else:
+                    log.debug("KV hand-off: %s: took %d tokens in %.1f ms", req.rid, pages.upto - pages.start,
+                              (time.perf_counter() - t0) * 1e3)
             done(pages.start, [memoryview(data)] if data is not None else [])
 
         self._reader.submit(read)
