@@ -120,3 +120,16 @@ def test_a_load_ramp_scales_one_to_two_and_back_losing_nothing(tiny_llama, tmp_p
     assert any(d.startswith("2 -> 1 replicas") for d in record["decisions"])
     cold = [c for c in record["cold_start"] if "first_answer_s" in c]
     assert len(cold) == 2 and all(0 < c["server_ready_s"] <= c["first_answer_s"] for c in cold)
+
+
+def test_the_weights_a_start_reads_are_named_and_prefetched_without_torch(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    from radixserve.models.files import weight_files
+
+    files = weight_files(str(tiny_llama))
+    assert files and all(f.suffix == ".safetensors" and f.exists() for f in files)
+    code = ("import sys; from radixserve.models.files import prefetch; prefetch(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules")  # the engine process runs it before importing torch
+    subprocess.run([sys.executable, "-c", code, *map(str, files), str(tmp_path / "missing")], check=True)

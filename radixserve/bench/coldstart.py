@@ -5,7 +5,9 @@ the Dockerfile and any second start have them).
 Conditions, `--runs` starts each, one after the other: `page-cache` (the weights' file in the
 OS page cache, as on a node that served the model before), and `cold-disk` (the weights' file
 and the model's cached folder evicted from the page cache first, with posix_fadvise
-DONTNEED: read from disk again). For each start: the time until the server listens, until
+DONTNEED: read from disk again), and `cold-disk, no prefetch` (the same with
+RADIXSERVE_PREFETCH=0: the engine process does not ask for the weights' files before it imports
+torch, as before this round). For each start: the time until the server listens, until
 /health answers 200, and until the first token of a streamed completion arrives; and the
 engine's own load time (weights read and packed) from /server_info.
 """
@@ -45,26 +47,21 @@ def evict(paths: list[Path]) -> int:
     return total
 
 
-MODEL_PATH = [""]  # what the server loaded its weights from (/server_info's model_path)
-
-
 def _model_files(model: str | None) -> list[Path]:
-    """The weights the server read (a .gguf, or a folder's files) and the tokenizer's folder."""
-    from radixserve.models.files import tokenizer_dir
+    """The files a start reads: the weights (a GGUF and its packed caches, or safetensors) and the tokenizer's folder."""
+    from radixserve.models.files import tokenizer_dir, weight_files
 
-    loaded = Path(MODEL_PATH[0])
-    source = loaded / "gguf_source.txt"  # a GGUF's metadata folder names the file its weights are read from
-    weights = Path(source.read_text().strip()) if source.is_file() else loaded
-    return sorted({weights, loaded, Path(tokenizer_dir(model))})
+    return sorted({*weight_files(model), Path(tokenizer_dir(model))})
 
 
-def start_once(args: argparse.Namespace) -> dict[str, float]:
+def start_once(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, float]:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--port", str(args.port), *args.serve_arg]
     if args.model:
         cmd += ["--model", args.model]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     row: dict[str, float] = {}
     try:
         assert proc.stderr is not None
@@ -92,7 +89,6 @@ def start_once(args: argparse.Namespace) -> dict[str, float]:
         with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
             info = json.loads(r.read())
         row["engine_load_s"] = info["load"]["seconds"]
-        MODEL_PATH[0] = info["model_path"]
     finally:
         proc.terminate()
         proc.wait(60)
@@ -103,22 +99,22 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict[str, float]]] = {}
     start_once(args)  # a first start builds whatever is not cached yet (kernels, a GGUF's converted folder)
     files = _model_files(args.model)
-    for condition in ("page-cache", "cold-disk"):
-        results[condition] = []
-        for _ in range(args.runs):
-            if condition == "cold-disk":
+    conditions = {"page-cache": {}, "cold-disk": {}, "cold-disk, no prefetch": {"RADIXSERVE_PREFETCH": "0"}}
+    for _ in range(args.runs):  # interleaved: drift hits every condition alike
+        for condition, env in conditions.items():
+            if condition.startswith("cold-disk"):
                 evict(files)
             else:
                 for f in files:  # read once: in the page cache
                     for p in [f] if f.is_file() else [p for p in f.rglob("*") if p.is_file()]:
                         p.read_bytes()
-            results[condition].append(start_once(args))
-    print(f"{'condition':>10} | {'listening':>9} | {'healthy':>8} | {'first token':>11} | {'engine load':>11}")
+            results.setdefault(condition, []).append(start_once(args, env))
+    print(f"{'condition':>22} | {'listening':>9} | {'healthy':>8} | {'first token':>11} | {'engine load':>11}")
     summary: dict[str, dict[str, float]] = {}
     for condition, rows in results.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         summary[condition] = med
-        print(f"{condition:>10} | {med['listening_s']:>8.2f}s | {med['healthy_s']:>7.2f}s | {med['first_token_s']:>10.2f}s | "
+        print(f"{condition:>22} | {med['listening_s']:>8.2f}s | {med['healthy_s']:>7.2f}s | {med['first_token_s']:>10.2f}s | "
               f"{med['engine_load_s']:>10.2f}s")
     print(f"(medians of {args.runs} starts; model files: {', '.join(map(str, files))})")
     if args.json:

@@ -76,15 +76,16 @@ class EngineProcess(RequestFront):
                  **overrides: Any) -> None:
         """`env`: variables set for the engine process only (a data-parallel replica's device,
         threads); `tokenizer`: the model's, already loaded (replicas share one)."""
-        from radixserve.models.files import load_tokenizer, tokenizer_dir
+        from radixserve.models.files import load_tokenizer, tokenizer_dir, weight_files
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
         # a bad path is a clean error here, before a process starts (and a GGUF's config and tokenizer
         # are read once into a cached folder); no torch in this process: the engine starts at once
         folder = tokenizer_dir(model)
         ours, theirs = socket.socketpair()
+        prefetch = [str(f) for f in weight_files(model)] if os.environ.get("RADIXSERVE_PREFETCH", "1") != "0" else []
         cmd = [sys.executable, "-m", "radixserve.engine.process", str(theirs.fileno()),
-               json.dumps({"model": model, "overrides": overrides, "parent": os.getpid()})]
+               json.dumps({"model": model, "overrides": overrides, "parent": os.getpid(), "prefetch": prefetch})]
         self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env={**os.environ, **env} if env else None)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -465,6 +466,10 @@ def _child_main(fd: int, spec: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles ^C and tells us to stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     conn = Connection(fd)
+    # the weights' files start coming off the disk while torch is imported (about a second): a cold start's cut
+    from radixserve.models.files import prefetch
+
+    threading.Thread(target=prefetch, args=(args.get("prefetch", []),), daemon=True).start()
     try:
         core = _Core(conn, args["model"], args["overrides"])
     except Exception as e:  # e.g. weights that do not load, a bad option: the server reports it and exits

@@ -49,6 +49,35 @@ def gguf_file(path: str | None) -> Path | None:
     return p if p.is_file() and p.suffix == ".gguf" else None
 
 
+def weight_files(path: str | None) -> list[Path]:
+    """The files a start reads the weights from (no torch here): a GGUF and its packed caches
+    (models.packed_cache), or a folder's safetensors."""
+    gguf = gguf_file(path)
+    if gguf is None:
+        return sorted(resolve_model_dir(path).glob("*.safetensors"))
+    from radixserve.models.gguf import converted_dir
+
+    out = converted_dir(gguf)
+    return [gguf, *sorted(out.with_name(out.name + "-packed").glob("*.bin"))]
+
+
+def prefetch(files: list[str]) -> None:
+    """Ask the OS to read these files into the page cache now, in the background
+    (posix_fadvise WILLNEED): the engine process does it before importing torch, so a cold
+    disk's reads overlap the import. Never raises."""
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # AttributeError: no posix_fadvise (macOS)
+            pass
+        finally:
+            os.close(fd)
+
+
 def tokenizer_dir(path: str | None) -> Path:
     """The folder with the model's config and tokenizer: a GGUF file's (the default model's
     included) are read from it once into a cached folder, without its weights; a folder is
