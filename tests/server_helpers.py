@@ -89,3 +89,17 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+async def final_outputs(engine, reqs) -> list:
+    """Each request's final Output, the requests submitted together (to any EngineClient: an
+    in-process engine, an engine process, data-parallel replicas)."""
+    import asyncio
+
+    async def one(req):
+        out = None
+        async for d in engine.submit(req):
+            out = d.output if d.finished else out
+        return out
+
+    return await asyncio.gather(*(one(r) for r in reqs))

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from server_helpers import scaled
+from server_helpers import final_outputs, scaled
 
 from radixserve import SamplingParams
 from radixserve.config import RouterConfig
@@ -33,16 +33,6 @@ def _engine(tiny_llama, **kw) -> DataParallelEngine:
 def dp(tiny_llama):
     with _engine(tiny_llama) as e:
         yield e
-
-
-async def _run(e, reqs):
-    async def one(req):
-        out = None
-        async for d in e.submit(req):
-            out = d.output if d.finished else out
-        return out
-
-    return await asyncio.gather(*(one(r) for r in reqs))
 
 
 def _forks(e, tenant="acme", n=8):
@@ -70,7 +60,7 @@ def test_prefix_affinity_computes_a_forked_prompt_once_on_one_replica(dp):
     prompt = reqs[0].prompt_len
     shared = len(os.path.commonprefix([r.token_ids[: r.prompt_len] for r in reqs]))
     before = _computed(dp)
-    outs = asyncio.run(_run(dp, reqs))
+    outs = asyncio.run(final_outputs(dp, reqs))
     delta = _settle(dp, before)
     assert all(o.finish_reason == "length" for o in outs)
     assert sorted(delta)[0] == 0, f"one replica computed nothing: {delta}"
@@ -78,7 +68,7 @@ def test_prefix_affinity_computes_a_forked_prompt_once_on_one_replica(dp):
     assert sum(o.cached_tokens for o in outs) >= 7 * (shared - 16)
 
     # a second tenant's identical prompt: not served from the first tenant's cache, on any replica
-    other = asyncio.run(_run(dp, _forks(dp, tenant="beta", n=1)))[0]
+    other = asyncio.run(final_outputs(dp, _forks(dp, tenant="beta", n=1)))[0]
     assert other.cached_tokens == 0
     assert dp.router.decisions["prefix"] >= 7
 
@@ -90,7 +80,7 @@ def test_round_robin_computes_the_same_forks_on_both_replicas(dp):
         reqs = _forks(dp)
         shared = len(os.path.commonprefix([r.token_ids[: r.prompt_len] for r in reqs]))
         before = _computed(dp)
-        asyncio.run(_run(dp, reqs))
+        asyncio.run(final_outputs(dp, reqs))
         delta = _settle(dp, before)
     finally:
         dp.router = make_router(dp.router_config)
@@ -129,7 +119,7 @@ def test_a_killed_replica_fails_its_started_stream_and_retries_what_had_not_star
             stream = e.submit(long)
             first = await anext(stream)  # it has started on the victim (one running at a time: the rest wait there)
             assert first.token_ids
-            tasks = [asyncio.ensure_future(_run(e, [r])) for r in queued]
+            tasks = [asyncio.ensure_future(final_outputs(e, [r])) for r in queued]
             await asyncio.sleep(0.3)
             os.kill(pid, signal.SIGKILL)
             tail = [d async for d in stream]
@@ -154,14 +144,14 @@ def test_a_killed_replica_fails_its_started_stream_and_retries_what_had_not_star
         while not e.replicas[victim].healthy and time.monotonic() < deadline:
             time.sleep(0.2)
         assert e.replicas[victim].healthy and e.replicas[victim].restarts == 1
-        outs = asyncio.run(_run(e, [e.make_req(f"Back {i}.", SamplingParams(max_new_tokens=3)) for i in range(4)]))
+        outs = asyncio.run(final_outputs(e, [e.make_req(f"Back {i}.", SamplingParams(max_new_tokens=3)) for i in range(4)]))
         assert all(o.finish_reason in ("length", "stop") for o in outs)
         e.check_integrity()
 
 
 def test_a_replica_restarted_on_its_disk_tier_keeps_its_prefixes_and_the_router_sends_them_there(tiny_llama, tmp_path):
     with _engine(tiny_llama, kv_disk_dir=str(tmp_path), kv_disk_block_tokens=16) as e:
-        [first] = asyncio.run(_run(e, _forks(e, n=1)))
+        [first] = asyncio.run(final_outputs(e, _forks(e, n=1)))
         home = max(range(2), key=lambda i: e.replicas[i].engine.stats().prefill_tokens_computed)
         deadline = time.monotonic() + scaled(30)
         while e.replicas[home].engine.stats().kv_disk_written_tokens < 256 and time.monotonic() < deadline:
@@ -175,7 +165,7 @@ def test_a_replica_restarted_on_its_disk_tier_keeps_its_prefixes_and_the_router_
         req = _forks(e, n=2)[1]
         e.route(req)
         assert e._placed[req.rid] == home  # the router still knows where the prefix is
-        [again] = asyncio.run(_run(e, [req]))
+        [again] = asyncio.run(final_outputs(e, [req]))
         s = e.replicas[home].engine.stats()
         assert again.cached_tokens >= 100 and s.cached_prompt_tokens_disk >= 100, s
         assert first.finish_reason == again.finish_reason == "length"

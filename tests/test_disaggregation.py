@@ -11,10 +11,10 @@ import asyncio
 import os
 import secrets
 import signal
-import threading
 import time
 
 import pytest
+from server_helpers import final_outputs
 
 from radixserve import SamplingParams
 from radixserve.config import RouterConfig
@@ -71,16 +71,7 @@ def test_a_connector_refuses_a_key_that_is_not_one():
 
 # -- two engines in this process ----------------------------------------------------------------
 def _run(engine: Engine, req: Req):
-    done, out = threading.Event(), {}
-
-    def sink(d):
-        if d.finished:
-            out["o"] = d.output
-            done.set()
-
-    engine.add(req, sink)
-    assert done.wait(60)
-    return out["o"]
+    return asyncio.run(final_outputs(engine, [req]))[0]
 
 
 def _engine(tiny_llama, kind="shm"):
@@ -174,16 +165,6 @@ def _dp(tiny_llama, **kw):
     return DataParallelEngine(str(tiny_llama), router, **{**opts, **kw})
 
 
-async def _gather(e, reqs):
-    async def one(req):
-        out = None
-        async for d in e.submit(req):
-            out = d.output if d.finished else out
-        return out
-
-    return await asyncio.gather(*(one(r) for r in reqs))
-
-
 def _settled(e):
     deadline = time.monotonic() + 10
     while True:
@@ -201,7 +182,7 @@ def test_disaggregated_engine_is_exact_and_frees_every_page(tiny_llama, tiny_eng
     refs = tiny_engine.generate(prompts, GREEDY)
     with _dp(tiny_llama, kv_connector=kind) as e:
         assert [r.role for r in e.replicas] == ["prefill", "decode"]
-        outs = asyncio.run(_gather(e, [e.make_req(p, GREEDY) for p in prompts]))
+        outs = asyncio.run(final_outputs(e, [e.make_req(p, GREEDY) for p in prompts]))
         assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
         stats = _settled(e)
         assert stats[0].kv_exported_tokens >= outs[0].prompt_tokens - 1  # the long prompts were prefilled there
@@ -220,7 +201,7 @@ def test_disaggregated_engine_loses_nothing_to_an_abort_or_a_killed_replica(tiny
 
         async def aborted_mid_prefill():
             req = e.make_req("Another prompt. " + SYSTEM, long)
-            task = asyncio.ensure_future(_gather(e, [req]))
+            task = asyncio.ensure_future(final_outputs(e, [req]))
             while req.rid not in e._prefilling or e._prefilling[req.rid].replica < 0:
                 await asyncio.sleep(0.001)
             e.abort(req.rid)
@@ -232,7 +213,7 @@ def test_disaggregated_engine_loses_nothing_to_an_abort_or_a_killed_replica(tiny
 
         async def prefill_killed_mid_transfer():  # its decode replica computes the prompt
             req = e.make_req(prompt, GREEDY)
-            task = asyncio.ensure_future(_gather(e, [req]))
+            task = asyncio.ensure_future(final_outputs(e, [req]))
             while req.rid not in e._prefilling or e._prefilling[req.rid].replica < 0:
                 await asyncio.sleep(0.001)
             os.kill(e.replicas[0].engine.pid, signal.SIGKILL)

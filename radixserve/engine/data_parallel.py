@@ -200,6 +200,7 @@ class DataParallelEngine(RequestFront):
         self.route(req)
         i = self._placed.pop(req.rid)
         tried: set[int] = set()
+        answered = False  # a delta came from the decode replica: it took the hand-off's pages first
         try:
             if self.disaggregated and (req.rid in self._cancelled or (
                     req.rid not in self._handoffs and not await self._prefill_elsewhere(req, i))):
@@ -212,7 +213,7 @@ class DataParallelEngine(RequestFront):
                     async for d in deltas:
                         if d is None:  # the replica died before sending anything
                             break
-                        received = True
+                        received = answered = True
                         yield d
                 if received:
                     return
@@ -230,7 +231,7 @@ class DataParallelEngine(RequestFront):
             self._running.pop(req.rid, None)
             if i >= 0:
                 self._release(i)
-            self._end_handoff(req.rid)
+            self._end_handoff(req.rid, taken=answered)
 
     # -- prefill/decode disaggregation --------------------------------------------------------
     async def _prefill_elsewhere(self, req: Req, d: int) -> bool:
@@ -287,11 +288,12 @@ class DataParallelEngine(RequestFront):
             self._cancelled.add(req.rid)
         return not state.aborted
 
-    def _end_handoff(self, rid: str) -> None:
-        """Drop what the request's prefill replica published, if it is still there (taken, this is a no-op)."""
+    def _end_handoff(self, rid: str, taken: bool = False) -> None:
+        """Drop what the request's prefill replica published, unless its decode replica `taken` it
+        (or lost it: a producer drops what is left after STAGED_TTL_S)."""
         self._cancelled.discard(rid)
         pages = self._handoffs.pop(rid, None)
-        if pages is not None:
+        if pages is not None and not taken:
             if pages.location.startswith("shm:"):
                 kv_connector.release(pages.location, pages.key)
             else:  # a socket call: off the event loop

@@ -156,9 +156,10 @@ class Engine(RequestFront):
         name = "tensor_parallel" if tp > 1 else "pipeline_parallel"
         if self.device.type != "cpu":
             raise ValueError(f"{name}: runs on CPU (gloo) only so far; NCCL on CUDA is not built yet")
-        if self.config.cache.kv_disk_dir is not None:
-            raise ValueError(f"kv_disk_dir: the disk tier does not hold a split pool's KV (each rank holds part of it) yet; "
-                             f"leave out kv_disk_dir or {name}")
+        for option, what in (("kv_disk_dir", "the disk tier"), ("kv_connector", "the KV hand-off")):
+            if getattr(self.config.cache, option) is not None:  # refused here, before any worker starts
+                raise ValueError(f"{option}: {what} does not hold a split pool's KV (each rank holds part of it) yet; "
+                                 f"leave out {option} or {name}")
         torch.set_num_threads(mp.threads_per_rank(max(tp, pp)))
         if tp > 1:
             self.tp_group = Group()
@@ -186,24 +187,24 @@ class Engine(RequestFront):
         c = self.config.cache
         if c.kv_disk_dir is None:
             return None
-        if self.cache.windowed is not None:
-            raise ValueError("kv_disk_dir: the disk tier does not hold a sliding-window pool's KV yet; "
-                             "add --disable-hybrid-swa-memory to use it with this model")
+        self._one_pool("kv_disk_dir", "the disk tier")
         facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization]
         store = DiskStore(c.kv_disk_dir, int(c.kv_disk_gb * 1e9), c.kv_disk_block_tokens, dict(c.tenant_max_cached_tokens))
         return KVTier(store, self.pool, model_fingerprint(Path(path), facts))
+
+    def _one_pool(self, option: str, what: str) -> None:
+        """`what` moves a token's KV as one pool's rows (KVPool.gather): refuse a sliding-window pool
+        (a split pool is refused in _split, before its workers start)."""
+        if self.cache.windowed is not None:
+            raise ValueError(f"{option}: {what} does not hold a sliding-window pool's KV yet; "
+                             "add --disable-hybrid-swa-memory to use it with this model")
 
     def _kv_handoff(self) -> KVHandoff | None:
         """Prefill/decode disaggregation's KV connector (--kv-connector)."""
         c = self.config.cache
         if c.kv_connector is None:
             return None
-        if self.cache.windowed is not None:
-            raise ValueError("kv_connector: the KV hand-off does not move a sliding-window pool's KV yet; "
-                             "add --disable-hybrid-swa-memory to use it with this model")
-        if self.parallel is not None:
-            raise ValueError("kv_connector: the KV hand-off does not move a split pool's KV (each rank holds part "
-                             "of it) yet; leave out tensor_parallel or pipeline_parallel")
+        self._one_pool("kv_connector", "the KV hand-off")
         return KVHandoff(self.pool, make_connector(c.kv_connector, c.kv_connector_host))
 
     @property

@@ -85,9 +85,12 @@ class KVConnector(ABC):
 
     @property
     def staged(self) -> int:
-        """Pages published and not yet taken or dropped."""
+        """Pages published and not yet taken or dropped (the taken ones are forgotten here, so
+        each step's stats look at the few still waiting only)."""
         with self._lock:
-            return sum(self._there(k) for k in self._staged)
+            for key in [k for k in self._staged if not self._there(k)]:
+                del self._staged[key]
+            return len(self._staged)
 
     def _there(self, key: str) -> bool:
         return True
