@@ -75,7 +75,7 @@ class EngineStats:
     kv_disk_corrupt_blocks: int = 0  # found torn or corrupt by a read: misses, deleted
     kv_exported_tokens: int = 0  # prefill/decode hand-off (--kv-connector): prompt tokens' KV published for another engine
     kv_imported_tokens: int = 0  # taken from another engine and put into the pool
-    kv_staged_handoffs: int = 0  # published and not yet taken (dropped after kv_connector.STAGED_TTL_S)
+    kv_staged_handoffs: int = 0  # published and not yet taken, as of the engine's last step (dropped after kv_connector.STAGED_TTL_S)
 
     @classmethod
     def sum(cls, parts: list[EngineStats]) -> EngineStats:
