@@ -188,6 +188,9 @@ class ServerConfig:
                                           "over it: abort")
     stream_write_timeout: float = option(60.0, "seconds one stream write may wait on a client that does not read; "
                                                "then abort")
+    stream_send_buffer: int = option(16384, "bytes of a stream the kernel may hold for a client that does not read "
+                                            "(the socket's SO_SNDBUF, which Linux doubles); past it writes wait, and the "
+                                            "backlog and write timeout apply")
     responses_db: str | None = option(None, "SQLite file of stored /v1/responses; unset: responses.sqlite3 in the "
                                             "cache folder")
     responses_max_stored: int = option(10000, "stored /v1/responses kept per tenant; past it the tenant's oldest are "
@@ -272,7 +275,8 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig, metadata={"help": "speculative decoding"})
     attention_backend: str = option("auto", "attention kernels: auto (triton on CUDA, else torch), torch, torch_ref "
                                             "(the simple oracle) or triton", ATTENTION_BACKENDS)
-    default_max_new_tokens: int = option(128, "max new tokens of a request that does not say")
+    default_max_new_tokens: int = option(128, "max new tokens of a /generate (or in-process) request that does not say, "
+                                              "as SGLang's; chat and Responses default to the context window left")
     grammar_backend: str = option("auto", "grammar backend for constrained output; auto: xgrammar, then outlines-core",
                                   GRAMMAR_BACKENDS)
     grammar_compile_timeout: float = option(10.0, "seconds a grammar compile may take in its worker; then the worker "

@@ -7,8 +7,9 @@ Token layout of a request (`token_ids` = prompt + output so far):
     |<-- computed_len (KV stored) -->|      |  the rest is fed by the next extend
     |<- cached_len ->|                         prefix held (locked) in the prefix cache
 
-The prefix cache key is the namespace (tenant, cache_salt); the first public_prefix_len
-tokens are looked up in, and offered to, the shared public namespace instead.
+The prefix cache key is the namespace (tenant, cache_salt), cache_salt a digest of the client's
+salt and the tenant's credential (cache.prefix.salt_key); the first public_prefix_len tokens
+are looked up in, and offered to, the shared public namespace instead.
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ class Req:
         self.params = params
         self.priority = priority
         self.tenant = tenant  # None: the default tenant
-        self.cache_salt = cache_salt
+        self.cache_salt = cache_salt  # the namespace's key under the tenant (a salt_key digest from make_req)
         self.public_prefix_len = public_prefix_len
         self.retention = retention
         self.retain_until = time.time() + retention.seconds if retention is not None else 0.0  # epoch seconds

@@ -58,7 +58,7 @@ def test_a_connector_hands_pages_over_once_and_frees_them_on_every_path(kind, mo
         c.close()
     assert c.staged == 0
     if kind == "shm":
-        assert not [p for p in os.listdir(c.dir) if p.startswith("radixserve-kv-")]
+        assert not os.path.exists(c.dir)  # its private staging directory, and all in it
 
 
 def test_a_connector_refuses_a_key_that_is_not_one():
@@ -139,6 +139,31 @@ def test_pages_that_never_come_are_computed(pair, tiny_engine):
     decode.check_integrity()
 
 
+def test_a_name_planted_in_the_staging_directory_fails_that_hand_off_only(pair, tiny_engine, tmp_path):
+    """A file already at a hand-off's name (a symlink to a victim) is never followed: that prefill
+    ends with an error, its decode computes the prompt, and the next hand-off goes through."""
+    prefill, decode = pair
+    prompt = SYSTEM + "\nQuestion: and if the name is taken?"
+    ref = tiny_engine.generate(prompt, GREEDY)[0]
+    req = decode.make_req(prompt, GREEDY)
+    pages = KVPages(secrets.token_hex(16), 0, req.prompt_len - 1)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    os.symlink(victim, os.path.join(prefill.handoff.connector.dir, f"radixserve-kv-{pages.key}.tmp"))
+    pre = prefill.make_req(req.token_ids[: pages.upto], SamplingParams(max_new_tokens=1, temperature=0.0))
+    pre.kv_export = pages
+    out = _run(prefill, pre)
+    assert out.finish_reason == "error" and "publishing its KV pages failed" in out.error
+    assert victim.read_bytes() == b"keep me"
+    req.kv_import = KVPages(pages.key, pages.start, pages.upto, prefill.kv_location)
+    assert _run(decode, req).token_ids == ref.token_ids  # a miss: computed
+    out, _ = _handoff(prefill, decode, prompt + " Again.")
+    assert out.token_ids == tiny_engine.generate(prompt + " Again.", GREEDY)[0].token_ids and out.cached_tokens > 0
+    for e in pair:
+        assert e.stats().kv_in_use_slots == 0
+        e.check_integrity()
+
+
 def test_a_hand_off_without_a_connector_is_refused_by_name(tiny_engine):
     req = tiny_engine.make_req("Hello", GREEDY)
     req.kv_export = KVPages("ab", 0, 1)
@@ -198,6 +223,7 @@ def test_disaggregated_engine_loses_nothing_to_an_abort_or_a_killed_replica(tiny
     ref = tiny_engine.generate(prompt, GREEDY)[0]
     long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
     with _dp(tiny_llama) as e:
+        staged = {r.engine.kv_location for r in e.replicas}  # each replica's shm staging directory
 
         async def aborted_mid_prefill():
             req = e.make_req("Another prompt. " + SYSTEM, long)
@@ -235,8 +261,12 @@ def test_disaggregated_engine_loses_nothing_to_an_abort_or_a_killed_replica(tiny
                 if d.finished:
                     return d.output
 
+        staged |= {r.engine.kv_location for r in e.replicas}  # the restarted prefill replica's too
+
         out = asyncio.run(decode_killed_mid_answer())
         assert out.finish_reason == "error" and "replica 1" in out.error
         s = _settled(e)[0]  # the prefill replica (the decode one restarts)
         assert s.kv_exported_tokens > 0 and s.kv_staged_handoffs == 0
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("radixserve-kv-")]
+        staged |= {r.engine.kv_location for r in e.replicas if r.engine is not None}
+    assert len(staged) >= 3 and all(loc.startswith("shm:/dev/shm/radixserve-kv-") for loc in staged), staged
+    assert not [loc for loc in staged if os.path.exists(loc.removeprefix("shm:"))]  # killed or shut down: none left

@@ -15,6 +15,7 @@ import pytest
 
 from grammars.spec import GrammarError
 from radixserve import Engine, SamplingParams
+from radixserve.cache.prefix import salt_key
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.process import EngineProcess
 from radixserve.engine.protocol import (
@@ -91,7 +92,7 @@ def test_a_built_request_crosses_as_a_plain_message(tiny_engine):
                                public_prefix_len=1)
     back = AddRequest.of(req).build()
     assert (back.rid, back.token_ids, back.max_new_tokens, back.priority, back.tenant, back.cache_salt,
-            back.public_prefix_len) == ("rid-1", [5, 6, 7], 3, 2, "a", "s", 1)
+            back.public_prefix_len) == ("rid-1", [5, 6, 7], 3, 2, "a", salt_key("s"), 1)
     assert isinstance(tiny_engine, EngineClient)
 
 
@@ -171,6 +172,38 @@ def test_grammars_compile_in_the_engine_process_and_bad_ones_name_the_field(proc
     proc_engine.check_integrity()
 
 
+def test_a_client_that_leaves_while_its_grammar_compiles_stops_nothing(proc_engine):
+    """Issue 44's critical finding: a client that hung up while its constrained request's grammar
+    compiled cancelled the call's future, the engine's reply then failed to complete it on the
+    reader thread, and the server took its engine process for gone (after 3 such clients)."""
+    async def leave(i: int) -> None:
+        schema = f'{{"type": "object", "properties": {{"k{i}": {{"type": "string", "maxLength": {i + 3}}}}}}}'  # fresh
+        req = proc_engine.make_req([5, 6, 7], SamplingParams(max_new_tokens=8, json_schema=schema))
+        task = asyncio.create_task(proc_engine.prepare_grammar(req))
+        while not proc_engine._calls and not task.done():  # sent: its reply is on its way
+            await asyncio.sleep(0)
+        task.cancel()  # what aiohttp does to a handler whose client disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await task  # (an engine taken for gone raises EngineDied here)
+        proc_engine.abort(req.rid)  # what admission's exit does next
+        assert proc_engine._calls, "the reply came before the cancel: the test missed its path"
+        deadline = time.monotonic() + 60
+        while proc_engine._calls and time.monotonic() < deadline:  # the engine answers the cancelled call
+            await asyncio.sleep(0.01)
+
+    async def run() -> Output:
+        for i in range(4):
+            await leave(i)
+        return await _collect(proc_engine, proc_engine.make_req([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3)))
+
+    ok = asyncio.run(run())
+    assert proc_engine.dead is None and _alive(proc_engine.pid)
+    assert ok.finish_reason == "length" and ok.completion_tokens == 3
+    assert not proc_engine._calls and not proc_engine._ahead and not proc_engine._streams
+    assert proc_engine.stats().kv_in_use_slots == 0
+    proc_engine.check_integrity()
+
+
 def test_a_request_that_breaks_the_forward_fails_alone_and_the_engine_goes_on(proc_engine):
     """A front that let a bad token id through (this one bypasses validation): the forward
     fails, that request ends with an error, the process and the next requests are fine."""
@@ -225,14 +258,37 @@ def _children(pid: int) -> list[int]:
     return kids + [g for k in kids for g in _children(k)]
 
 
-def test_the_server_stops_its_engine_process_cleanly(tiny_llama, tmp_path):
+def _hang_up_during_the_grammar(url: str, i: int, after_s: float) -> None:
+    """A chat with a fresh JSON schema whose client gives up while the grammar compiles."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    schema = {"type": "object", "properties": {f"field{i}": {"type": "integer", "maximum": 100 + i}}, "required": [f"field{i}"]}
+    body = json.dumps({"messages": [{"role": "user", "content": "Give JSON."}], "max_tokens": 16,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}).encode()
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(after_s)
+
+
+def test_the_server_survives_clients_that_leave_mid_grammar_and_stops_its_engine_cleanly(tiny_llama, tmp_path):
+    """Issue 44 (0), as a client meets it: clients that hang up while their grammars compile,
+    the server checked after each; then a clean stop (the bug made the server exit 1)."""
     s = ServerProcess(tiny_llama, "--kv-cache-tokens", "2048", log=tmp_path / "server.log")
     try:
         _, info = s.get("/server_info")
         pid = info["engine_pid"]
         assert pid != s.proc.pid and _alive(pid)
+        for i, after in enumerate((0.01, 0.03, 0.06, 0.1, 0.15, 0.02)):
+            _hang_up_during_the_grammar(s.url, i, after)
+            assert s.get("/health")[0] == 200 and s.proc.poll() is None
+        assert s.get("/server_info")[1]["engine_pid"] == pid
         status, out = s.post("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 3}})
         assert status == 200 and out["meta_info"]["completion_tokens"] == 3
+        assert s.wait_idle()["kv_in_use_slots"] == 0
     finally:
         code = s.stop()
     assert code == 0 and _wait_gone(pid, 10)

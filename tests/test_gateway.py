@@ -130,8 +130,8 @@ def test_the_keda_scaled_object_scales_the_deployment_on_metrics_the_pods_export
     ports = [p["name"] for p in pods["spec"]["template"]["spec"]["containers"][0]["ports"]]
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["http"] and "http" in ports
     queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
-    names = {n for q in queries for n in re.findall(r"(radixserve[:_][a-z_:]+)\{", q)}
-    assert names == {WAITING, KV, "radixserve_time_to_first_token_seconds_bucket"}
+    names = {n for q in queries for n in re.findall(r"(radixserve[:_][a-z0-9_:]+)\{", q)}
+    assert names == {WAITING, KV, "radixserve_time_to_first_token_per_1k_prompt_tokens_seconds_bucket"}
     metrics = Metrics(EngineStats, lambda: 0, 1.0, 0.1)
     metrics.observe(0.5, 1.0, 4, "stop")
     exported = {s.name for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}

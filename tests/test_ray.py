@@ -1,15 +1,19 @@
 """Ray Serve (radixserve.ray) end to end, on the tiny model: `radixserve serve --ray` on a local
-cluster of its own, then (one module-scoped local cluster bound to 127.0.0.1) two applications
-built from examples/ray/serve_config.yaml's args, of 2 replicas each, one routed by prefix
-affinity, one round-robin. Cache behaviour is asserted from each replica's engine counters
+cluster of its own, then (one module-scoped local cluster bound to 127.0.0.1, driven from a
+process of its own: tests/ray_driver.py, so that nothing Ray does can end the pytest process) two
+applications built from examples/ray/serve_config.yaml's args, of 2 replicas each, one routed by
+prefix affinity, one round-robin. Cache behaviour is asserted from each replica's engine counters
 (prefill_tokens_computed, running requests, KV slots held), never from timings; every client
-call has a timeout."""
+call has a timeout. Without a cluster: a replica's server as a replica starts it (its keys off
+its command line, a disk folder of its own), the cluster Ray joins, the routing key, the router
+and the ingress against fakes."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -20,16 +24,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import CORPUS
 from server_helpers import MAX_BODY, USER, free_port, scaled
-
-# before ray is imported: a one-machine cluster whose every socket is on 127.0.0.1, no usage stats
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 LONG = " ".join(CORPUS * 4)  # ~650 tokens of the tiny tokenizer
 TENANTS = """
@@ -44,33 +44,55 @@ api_key = "sk-globex"
 admin = true
 """
 ACME, GLOBEX = "sk-acme", "sk-globex"
+CLI_KEY = "sk-cli-4c1d9e"
 TIMEOUT = 120
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "ray" / "serve_config.yaml"
 
 
-@dataclass
 class Cluster:
-    url: str
+    """The module's cluster, run by tests/ray_driver.py in a process of its own, and its HTTP URL."""
 
-    def replicas(self, app: str) -> dict[str, object]:
-        """The app's engine replicas: unique id -> actor handle (Serve names them SERVE_REPLICA::app#deployment#id)."""
-        import ray
+    def __init__(self, proc: subprocess.Popen[bytes], replies: int, url: str, log: Path) -> None:
+        self.proc, self._fd, self.url, self.log = proc, replies, url, log
+        self._buf = b""
 
-        prefix = f"SERVE_REPLICA::{app}#RadixServeReplica#"
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-        return {n[len(prefix):]: ray.get_actor(n, namespace="serve") for n in names}
+    def call(self, op: str, timeout: float = 60, **kw: object) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self.answer(timeout)
+
+    def answer(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self._fd, 1 << 20) if ready else None
+            if not chunk:
+                why = "exited" if chunk == b"" else f"did not answer in {timeout:g} s"
+                raise RuntimeError(f"the Ray driver {why} (code {self.proc.poll()}):\n{self.log.read_text()[-4000:]}")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"the Ray driver: {reply['error']}")
+        return reply["result"]
+
+    def replicas(self, app: str) -> list[str]:
+        """The app's engine replicas' unique ids."""
+        return self.call("replicas", app=app)
 
     def stats(self, app: str) -> dict[str, dict]:
         """Each replica's routing stats (radixserve's record_routing_stats: its engine's counters as 'kv')."""
-        import ray
+        return self.call("stats", app=app)
 
-        return {uid: ray.get(a.record_routing_stats.remote(), timeout=30) for uid, a in self.replicas(app).items()}
+    def kill(self, app: str, replica: str) -> None:
+        self.call("kill", app=app, replica=replica)
 
 
 def test_radixserve_serve_ray_serves_on_a_local_cluster_and_stops(tiny_llama: Path, tmp_path: Path):
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # the command makes its own choices
-    env.update(RAY_TMPDIR=ray_tmp)
+    env.update(RAY_TMPDIR=ray_tmp, RADIXSERVE_API_KEY=CLI_KEY)
     port, log = free_port(), tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--ray", "--replicas", "1", "--model", str(tiny_llama),
            "--port", str(port), "--kv-cache-tokens", "4096", "--grammar-compile-workers", "1"]
@@ -85,9 +107,18 @@ def test_radixserve_serve_ray_serves_on_a_local_cluster_and_stops(tiny_llama: Pa
         assert proc.poll() is None, log.read_text()
         body = json.dumps({"messages": USER, "max_tokens": 5, "temperature": 0, "ignore_eos": True}).encode()
         req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 401  # the key came to the replica's server from the environment
+        req.add_header("Authorization", f"Bearer {CLI_KEY}")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200 and r.headers["x-radixserve-replica"]
             assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+        cmdlines = {pid: _read(f"/proc/{pid}/cmdline") for pid in descendants(proc.pid)}
+        servers = {pid for pid, cmd in cmdlines.items() if b"radixserve.ray.child" in cmd}  # the replica's server
+        assert len(servers) == 1 and not [cmd for cmd in cmdlines.values() if CLI_KEY.encode() in cmd]
+        holders = {pid for pid in cmdlines if CLI_KEY.encode() in _read(f"/proc/{pid}/environ")}
+        assert holders <= servers | {proc.pid}, holders  # given to the server alone: Ray's processes never had it
         assert "this node 127.0.0.1" in log.read_text()  # the cluster it started has the loopback address
         socks = listeners(proc.pid)
         wide = [title for addr, title in socks if addr not in ("127.0.0.1", "::ffff:127.0.0.1")]
@@ -104,12 +135,8 @@ def test_radixserve_serve_ray_serves_on_a_local_cluster_and_stops(tiny_llama: Pa
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def listeners(root: int) -> list[tuple[str, str]]:
-    """(local address, process title) of every listening TCP socket of process `root` and its
-    descendants (read from /proc)."""
-    import ipaddress
-    import socket
-
+def descendants(root: int) -> set[int]:
+    """Process `root` and its descendants (read from /proc)."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -120,8 +147,24 @@ def listeners(root: int) -> list[tuple[str, str]]:
     while grew:
         more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
         tree, grew = tree | more, bool(more)
+    return tree
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def listeners(root: int) -> list[tuple[str, str]]:
+    """(local address, process title) of every listening TCP socket of process `root` and its
+    descendants (read from /proc)."""
+    import ipaddress
+    import socket
+
     owner = {}
-    for pid in tree:
+    for pid in descendants(root):
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
             try:
                 target = os.readlink(fd)
@@ -174,6 +217,131 @@ def test_serve_options_become_radixserve_serve_flags(tmp_path: Path):
     with pytest.raises(ValueError, match="api_key"):  # refused where the app is built, not in each replica
         ReplicaSpec.from_options({"tenants": str(tmp_path / "bad.toml")})
     assert ReplicaSpec.from_options({"api_key": "k"}).admin_key() == "k" and ReplicaSpec.from_options({}).admin_key() is None
+
+
+def test_a_replica_spec_keeps_its_keys_and_disk_folder_off_the_command_line(tmp_path: Path):
+    from radixserve.ray.options import ReplicaSpec
+
+    (tmp_path / "mk").write_text("mk-from-a-file\n")
+    spec = ReplicaSpec.from_options({"api_key": "sk-spec", "metrics_key_file": str(tmp_path / "mk"),
+                                     "kv_disk_dir": str(tmp_path / "kv"), "kv_cache_tokens": 8192})
+    assert spec.argv == ("--kv-cache-tokens", "8192") and spec.kv_disk_dir == str(tmp_path / "kv")
+    assert dict(spec.secrets) == {"RADIXSERVE_API_KEY": "sk-spec", "RADIXSERVE_METRICS_KEY": "mk-from-a-file"}
+    assert "sk-spec" not in repr(spec) and spec.admin_key() == "sk-spec"
+    with pytest.raises(ValueError, match="api_key: give --api-key or --api-key-file, not both"):
+        ReplicaSpec.from_options({"api_key": "a", "api_key_file": str(tmp_path / "mk")})
+
+
+def test_a_key_comes_from_its_file_or_its_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from radixserve.ray.options import parse
+    from radixserve.server.serve import resolve_secrets
+
+    (tmp_path / "key").write_text("sk-file\n")
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.setenv("RADIXSERVE_METRICS_KEY", "mk-env")
+    args = parse(["--api-key-file", str(tmp_path / "key")])
+    resolve_secrets(args)
+    assert (args.api_key, args.metrics_key, args.api_key_file) == ("sk-file", "mk-env", None)
+    assert "RADIXSERVE_METRICS_KEY" not in os.environ  # no child process inherits it
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "sk-env")
+    args = parse(["--api-key", "sk-flag"])
+    resolve_secrets(args)
+    assert args.api_key == "sk-flag" and "RADIXSERVE_API_KEY" not in os.environ  # the flag wins; the variable is gone
+    for argv, why in ((["--api-key", "k", "--api-key-file", str(tmp_path / "key")], "not both"),
+                      (["--api-key-file", str(tmp_path / "empty")], "api_key_file: .* is empty"),
+                      (["--metrics-key-file", str(tmp_path / "missing")], "metrics_key_file: cannot read")):
+        with pytest.raises(ValueError, match=why):
+            resolve_secrets(parse(argv))
+
+
+def test_replicas_on_one_node_each_claim_a_disk_folder_of_their_own(tmp_path: Path):
+    from radixserve.ray import disk_slot
+
+    root = tmp_path / "kv"
+    first, lock0 = disk_slot.claim(str(root))
+    second, lock1 = disk_slot.claim(str(root))  # a second replica while the first lives
+    assert (first, second) == (str(root / "ray-replica-0"), str(root / "ray-replica-1"))
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    os.close(lock0)  # the first replica's server exited
+    again, lock = disk_slot.claim(str(root))
+    assert again == first  # its replacement takes its folder (and the blocks it wrote) over
+    for fd in (lock, lock1):
+        os.close(fd)
+    os.chmod(root, 0o755)
+    with pytest.raises(ValueError, match="kv_disk_dir: .* has mode 0755"):
+        disk_slot.claim(str(root))
+
+
+@pytest.mark.slow  # starts a server
+def test_a_replicas_server_gets_its_keys_by_environment_and_a_disk_folder_of_its_own(tiny_llama: Path, tmp_path: Path):
+    """As a replica starts its server (local_server.replica_server), beside another replica's
+    server that holds the first folder: no key on any command line, the keys work, the server
+    has a disk folder of its own, let go when it exits."""
+    from radixserve.ray import disk_slot
+    from radixserve.ray.local_server import replica_server
+    from radixserve.ray.options import ReplicaSpec
+
+    kv = tmp_path / "kv"
+    spec = ReplicaSpec.from_options({"model": str(tiny_llama), "kv_cache_tokens": 4096, "grammar_compile_workers": 1,
+                                     "api_key": "sk-replica-7f3a", "metrics_key": "mk-replica-9b2e", "kv_disk_dir": str(kv)})
+    _, other = disk_slot.claim(str(kv))  # another replica on this node holds ray-replica-0
+    server = replica_server(spec, scaled(120))
+    try:
+        cmdline = _read(f"/proc/{server.pid}/cmdline").split(b"\0")
+        assert not [a for a in cmdline if b"sk-replica" in a or b"mk-replica" in a], cmdline
+        assert cmdline[cmdline.index(b"--kv-disk-dir") + 1] == str(kv / "ray-replica-1").encode()
+        status, _ = http_get(server.url + "/v1/models")
+        assert status == 401
+        status, info = http_get(server.url + "/server_info", "sk-replica-7f3a")
+        assert status == 200 and info["kv_tiers"]["disk"]
+        assert b"sk-replica" not in _read(f"/proc/{info['engine_pid']}/environ")  # the engine never had it
+        assert http_get(server.url + "/metrics", "mk-replica-9b2e")[0] == 200
+        third, lock2 = disk_slot.claim(str(kv))
+        os.close(lock2)
+        assert third == str(kv / "ray-replica-2")  # ray-replica-1 is the server's
+        body = json.dumps({"prompt": " ".join(CORPUS * 8), "max_tokens": 1}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": "Bearer sk-replica-7f3a"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            prompt = json.loads(r.read())["usage"]["prompt_tokens"]
+        signals = http_get(server.url + "/server_info", "sk-replica-7f3a")[1]["autoscaling"]  # what the replica reports
+        assert prompt > 1000 and signals["waiting"] == signals["waiting_tokens"] == 0
+        assert signals["ttft_per_1k_p90_s"] == pytest.approx(signals["ttft_p90_s"] * 1000 / prompt, abs=2e-4)
+    finally:
+        server.stop()
+        os.close(other)
+    folder, lock = disk_slot.claim(str(kv))
+    os.close(lock)
+    assert folder == str(kv / "ray-replica-0")  # both let go
+
+
+def http_get(url: str, key: str | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body = r.read()
+            return r.status, json.loads(body) if r.headers.get_content_type() == "application/json" else body
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_ray_joins_only_the_cluster_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Not the one RAY_ADDRESS or another user's `ray start` (/tmp/ray/ray_current_cluster) names."""
+    import ray
+
+    from radixserve.ray.serve import connect
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.9.9.9:6379")
+    for name, value in (("RAY_TMPDIR", str(tmp_path)), ("RAY_ADDRESS", "10.9.9.9:6379"), ("RAY_USAGE_STATS_ENABLED", "0"),
+                        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")):
+        monkeypatch.setenv(name, value)
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    assert connect(None, "127.0.0.1", 2) is True  # a new local cluster
+    assert calls[-1]["address"] == "local" and "RAY_ADDRESS" not in os.environ
+    assert connect("10.0.0.5:6379", "127.0.0.1", 2) is False and calls[-1] == {"address": "10.0.0.5:6379"}
 
 
 class FakeReplica:
@@ -316,27 +484,38 @@ def app_args(model: Path, tenants: Path, **options: object) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    import ray
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from radixserve.ray.serve import app_builder
-
-    tenants = tmp_path_factory.mktemp("ray") / "tenants.toml"
+    """The two applications on a local cluster of their own, in a process of their own (a Ray
+    crash fails this module's tests, never the pytest process); shut down with the module."""
+    folder = tmp_path_factory.mktemp("ray")
+    tenants, log = folder / "tenants.toml", folder / "driver.log"
     tenants.write_text(TENANTS)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    assert ray.util.get_node_ip_address() == "127.0.0.1"
     port = free_port()
+    apps = [[app_args(tiny_llama, tenants), "radixserve", "/"],
+            [app_args(tiny_llama, tenants, router_policy="round_robin"), "rr", "/rr"]]
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_TMPDIR": ray_tmp}
+    read, write = os.pipe()
+    driver = Path(__file__).with_name("ray_driver.py")
+    proc = subprocess.Popen([sys.executable, str(driver), str(write), json.dumps({"port": port, "apps": apps})],
+                            stdin=subprocess.PIPE, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                            pass_fds=[write], start_new_session=True)
+    os.close(write)
+    c = Cluster(proc, read, f"http://127.0.0.1:{port}", log)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run_many([RunTarget(app_builder(app_args(tiny_llama, tenants)), "radixserve", "/"),
-                        RunTarget(app_builder(app_args(tiny_llama, tenants, router_policy="round_robin")), "rr", "/rr")])
-        wide = [title for addr, title in listeners(os.getpid()) if addr not in ("127.0.0.1", "::ffff:127.0.0.1")]
+        assert c.answer(scaled(300)) == "127.0.0.1"  # the node's address
+        wide = [title for addr, title in listeners(proc.pid) if addr not in ("127.0.0.1", "::ffff:127.0.0.1")]
         assert len(wide) == 6 and all(t.startswith("ray::ServeReplica:") for t in wide), wide  # see the CLI test
-        yield Cluster(f"http://127.0.0.1:{port}")
+        yield c
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        assert proc.stdin is not None
+        proc.stdin.close()  # the driver shuts Serve and Ray down and exits
+        try:
+            proc.wait(scaled(60))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        os.close(read)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def post(url: str, path: str, body: dict | bytes, key: str | None = ACME) -> tuple[int, dict, dict]:
@@ -479,8 +658,6 @@ def test_a_dead_engine_fails_over_and_its_replica_is_replaced(cluster: Cluster):
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_started(cluster: Cluster):
-    import ray
-
     conn, resp = open_stream(cluster.url, "/v1/chat/completions", fork(500, max_tokens=1200, ignore_eos=True, stream=True))
     home = resp.getheader("x-radixserve-replica")
     resp.readline()  # started: bytes reached the client
@@ -490,7 +667,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster: Cluster
     kv = wait_kv(cluster, "radixserve", home, lambda kv: kv["running"] + kv["waiting"] >= 7)
     assert kv["running"] + kv["waiting"] >= 7, kv  # the stream and the 6 requests are on the replica
     info = cluster.stats("radixserve")[home]
-    ray.kill(cluster.replicas("radixserve")[home])
+    cluster.kill("radixserve", home)
     results = [f.result(timeout=TIMEOUT) for f in waiting]
     pool.shutdown()
     assert [s for s, _, _ in results] == [200] * 6, results

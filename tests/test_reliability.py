@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import urllib.request
 
 import jsonschema
 import pytest
@@ -61,6 +62,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "top_p": 1.5}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": USER, "top_p": -0.1}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": USER, "temperature": -0.5}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": USER, "temperature": 5}, 400, "temperature"),  # OpenAI's range: [0, 2]
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": USER, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"messages": USER, "frequency_penalty": -2.5}, 400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**12}, 400, "max_tokens"),
@@ -334,7 +337,9 @@ def test_a_mixed_soak_ends_with_no_kv_in_use_a_clean_pool_and_no_5xx(tiny_llama,
 
 
 # -- fuzzing -------------------------------------------------------------------------------------
-TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens")
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens", "max_output_tokens")
+# a chat or a response without a max runs to the end of the context window (the OpenAI APIs' default)
+DEFAULT_LIMIT = {"/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens"}
 
 
 def _bounded(body):
@@ -372,6 +377,9 @@ def _fuzz(op, codes: dict[int, int]) -> None:
         case = data.draw(op.as_strategy())
         if isinstance(case.body, (dict, list)):
             _bounded(case.body)
+        if isinstance(case.body, dict) and op.path in DEFAULT_LIMIT and not any(
+                isinstance(case.body.get(k), int) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
+            case.body[DEFAULT_LIMIT[op.path]] = 8
         r = case.call_and_validate(checks=[not_a_server_error, response_schema_conformance])
         codes[r.status_code] = codes.get(r.status_code, 0) + 1
 
@@ -460,6 +468,76 @@ def test_an_http_client_that_stops_reading_its_stream_is_cut_off_and_freed(tiny_
         sock.close()
     finally:
         assert server.stop() == 0
+
+
+def test_an_unread_chat_stream_with_the_kernels_default_buffers_is_cut_off(tiny_llama, tmp_path):
+    """Issue 44 (17): a client that never reads, its socket as the OS makes it: Linux grew the
+    server's send buffer until the whole answer fit, so the stream was decoded to its end and no
+    write ever waited. The stream's send buffer is the server's now: the writes wait, the
+    backlog fills and the request is aborted well before its 2,000 tokens."""
+    import socket
+    import time
+
+    server = ServerProcess(tiny_llama, "--kv-cache-tokens", "4096", "--max-stream-backlog", "64",
+                           "--stream-send-buffer", "8192", log=tmp_path / "server.log")
+    try:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        body = json.dumps({"messages": [{"role": "user", "content": "Write a long story."}], "stream": True,
+                           "max_tokens": 2000, "ignore_eos": True, "logprobs": True, "top_logprobs": 5})  # chunks of ~1 KB
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + scaled(90)
+        while time.monotonic() < deadline:
+            kv = server.get("/server_info")[1]["kv"]
+            if kv["finished"] >= 1 and kv["running"] == 0:
+                break
+            time.sleep(0.2)
+        kv = server.wait_idle()
+        assert kv["decode_tokens"] < 1500 and kv["kv_in_use_slots"] == 0, kv
+        with urllib.request.urlopen(server.url + "/metrics") as r:
+            assert 'radixserve_requests_total{finish_reason="abort"} 1.0' in r.read().decode()
+        sock.close()
+    finally:
+        assert server.stop() == 0
+
+
+def test_streams_cut_by_the_servers_shutdown_end_with_an_error_event_not_a_finish_reason(tiny_llama, tmp_path):
+    """Issue 44 (19): a stream the drain cut ended with `finish_reason: "abort"`, no value of the
+    OpenAI API, so a client took the cut answer for a whole one. Each API's stream now ends with
+    its error event: chat and completions an `{"error": ...}` chunk, Messages `event: error`,
+    Responses `error` and `response.failed`."""
+    import http.client
+    import signal
+
+    server = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--drain-timeout", "0", log=tmp_path / "server.log")
+    long = {"max_tokens": 1900, "ignore_eos": True, "stream": True}
+    user = [{"role": "user", "content": "Write a long story."}]
+    routes = [("/v1/chat/completions", {**long, "messages": user}),
+              ("/v1/completions", {**long, "prompt": "Once upon a time"}),
+              ("/v1/messages", {"model": "", "max_tokens": 1900, "stream": True, "messages": user}),
+              ("/v1/responses", {"input": "Write a long story.", "max_output_tokens": 1900, "stream": True, "store": False})]
+    conns = []
+    try:
+        for path, body in routes:
+            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=scaled(60))
+            c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            assert r.status == 200, (path, r.read())
+            r.readline()  # the stream has begun
+            conns.append((path, c, r))
+        server.proc.send_signal(signal.SIGTERM)
+        tails = {path: r.read().decode() for path, _, r in conns}
+    finally:
+        assert server.stop() == 0
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        events = [json.loads(line[6:]) for line in tails[path].splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "aborted", events[-1]
+        assert not any(c.get("finish_reason") for e in events for c in e.get("choices", ())), path
+        assert tails[path].rstrip().endswith("data: [DONE]")
+    assert "event: error" in tails["/v1/messages"] and '"overloaded_error"' in tails["/v1/messages"]
+    assert "event: message_stop" not in tails["/v1/messages"]
+    assert "event: response.failed" in tails["/v1/responses"] and "event: response.completed" not in tails["/v1/responses"]
+    assert "aborted" in tails["/v1/responses"] and '"abort"' not in "".join(tails.values())
 
 
 # -- overload and isolation benchmark (its mechanics; the numbers are in docs/benchmarks.md) ---------------

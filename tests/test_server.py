@@ -170,8 +170,11 @@ def test_metrics_and_openapi_describe_the_server(server):
     _, info = server.get("/server_info")
     assert info["max_context_len"] == 2048 and "im_start" in info["chat_template"] and "kv_total_slots" in info["kv"]
     signals = info["autoscaling"]  # what a Ray replica reports to the autoscaler (radixserve/ray/autoscale.py)
-    assert set(signals) == {"waiting", "running", "kv_usage", "ttft_p90_s"}
-    assert signals["waiting"] == 0 and 0 <= signals["kv_usage"] <= 1 and signals["ttft_p90_s"] >= 0
+    from radixserve.ray.autoscale import SIGNALS
+
+    assert set(signals) == {*SIGNALS, "ttft_p90_s"}
+    assert signals["waiting"] == signals["waiting_tokens"] == 0 and 0 <= signals["kv_usage"] <= 1
+    assert 0 <= signals["ttft_per_1k_p90_s"] <= signals["ttft_p90_s"]
 
 
 # -- tenants ---------------------------------------------------------------------------------

@@ -54,10 +54,12 @@ def test_serve_help_describes_every_flag_with_its_default_and_choices():
     blocks = _help_blocks(out)
     flags = {**_ENGINE_FLAGS, **scalar_fields(ServerConfig), **scalar_fields(RouterConfig)}
     from radixserve.ray.options import RAY_ONLY  # --ray, --replicas and the autoscaling flags (and host, port)
+    from radixserve.server.serve import SECRET_ENV  # --api-key-file, --metrics-key-file
 
     ray_flags = {"--" + n.replace("_", "-") for n in RAY_ONLY}
-    assert set(blocks) == {"--model"} | ray_flags | {"--" + n.replace("_", "-") for n in flags}  # and -h, --help
-    assert all(blocks[f][1] for f in ray_flags), "a Ray flag without a description"
+    key_files = {f"--{n.replace('_', '-')}-file" for n in SECRET_ENV}
+    assert set(blocks) == {"--model"} | ray_flags | key_files | {"--" + n.replace("_", "-") for n in flags}  # and -h, --help
+    assert all(blocks[f][1] for f in ray_flags | key_files), "a Ray or key-file flag without a description"
     for name, f in flags.items():
         invocation, text = blocks["--" + name.replace("_", "-")]
         description = re.sub(r"\s*\(default: [^)]*\)$", "", text)

@@ -111,7 +111,7 @@ def test_a_fenced_json_call_is_a_tool_call_only_when_it_holds_nothing_but_offere
     assert [c.function.name for c in calls] == ["get_time"] and content.startswith("```json")
 
 
-def test_a_required_tool_call_cut_short_is_returned_as_content_not_a_500():
+def test_calls_from_json_reads_only_whole_calls_a_cut_one_is_cut_calls_job():
     from radixserve.server.tools import calls_from_json
 
     assert calls_from_json('{"name": "get_weather", "arguments": {"city": "Par') == []

@@ -115,3 +115,154 @@ def test_pipeline_micro_batches_cut_whole_sequences_or_a_lone_one_as_chunked_pre
     assert [[(s.q_start, s.q_len, s.prefix_len, len(s.slots)) for s in mb[3]] for mb in lone] == [[(0, 5, 3, 8)],
                                                                                                  [(0, 5, 8, 13)]]
     assert len(micro_batches(batch([SeqView(0, 1, 7, list(range(8)))]), 2)) == 1  # one decode row: one micro-batch
+
+
+# -- the workers' channel against other local users (issue 44, finding 6) -------------------------
+def _listening(pid: int | str = "self") -> list[str]:
+    """This process's listening TCP addresses, as /proc/net/tcp writes them (0100007F: 127.0.0.1)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            found += [p[1] for p in (line.split() for line in f.readlines()[1:]) if p[3] == "0A" and p[9] in inodes]
+    return found
+
+
+def _outward_interface() -> str:
+    """The default route's interface (an address beyond the machine)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    with open("/proc/net/route") as f:
+        names = [p[0] for p in (line.split() for line in f.readlines()[1:]) if p[1] == "00000000"]
+    if not names:
+        pytest.skip("no default route: no interface but loopback to compare with")
+    return names[0]
+
+
+@pytest.mark.slow  # starts a worker process
+def test_split_engine_meets_in_a_private_directory_and_listens_on_loopback_only(tiny_llama, monkeypatch):
+    """A rendezvous file in /tmp (deleted, its name reused) let a local user who won the race
+    choose whom the workers connect to; gloo listened where GLOO_SOCKET_IFNAME or the hostname
+    pointed, beyond the machine."""
+    import os
+    import stat
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", _outward_interface())  # ignored: the ranks share a machine
+    before = set(_listening())
+    with Engine(str(tiny_llama), dtype="float32", kv_cache_tokens=1024, tensor_parallel=2) as e:
+        spec = e.parallel.spec
+        folder = os.lstat(os.path.dirname(spec.init_file))
+        assert stat.S_ISDIR(folder.st_mode) and folder.st_uid == os.geteuid()
+        assert stat.S_IMODE(folder.st_mode) == 0o700
+        assert len(spec.shm_name) >= len("radixserve-tp-") + 32  # 128 random bits
+        ours = set(_listening()) - before
+        theirs = _listening(e.parallel.procs[0].pid)
+        assert ours and theirs and all(a.startswith("0100007F:") for a in ours | set(theirs)), (ours, theirs)
+        assert e.generate("The cat sat", SamplingParams(max_new_tokens=3, temperature=0.0))[0].token_ids
+    assert not os.path.exists(os.path.dirname(spec.init_file))
+
+
+def test_a_rendezvous_another_user_could_write_is_refused(tmp_path):
+    import datetime
+
+    from radixserve.engine import parallel_channel as channel
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(RuntimeError, match="rendezvous directory .* mode 0700"):
+        channel.join(str(shared / "store"), 0, 1, datetime.timedelta(seconds=5))
+    path = channel.new_rendezvous()
+    channel.remove_rendezvous(path)
+    import os
+
+    assert not os.path.exists(os.path.dirname(path))
+
+
+def _two_ranks():
+    """Ranks 0 and 1 of one group, in this process (rank 1 joins on a thread)."""
+    import datetime
+    import threading
+
+    from radixserve.engine import parallel_channel as channel
+
+    path = channel.new_rendezvous()
+    got = {}
+    t = threading.Thread(target=lambda: got.update(pg=channel.join(path, 1, 2, datetime.timedelta(seconds=30))))
+    t.start()
+    pg0 = channel.join(path, 0, 2, datetime.timedelta(seconds=30))
+    t.join()
+    return path, pg0, got["pg"]
+
+
+def test_steps_cross_the_channel_as_bytes_and_a_pickle_on_it_is_never_run(tmp_path):
+    """A peer that got onto the channel sends a pickle whose loading would run code: the worker's
+    side decodes typed msgpack, refuses it, and nothing runs."""
+    import pickle
+    import threading
+
+    import torch
+
+    from radixserve.batch import ForwardBatch, SeqView
+    from radixserve.engine import parallel_channel as channel
+    from radixserve.models.pp import micro_batches
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (marker.touch, ())
+
+    path, pg0, pg1 = _two_ranks()
+    try:
+        rows = torch.arange(10)
+        batch = ForwardBatch(rows, rows, rows + 100, [SeqView(0, 6, 0, list(range(6))),
+                                                        SeqView(6, 4, 3, list(range(7)), True, [5, 6, 7, 8])], None)
+        step = micro_batches(batch, 2)
+        got: list = []
+        t = threading.Thread(target=lambda: got.extend([channel.recv_step(pg1) for _ in range(3)]))
+        t.start()
+        channel.send_step(pg0, channel.encode_step(step))
+        channel.send_step(pg0, bytearray(pickle.dumps([Evil()])))
+        channel.send_step(pg0, None)
+        t.join()
+        back = channel.decode_step(got[0])
+        assert [(m[0].tolist(), m[2].tolist(), m[3]) for m in back] == [(m[0].tolist(), m[2].tolist(), m[3]) for m in step]
+        with pytest.raises(ValueError):
+            channel.decode_step(got[1])
+        assert got[2] is None and not marker.exists()
+        for bad in (b"", b"\x93\x01\x02", pickle.dumps(Evil())):
+            with pytest.raises(ValueError):
+                channel.decode_step(bad)
+        assert not marker.exists()
+    finally:
+        channel.remove_rendezvous(path)
+
+
+def test_no_pickle_crosses_the_workers_channels():
+    """Every channel between rank 0 and its workers carries bytes or tensors: no
+    broadcast_object_list / send_object_list (pickles), no Connection.recv / Queue (unpickles)."""
+    import re
+    from pathlib import Path
+
+    import radixserve
+
+    root = Path(radixserve.__file__).parent
+    files = [root / "engine" / "model_parallel.py", root / "engine" / "parallel_channel.py", root / "models" / "tp.py",
+             root / "models" / "pp.py"]
+    banned = re.compile(r"pickle|_object_list|init_process_group|\.recv\(\)|\.get\(timeout|Queue\(")
+    for f in files:
+        code = "\n".join(line for line in f.read_text().splitlines() if not line.lstrip().startswith("#"))
+        code = re.sub(r'"""(.|\n)*?"""', "", code)
+        assert not banned.search(code), (f.name, banned.search(code))

@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlparse
 
-from radixserve.bench import bearer, hostile, percentile
+from radixserve.bench import abuse, bearer, hostile, percentile
 from radixserve.bench.prom import histogram_quantile, scrape
 
 
@@ -45,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storm", type=int, default=200, help="streams in the mixed storm (0: skip it)")
     p.add_argument("--bombs", type=int, default=4, help="exploding regexes in the grammar bomb, besides one memory bomb (0: skip)")
     p.add_argument("--json", default=None)
+    p.add_argument("--abuse", action="store_true", help="run the abuse bench instead (as `radixserve bench abuse`)")
+    abuse.add_knobs(p.add_argument_group("abuse (with --abuse)"))
 
 
 async def _chat(session: Any, url: str, key: str | None, i: int) -> tuple[int, float]:
@@ -168,6 +170,8 @@ async def isolation(session: Any, args: argparse.Namespace, keys: list[str | Non
 def run(args: argparse.Namespace) -> int:
     import aiohttp
 
+    if args.abuse:
+        return abuse.run(args)
     keys: list[str | None] = args.keys.split(",") if args.keys else [None, None]
     if len(keys) != 2:
         raise ValueError("keys: give two API keys, comma-separated")

@@ -6,14 +6,17 @@ matches, inserts and evicts multiples of N tokens, and callers pass page-aligned
 from then on; the caller frees the rest. Locked prefixes are never evicted; whoever locks
 unlocks (the cache manager, once per admission or per adopted chunk).
 
-Namespaces are structured keys, never joined strings: `Namespace(tenant, cache_salt)`.
-Different namespaces never share a node. `public_len` marks the first tokens of a sequence
+Namespaces are structured keys, never joined strings: `Namespace(tenant, cache_salt)`, where
+cache_salt is a fixed-size digest (`salt_key`) of the client's salt and the tenant's credential,
+never either of them. Different namespaces never share a node. `public_len` marks the first tokens of a sequence
 as living in the one shared PUBLIC namespace (an opt-in public prefix); the rest stays in
 the caller's namespace.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +27,21 @@ DEFAULT_TENANT = "default"
 
 class Namespace(NamedTuple):
     tenant: str | None  # None only for PUBLIC; a request without a tenant uses DEFAULT_TENANT
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # salt_key(): the client's cache_salt and the tenant's credential, digested
 
 
 PUBLIC = Namespace(None, None)
+
+
+def salt_key(cache_salt: str | None, tenant_key: str | None = None) -> str | None:
+    """A namespace's key under its tenant id: a digest of the pair (tenant_key, cache_salt), 32
+    hex characters whatever the salt's length, or None when neither is given. `tenant_key` is a
+    digest of the tenant's credential (server.auth): a tenant id issued again with another key
+    finds none of the earlier owner's KV, in the pool or on disk. The pair is digested as JSON,
+    so no two pairs share a key (no joined strings)."""
+    if cache_salt is None and tenant_key is None:
+        return None
+    return hashlib.sha256(json.dumps([tenant_key, cache_salt]).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

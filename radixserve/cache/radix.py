@@ -62,6 +62,7 @@ class Node:
         return f"Node({self.ns}, len={len(self.key)}, lock={self.lock_ref}, t={self.last_access})"
 
 
+RETAINED_SHARE = 0.5  # of the cached tokens: what retained prompts may keep past everyone else's
 _ROOT = Namespace("", None)  # the root's: no tenant's (the root holds no tokens and is never a child)
 
 # Eviction order: the smallest key goes first.
@@ -370,13 +371,25 @@ class RadixCache(PrefixCache):
         return quota is not None and self.tenant_tokens[tenant] > quota
 
     def evict(self, n: int) -> list[int]:
-        """Tenants over their quota lose their leaves first, then everyone in policy order."""
+        """Tenants over their quota lose their leaves first; then retained prompts past their
+        share of the cache (RETAINED_SHARE), least recently used first; then everyone in policy
+        order (retained prompts last)."""
         freed: list[int] = []
         if any(self._over_quota(t) for t in self.quotas):
             self._evict_from(n, freed, lambda node: self._over_quota(node.owner))
         if len(freed) < n:
+            self._evict_retained_excess(n, freed)
+        if len(freed) < n:
             self._evict_from(n, freed, lambda node: True)
         return freed
+
+    def _evict_retained_excess(self, n: int, freed: list[int]) -> None:
+        now = time.time()
+        retained = sum(len(x.key) for x in self._nodes() if x.retain_until > now)
+        excess = retained - RETAINED_SHARE * self._cached
+        if excess > 0:  # evicting x retained tokens leaves retained - x of cached - x
+            target = len(freed) + int(excess / (1 - RETAINED_SHARE)) + 1
+            self._evict_from(min(n, target), freed, lambda node: node.retain_until > now)
 
     def _evict_from(self, n: int, freed: list[int], eligible: Callable[[Node], bool]) -> None:
         now = time.time()

@@ -47,6 +47,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cache.disk_guard import private_dir
 from radixserve.cache.prefix import DEFAULT_TENANT, Namespace
 from radixserve.config import EngineConfig, RouterConfig
 from radixserve.engine import kv_connector
@@ -93,6 +94,8 @@ class DataParallelEngine(RequestFront):
         if cfg.disaggregate and overrides.get("kv_connector") is None:  # (the CLI passes every flag, unset ones as None)
             overrides = {**overrides, "kv_connector": "shm"}
         self.config = EngineConfig.build(model, **overrides)  # refuses a bad option before N processes start
+        if self.config.cache.kv_disk_dir is not None:  # the replicas' folders' parent: made or checked private
+            private_dir(self.config.cache.kv_disk_dir)
         gpus = _visible_gpus() if self.config.model.device in ("auto", "cuda") else []
         self._gpus = gpus if len(gpus) >= n else []
         self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, n)
@@ -103,6 +106,7 @@ class DataParallelEngine(RequestFront):
         self.tokenizer = load_tokenizer(tokenizer_dir(model))
         self._lock = threading.Lock()  # replicas and the router: the event loop, reader and restart threads
         self._closing = False
+        self._restarts: list[threading.Thread] = []  # replicas starting again after a death
         self.dead: str | None = None
         self.on_death: Callable[[str], None] | None = None
         with ThreadPoolExecutor(n) as pool:
@@ -376,6 +380,8 @@ class DataParallelEngine(RequestFront):
 
     def _died(self, r: Replica, why: str) -> None:
         """On the dead replica's reader thread."""
+        if r.engine is not None:  # a killed producer leaves its shm staging directory behind
+            kv_connector.forget(r.engine.kv_location)
         with self._lock:
             if not self._keeps_prefixes:
                 self.router.forget(r.index)
@@ -388,8 +394,11 @@ class DataParallelEngine(RequestFront):
                 self.on_death(self.dead or why)
             return
         if self._restart:
-            threading.Thread(target=self._restart_replica, args=(r,), name=f"radixserve-replica-{r.index}-restart",
-                             daemon=True).start()
+            t = threading.Thread(target=self._restart_replica, args=(r,), name=f"radixserve-replica-{r.index}-restart",
+                                 daemon=True)
+            with self._lock:
+                self._restarts = [x for x in self._restarts if x.is_alive()] + [t]
+            t.start()
 
     def _restart_replica(self, r: Replica) -> None:
         with self._lock:
@@ -420,8 +429,11 @@ class DataParallelEngine(RequestFront):
         with self._lock:
             self._closing = True
             engines = [r.engine for r in self.replicas if r.engine is not None]
+            restarts = list(self._restarts)
         with ThreadPoolExecutor(max(len(engines), 1)) as pool:
             list(pool.map(lambda e: e.shutdown(timeout), engines))
+        for t in restarts:  # a replica starting again stops once started: no process (nor its shm directory) outlives this
+            t.join(timeout)
         self.dead = self.dead or "shut down"
 
     def __enter__(self) -> DataParallelEngine:

@@ -20,7 +20,6 @@ from kernels import cpu as cpu_kernels
 from kernels.kv_quant import is_quantized
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator, WindowedAllocator
-from radixserve.cache.disk import DiskStore
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
@@ -29,7 +28,7 @@ from radixserve.engine.front import DeltaStream, Prompt, RequestFront
 from radixserve.engine.jump_forward import forced_after
 from radixserve.engine.kv_connector import make_connector
 from radixserve.engine.kv_handoff import KVHandoff
-from radixserve.engine.kv_tier import KVTier, model_fingerprint
+from radixserve.engine.kv_tier import KVTier, open_tier
 from radixserve.engine.loop import EngineLoop, Stop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
@@ -189,8 +188,7 @@ class Engine(RequestFront):
             return None
         self._one_pool("kv_disk_dir", "the disk tier")
         facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization]
-        store = DiskStore(c.kv_disk_dir, int(c.kv_disk_gb * 1e9), c.kv_disk_block_tokens, dict(c.tenant_max_cached_tokens))
-        return KVTier(store, self.pool, model_fingerprint(Path(path), facts))
+        return open_tier(c, self.pool, Path(path), facts)
 
     def _one_pool(self, option: str, what: str) -> None:
         """`what` moves a token's KV as one pool's rows (KVPool.gather): refuse a sliding-window pool
@@ -406,6 +404,7 @@ class Engine(RequestFront):
             cache_hit_rate=c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             running=len(s.running),
             waiting=len(s.waiting) + len(self._loop.loading),
+            waiting_tokens=sum(len(r.token_ids) for r in s.waiting),
             steps=self._loop.steps,
             jump_forward_tokens=self.post.jumped_tokens,
             engine_rss_bytes=_rss_bytes() if self.own_process else 0,

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextvars import ContextVar
 from typing import Any
 
+from radixserve.cache.prefix import salt_key
 from radixserve.engine.outputs import Delta
 from radixserve.engine.protocol import InvalidParam
 from radixserve.limits import MAX_CACHE_SALT_CHARS
@@ -92,13 +93,18 @@ class RequestFront:
         cache_salt: str | None = None,
         public_prefix_len: int | None = None,
         retention: Retention | None = None,
+        tenant_key: str | None = None,
+        default_max_new_tokens: int | None = None,
     ) -> Req:
         """Tokenize and validate; raises InvalidParam (a ValueError) naming the bad field.
 
-        The prefix-cache namespace is (tenant, cache_salt): requests share cached prefixes
-        only within one. `public_prefix_len=k` opts in to the shared public namespace for the
-        first k prompt tokens (hit by, and offered to, every request that opts in too).
-        `retention`: how long its prompt should stay cached (request.Retention)."""
+        The prefix-cache namespace is (tenant, a digest of cache_salt and `tenant_key`, the
+        tenant's credential digest: cache.prefix.salt_key): requests share cached prefixes only
+        within one. `public_prefix_len=k` opts in to the shared public namespace for the first k
+        prompt tokens (hit by, and offered to, every request that opts in too). `retention`: how
+        long its prompt should stay cached (request.Retention). Without params.max_new_tokens it
+        generates up to `default_max_new_tokens` (None: the engine's default), at most what the
+        context window and the KV pool leave after its prompt."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -112,9 +118,13 @@ class RequestFront:
                     raise InvalidParam("input_ids", f"{t!r} is not a token id in [0, {self.model_vocab_size})")
         params.validate(self.vocab_size)
         _check_namespace(tenant, cache_salt, public_prefix_len, len(ids))
-        default_max = max(min(self.default_max_new_tokens, self.context_len - len(ids)), 0)
+        if tenant_key is not None and (not isinstance(tenant_key, str) or not tenant_key):
+            raise InvalidParam("tenant_key", f"expected a non-empty string or None, got {tenant_key!r}")
+        default = self.default_max_new_tokens if default_max_new_tokens is None else default_max_new_tokens
+        default_max = max(min(default, self.context_len - len(ids), self.num_slots - len(ids)), 0)
         req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max, tenant=tenant,
-                  cache_salt=cache_salt, public_prefix_len=public_prefix_len or 0, retention=retention)
+                  cache_salt=salt_key(cache_salt, tenant_key), public_prefix_len=public_prefix_len or 0,
+                  retention=retention)
         check_admissible(req, self.context_len, self.num_slots)
         return req
 

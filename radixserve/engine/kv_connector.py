@@ -26,14 +26,24 @@ a consumer that died mid-transfer; the coordinator also releases every hand-off 
 
 Keys are 128 random bits, chosen by the coordinator: unguessable, so a TCP producer (bound to
 127.0.0.1 unless told otherwise) serves pages only to whoever was given their key.
+
+Against other local users and idle clients: a shm producer stages in a private directory of
+its own (0700, under /dev/shm), creates each file O_EXCL|O_NOFOLLOW 0600, and the consumer opens
+it O_NOFOLLOW|O_NONBLOCK and takes only a regular file of ours of the expected size; anything
+else there is a miss (the decode replica computes those pages). A TCP producer serves at most
+TCP_MAX_CONNECTIONS connections at once (one more is closed at once), gives each
+TCP_HANDLER_TIMEOUT_S to send its request line and each chunk of pages that long to be read,
+and reads at most one short line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import socketserver
+import stat
 import struct
 import tempfile
 import threading
@@ -46,6 +56,11 @@ log = logging.getLogger(__name__)
 CONNECTORS = ("shm", "tcp")
 STAGED_TTL_S = 120.0  # pages published and never taken are dropped after this
 TCP_TIMEOUT_S = 30.0
+TCP_HANDLER_TIMEOUT_S = 10.0  # a connection's request line, and each chunk of pages sent to it
+TCP_MAX_CONNECTIONS = 32  # served at once by a TCP producer; one more is closed at once
+MAX_REQUEST_BYTES = 128  # "GET <key>\n"
+MAX_KEY_CHARS = 64
+_CHUNK = 4 << 20
 _LEN = struct.Struct(">Q")
 _MISSING = (1 << 64) - 1
 
@@ -108,22 +123,34 @@ def _shm_dir() -> Path:
     return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def _check_key(key: str) -> str:
+    if not (key.isascii() and key.isalnum() and len(key) <= MAX_KEY_CHARS):
+        raise ValueError(f"KV hand-off key: up to {MAX_KEY_CHARS} letters and digits, got {key[:80]!r}")
+    return key
+
+
 def _shm_path(directory: str, key: str) -> Path:
-    if not key.isalnum():
-        raise ValueError(f"KV hand-off key: letters and digits only, got {key!r}")
-    return Path(directory) / f"radixserve-kv-{key}"
+    return Path(directory) / f"radixserve-kv-{_check_key(key)}"
+
+
+def _private_dir(st: os.stat_result) -> bool:
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
 class ShmConnector(KVConnector):
+    """Pages staged as files in a private directory of this producer's (0700, removed at close):
+    other users cannot list, read, pre-create or replace them."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.dir = str(_shm_dir())
+        self.dir = tempfile.mkdtemp(prefix="radixserve-kv-", dir=_shm_dir())
         self.location = f"shm:{self.dir}"
 
     def _put(self, key: str, data: memoryview) -> None:
+        """Raises (FileExistsError...) where the name is taken: that hand-off fails, a miss."""
         path = _shm_path(self.dir, key)
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -142,21 +169,87 @@ class ShmConnector(KVConnector):
         except FileNotFoundError:
             return False  # taken
 
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
 
 def _shm_take(directory: str, key: str, nbytes: int) -> bytearray | None:
+    """The pages, if `directory` is a private one of ours and the file in it a regular file of
+    ours, `nbytes` long; None otherwise (a symlink, a FIFO, another user's file: never followed,
+    never waited on)."""
     path = _shm_path(directory, key)
     try:
-        f = open(path, "rb")
-    except FileNotFoundError:
+        if not _private_dir(os.lstat(directory)):
+            log.warning("KV hand-off: %s is not a private directory of ours; its pages are not taken", directory)
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # not there (dropped, taken), or a symlink
         return None
-    with f:
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
         path.unlink(missing_ok=True)  # taken: the open file stays readable
+        if st.st_size != nbytes:
+            return None
         buf = bytearray(nbytes)
         got = f.readinto(buf)
         return buf if got == nbytes and not f.read(1) else None
 
 
 # -- TCP: the producer serves its staged pages ----------------------------------------------------
+class _BoundedServer(socketserver.ThreadingTCPServer):
+    """A thread per connection, at most `limit` at once: a connection over it is closed at once
+    (its client sees the pages missing: a miss)."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connections is accepted (and refused) at once
+
+    def __init__(self, address: tuple[str, int], handler: type[socketserver.BaseRequestHandler], limit: int) -> None:
+        self.slots = threading.BoundedSemaphore(limit)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        log.debug("KV hand-off: a connection from %s failed", client_address, exc_info=True)
+
+
+def _read_line(sock: socket.socket, timeout_s: float) -> bytes | None:
+    """One request line (without its newline) within `timeout_s` in all; None if it does not
+    come whole, in time, within MAX_REQUEST_BYTES."""
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(buf) > MAX_REQUEST_BYTES:
+            return None
+        sock.settimeout(left)
+        chunk = sock.recv(MAX_REQUEST_BYTES + 1 - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    line = buf.partition(b"\n")[0]
+    return line if len(line) <= MAX_REQUEST_BYTES else None
+
+
 class TcpConnector(KVConnector):
     """A request is one line, `GET <key>` (answered with the length, 8 bytes big-endian, then the
     pages; a missing key's length is 2**64-1) or `DROP <key>`; one request per connection."""
@@ -166,22 +259,33 @@ class TcpConnector(KVConnector):
         self._data: dict[str, memoryview] = {}
         owner = self
 
-        class Handler(socketserver.StreamRequestHandler):
+        class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                line = self.rfile.readline(256).decode("ascii", "replace").split()
-                if len(line) != 2 or line[0] not in ("GET", "DROP"):
-                    return
-                data = owner._pop(line[1])
-                if line[0] == "GET":
-                    self.wfile.write(_LEN.pack(_MISSING if data is None else len(data)))
-                    if data is not None:
-                        self.wfile.write(data)
+                try:
+                    owner._serve(self.request)
+                except OSError:  # a client gone, or too slow (TCP_HANDLER_TIMEOUT_S)
+                    pass
 
-        self._server = socketserver.ThreadingTCPServer((host, 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedServer((host, 0), Handler, TCP_MAX_CONNECTIONS)
         port = self._server.server_address[1]
         self.location = f"tcp:{advertise or host}:{port}"
         threading.Thread(target=self._server.serve_forever, name="radixserve-kv-serve", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        raw = _read_line(sock, TCP_HANDLER_TIMEOUT_S)
+        line = raw.decode("ascii", "replace").split() if raw is not None else []
+        if len(line) != 2 or line[0] not in ("GET", "DROP"):
+            return
+        data = self._pop(line[1])
+        if line[0] == "GET":
+            sock.settimeout(TCP_HANDLER_TIMEOUT_S)  # each sendall below: its whole chunk within it
+            if data is None:
+                sock.sendall(_LEN.pack(_MISSING))
+                return
+            view = data.cast("B")
+            sock.sendall(_LEN.pack(len(view)))
+            for at in range(0, len(view), _CHUNK):
+                sock.sendall(view[at : at + _CHUNK])
 
     def _pop(self, key: str) -> memoryview | None:
         with self._lock:
@@ -201,15 +305,16 @@ class TcpConnector(KVConnector):
         self._server.server_close()
 
 
-def _tcp_call(address: str, line: str) -> socket.socket:
+def _tcp_call(address: str, verb: str, key: str) -> socket.socket:
+    _check_key(key)
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=TCP_TIMEOUT_S)
-    sock.sendall(line.encode("ascii") + b"\n")
+    sock.sendall(f"{verb} {key}\n".encode("ascii"))
     return sock
 
 
 def _tcp_take(address: str, key: str, nbytes: int) -> bytearray | None:
-    with _tcp_call(address, f"GET {key}") as sock:
+    with _tcp_call(address, "GET", key) as sock:
         head = _recv(sock, _LEN.size)
         if head is None or (n := _LEN.unpack(head)[0]) != nbytes:
             return None
@@ -247,6 +352,19 @@ def take(location: str, key: str, nbytes: int) -> bytearray | None:
     raise ValueError(f"KV hand-off location: {location!r} is not shm:... or tcp:...")
 
 
+def forget(location: str) -> None:
+    """A producer gone (killed): remove its shm staging directory, if it is a private one of
+    ours (never raises)."""
+    kind, _, where = location.partition(":")
+    if kind != "shm" or not os.path.basename(where).startswith("radixserve-kv-"):
+        return
+    try:
+        if _private_dir(os.lstat(where)):
+            shutil.rmtree(where, ignore_errors=True)
+    except OSError:
+        pass
+
+
 def release(location: str, key: str) -> None:
     """Drop the pages under `key` at `location` if they are still there (never raises)."""
     kind, _, where = location.partition(":")
@@ -254,6 +372,6 @@ def release(location: str, key: str) -> None:
         if kind == "shm":
             _shm_path(where, key).unlink(missing_ok=True)
         elif kind == "tcp":
-            _tcp_call(where, f"DROP {key}").close()
+            _tcp_call(where, "DROP", key).close()
     except (OSError, ValueError):
         pass  # a producer gone takes its pages with it

@@ -16,9 +16,14 @@ step ever waits on the disk. A block that is missing or does not check out ends 
 the request computes the rest.
 
 What is a block's KV: every layer's K and V rows for its tokens (and their scales in an int8 or
-fp8 pool), tensor after tensor, as the pool stores them. The model's fingerprint (its files'
-sizes, heads and tails, its architecture, the activations' and the pool's dtypes) is part of
-every key, so a block is only ever read back into the pool that wrote it, or one alike.
+fp8 pool), tensor after tensor, as the pool stores them. The model's fingerprint (the SHA-256 of
+each of its files, whole, remembered per file version: models.files.file_digest; its architecture, the
+activations' and the pool's dtypes) is part of every key, so a block is only ever read back into
+the pool that wrote it, or one alike.
+
+Gathered blocks wait for the writer in host memory: at most `pending_budget(pool)` bytes (half
+the pool's bytes, at most 1 GiB); past it a prompt's further blocks are not written (counted in
+`skipped_tokens`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,36 +43,69 @@ from typing import Any
 import torch
 
 from radixserve.cache.disk import DiskStore, block_keys
+from radixserve.cache.disk_guard import load_key, private_dir
 from radixserve.cache.pool import KVPool
+from radixserve.config import CacheConfig
+from radixserve.models.files import file_digest
+from radixserve.models.gguf import cache_root
 from radixserve.request import FinishReason, Req
 from radixserve.sched.cache_manager import CacheManager
 
 log = logging.getLogger(__name__)
 
 KV_FORMAT = 1  # what a block's payload is; a new layout gets a new number (and so new keys)
-MAX_PENDING_BYTES = 2 << 30  # gathered blocks waiting for the writer; past this a prompt is not written
-READ_THREADS = 4  # blocks read (and checked) at once: file reads and crc32 release the GIL
+PENDING_SHARE, MAX_PENDING_BYTES = 0.5, 1 << 30  # gathered blocks waiting for the writer: of the pool's bytes, at most
+READ_THREADS = 4  # blocks read (and checked) at once: file reads and HMAC-SHA256 release the GIL
+KEY_ENV = "RADIXSERVE_KV_DISK_KEY"  # the blocks' signing key (hex), else a key file in the radixserve cache dir
+
+
+def open_tier(c: CacheConfig, pool: KVPool, model_path: Path, facts: list[Any]) -> KVTier:
+    """The disk tier on `c.kv_disk_dir` (checked private, locked, its blocks signed) for this
+    model; a ValueError naming what is wrong."""
+    assert c.kv_disk_dir is not None
+    fingerprint = model_fingerprint(model_path, facts)
+    root = private_dir(c.kv_disk_dir)
+    store = DiskStore(root, int(c.kv_disk_gb * 1e9), c.kv_disk_block_tokens, dict(c.tenant_max_cached_tokens),
+                      key=disk_key(root))
+    return KVTier(store, pool, fingerprint)
+
+
+def disk_key(root: Path) -> bytes:
+    """The key that signs the tier's blocks: $RADIXSERVE_KV_DISK_KEY (hex, 16 bytes or more), else
+    the key file `kv-disk.key` in the radixserve cache dir (made once, 0600), never inside the
+    tier's directory (whoever could write blocks there could then sign them)."""
+    given = os.environ.get(KEY_ENV)
+    if given:
+        try:
+            key = bytes.fromhex(given)
+        except ValueError:
+            raise ValueError(f"{KEY_ENV}: not a hex string") from None
+        if len(key) < 16:
+            raise ValueError(f"{KEY_ENV}: {len(key)} bytes; give at least 16 (32 hex digits)")
+        return key
+    file = cache_root() / "kv-disk.key"
+    if file.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"kv_disk_dir: the disk tier's key file {file} would lie inside {root}; give a directory "
+                         "outside the radixserve cache dir (RADIXSERVE_CACHE_DIR)")
+    return load_key(file)
+
+
+def pending_budget(pool: KVPool) -> int:
+    return int(min(pool.nbytes * PENDING_SHARE, MAX_PENDING_BYTES))
 
 
 def model_fingerprint(path: Path, facts: list[Any]) -> str:
     """What the KV of a token depends on besides the tokens: the weights (every file's name and
-    size, its first and last MiB: a GGUF's header and metadata, the last tensors), and `facts`
-    (the architecture, dtypes, quantization)."""
+    the digest of its whole content), and `facts` (the architecture, dtypes, quantization)."""
     h = hashlib.sha256(json.dumps([KV_FORMAT, *map(str, facts)]).encode())
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".json", ".bin"))
     for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(size - (1 << 20))
-                h.update(fh.read(1 << 20))
+        h.update(f"{f.name}:{file_digest(f)}".encode())
     return h.hexdigest()[:32]
 
 
 class KVTier:
-    def __init__(self, store: DiskStore, pool: KVPool, fingerprint: str) -> None:
+    def __init__(self, store: DiskStore, pool: KVPool, fingerprint: str, max_pending_bytes: int | None = None) -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.block = store.block_tokens
@@ -75,6 +114,7 @@ class KVTier:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # keys gathered, not yet written
         self._pending_bytes = 0
+        self.max_pending_bytes = max(self.block_bytes, pending_budget(pool) if max_pending_bytes is None else max_pending_bytes)
         self._writes: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="radixserve-kv-disk-write", daemon=True)
         self._writer.start()
@@ -103,7 +143,7 @@ class KVTier:
                     if until:
                         self._writes.put(("retain", key, until))
                     continue
-                if self._pending_bytes + self.block_bytes > MAX_PENDING_BYTES:
+                if self._pending_bytes + self.block_bytes > self.max_pending_bytes:
                     self.skipped_tokens += b
                     continue
                 self._pending.add(key)
@@ -158,8 +198,8 @@ class KVTier:
         tokens = req.token_ids[: n * self.block]
 
         def block(i: int) -> memoryview | None:
-            payload = self.store.get(keys[i], ns, self.fingerprint, tokens[i * self.block : (i + 1) * self.block])
-            return payload if payload is not None and len(payload) == self.block_bytes else None
+            return self.store.get(keys[i], ns, self.fingerprint, tokens[i * self.block : (i + 1) * self.block],
+                                  self.block_bytes)
 
         def read() -> None:
             t0 = time.perf_counter()
@@ -207,6 +247,7 @@ class KVTier:
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._blocks.shutdown(wait=True, cancel_futures=True)
         self._writer.join(5)
+        self.store.close()
 
     def stats(self) -> dict[str, int]:
         return {"kv_disk_blocks": self.store.num_blocks, "kv_disk_bytes": self.store.num_bytes,

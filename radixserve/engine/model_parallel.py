@@ -11,8 +11,9 @@ is cut into micro-batches that flow stage to stage (gloo point-to-point), the la
 hidden state back to rank 0. Rank 0 alone computes logits and samples.
 
 A worker that fails to start is an error of the engine's start (its message passed back); one
-that dies later ends rank 0's next step with an error. Imported only when N > 1:
-torch.distributed is never loaded on the default path.
+that dies later ends rank 0's next step with an error. The ranks talk over engine/parallel_channel.py
+(a private rendezvous, loopback gloo, steps as bytes: no pickle crosses it). Imported only when
+N > 1: torch.distributed is never loaded on the default path.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import tempfile
+import secrets
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from radixserve.batch import ForwardBatch
+from radixserve.engine import parallel_channel as channel
 from radixserve.models.pp import Stage, cut_model, micro_batches, run_stage
 from radixserve.models.tp import Group, Shard, ShmAllReduce, shard_model
 
@@ -52,7 +53,7 @@ class WorkerSpec:
     pack: bool
     threads: int
     size: int
-    init_file: str
+    init_file: str  # the rendezvous (new_init_file: in a private directory)
     shm_name: str  # tensor parallel: the shared-memory all-reduce's segment (rank 0 makes it); else ""
 
 
@@ -90,41 +91,46 @@ class ModelParallel:
         if isinstance(part, Group):
             part.shm = ShmAllReduce(spec.shm_name, 0, spec.size, create=True)
         ctx = mp.get_context("spawn")
-        self.ready: Any = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker_main, args=(spec, rank, self.ready), name=f"radixserve-rank{rank}",
-                                  daemon=True) for rank in range(1, spec.size)]
-        for p in self.procs:
-            p.start()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.size)]
+        self.procs = [ctx.Process(target=_worker_main, args=(spec, rank, w), name=f"radixserve-rank{rank}", daemon=True)
+                      for rank, (_, w) in enumerate(pipes, 1)]
+        self.pg: Any = None
         self.closed = False
         try:
-            dist.init_process_group("gloo", init_method=f"file://{spec.init_file}", rank=0, world_size=spec.size,
-                                    timeout=COLLECTIVE_TIMEOUT)
-            for _ in self.procs:
-                rank, error = self.ready.get(timeout=START_TIMEOUT_S)
-                if error is not None:
-                    raise RuntimeError(f"{spec.mode}-parallel worker {rank} failed to start:\n{error}")
+            for p in self.procs:
+                p.start()
+            for _, w in pipes:
+                w.close()  # the worker's end: a worker gone before its report is then an EOF
+            self.pg = channel.join(spec.init_file, 0, spec.size, COLLECTIVE_TIMEOUT)
+            if isinstance(part, Group):
+                part.pg = self.pg
+            channel.wait_reports([r for r, _ in pipes], self.procs, START_TIMEOUT_S, spec.mode)
         except BaseException:
             self.close()
             raise
+        finally:
+            for r, _ in pipes:
+                r.close()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The step's final hidden states (T, hidden), the workers running their part."""
+        pg = self.pg
         if isinstance(self.part, Group):
-            dist.broadcast_object_list([(batch.input_ids, batch.positions, batch.out_slots, batch.seqs,
-                                         batch.window_out_slots)], src=0)
+            channel.send_step(pg, channel.encode_step([(batch.input_ids, batch.positions, batch.out_slots, batch.seqs,
+                                                        batch.window_out_slots)]))
             return self.model(batch)
         mbs = micro_batches(batch, self.spec.size)
-        dist.broadcast_object_list([mbs], src=0)
+        channel.send_step(pg, channel.encode_step(mbs))
         sends = []
         for mb in mbs:
             x, residual = run_stage(self.model, _batch(mb, self.backend), None, None, self.part)
             assert residual is not None
-            sends += [dist.isend(x.contiguous(), 1), dist.isend(residual.contiguous(), 1)]
+            sends += [_send(pg, x, 1), _send(pg, residual, 1)]
         hidden = batch.input_ids.new_empty((batch.input_ids.shape[0], self.model.cfg.hidden_size), dtype=self.spec.dtype)
         at = 0
         for mb in mbs:
             rows = mb[0].shape[0]
-            dist.recv(hidden[at : at + rows], self.spec.size - 1)
+            _recv(pg, hidden[at : at + rows], self.spec.size - 1)
             at += rows
         _wait(sends)
         return hidden
@@ -135,27 +141,36 @@ class ModelParallel:
             return
         self.closed = True
         try:
-            if dist.is_initialized() and all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([None], src=0)
+            if self.pg is not None and all(p.is_alive() for p in self.procs):
+                channel.send_step(self.pg, None)
             for p in self.procs:
-                p.join(timeout=30)
+                if p.pid is not None:
+                    p.join(timeout=30)
         finally:
             for p in self.procs:
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=10)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            _unlink(self.spec.init_file)
-            if isinstance(self.part, Group) and self.part.shm is not None:
-                self.part.shm.close()
-                self.part.shm = None
+            self.pg = None
+            channel.remove_rendezvous(self.spec.init_file)
+            if isinstance(self.part, Group):
+                self.part.pg = None
+                if self.part.shm is not None:
+                    self.part.shm.close()
+                    self.part.shm = None
 
 
 def _wait(sends: list[Any]) -> None:
     for w in sends:
-        if w is not None:
-            w.wait()
+        w.wait()
+
+
+def _send(pg: Any, x: torch.Tensor, dst: int) -> Any:
+    return pg.send([x.contiguous()], dst, 0)
+
+
+def _recv(pg: Any, into: torch.Tensor, src: int) -> None:
+    pg.recv([into], src, 0).wait()
 
 
 def _batch(mb: tuple[Any, ...], backend: Any) -> ForwardBatch:
@@ -166,22 +181,13 @@ def _batch(mb: tuple[Any, ...], backend: Any) -> ForwardBatch:
 
 
 def new_shm_name() -> str:
-    return f"radixserve-tp-{os.getpid()}-{os.urandom(4).hex()}"
+    """The all-reduce segment's name: 128 random bits (rank 0 makes it O_EXCL, 0600)."""
+    return f"radixserve-tp-{secrets.token_hex(16)}"
 
 
 def new_init_file() -> str:
-    """A fresh rendezvous file for torch.distributed's file:// init (it must not exist yet)."""
-    fd, path = tempfile.mkstemp(prefix="radixserve-mp-")
-    os.close(fd)
-    os.unlink(path)
-    return path
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    """A fresh rendezvous (it must not exist yet), in a private directory close() removes."""
+    return channel.new_rendezvous()
 
 
 def _worker_main(spec: WorkerSpec, rank: int, ready: Any) -> None:
@@ -190,31 +196,26 @@ def _worker_main(spec: WorkerSpec, rank: int, ready: Any) -> None:
     torch.set_flush_denormal(True)
     group = None
     try:
-        dist.init_process_group("gloo", init_method=f"file://{spec.init_file}", rank=rank, world_size=spec.size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        pg = channel.join(spec.init_file, rank, spec.size, COLLECTIVE_TIMEOUT)
         if spec.mode == TENSOR:
-            group = Group(ShmAllReduce(spec.shm_name, rank, spec.size))
+            group = Group(ShmAllReduce(spec.shm_name, rank, spec.size), pg=pg)
         model, backend, part = build_rank(spec, rank, group)
     except BaseException:
-        ready.put((rank, traceback.format_exc()))
+        channel.report(ready, traceback.format_exc())
         return
-    ready.put((rank, None))
+    channel.report(ready, None)
     with torch.inference_mode():
-        while True:
-            msg: list[Any] = [None]
-            dist.broadcast_object_list(msg, src=0)
-            if msg[0] is None:
-                break
+        while (data := channel.recv_step(pg)) is not None:
+            mbs = channel.decode_step(data)
             if isinstance(part, Shard):
-                model(_batch(msg[0], backend))
+                model(_batch(mbs[0], backend))
             else:
-                _pipeline_step(model, backend, part, msg[0], spec.dtype)
-    dist.destroy_process_group()
+                _pipeline_step(pg, model, backend, part, mbs, spec.dtype)
     if group is not None and group.shm is not None:
         group.shm.close()
 
 
-def _pipeline_step(model: Any, backend: Any, s: Stage, mbs: list[tuple[Any, ...]], dtype: torch.dtype) -> None:
+def _pipeline_step(pg: Any, model: Any, backend: Any, s: Stage, mbs: list[channel.MicroBatch], dtype: torch.dtype) -> None:
     """A later stage: each micro-batch from the stage before, on to the next (the last stage's
     hidden state back to rank 0)."""
     sends = []
@@ -222,14 +223,14 @@ def _pipeline_step(model: Any, backend: Any, s: Stage, mbs: list[tuple[Any, ...]
     for mb in mbs:
         rows = mb[0].shape[0]
         x, residual = torch.empty(rows, width, dtype=dtype), torch.empty(rows, width, dtype=dtype)
-        dist.recv(x, s.rank - 1)
-        dist.recv(residual, s.rank - 1)
+        _recv(pg, x, s.rank - 1)
+        _recv(pg, residual, s.rank - 1)
         y, r = run_stage(model, _batch(mb, backend), x, residual, s)
         if s.last:
-            sends.append(dist.isend(y.contiguous(), 0))
+            sends.append(_send(pg, y, 0))
         else:
             assert r is not None
-            sends += [dist.isend(y.contiguous(), s.rank + 1), dist.isend(r.contiguous(), s.rank + 1)]
+            sends += [_send(pg, y, s.rank + 1), _send(pg, r, s.rank + 1)]
     _wait(sends)
 
 

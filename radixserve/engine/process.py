@@ -35,6 +35,8 @@ from contextlib import aclosing
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
+
 from grammars import errors as grammar_errors
 from radixserve.config import EngineConfig
 from radixserve.engine.front import DeltaStream, RequestFront
@@ -250,25 +252,31 @@ class EngineProcess(RequestFront):
         try:
             while True:
                 msg = self._dec.decode(self._conn.recv_bytes())
-                if isinstance(msg, Deltas):
-                    self._snapshot = msg.stats
-                    with self._lock:
-                        sinks = [(self._streams.get(d.rid), d) for d in msg.items]
-                    for stream, d in sinks:
-                        if stream is not None:
-                            _deliver(stream[0], d)
-                elif isinstance(msg, Reply):
-                    with self._lock:
-                        fut = self._calls.pop(msg.call_id, None)
-                    if fut is not None:
-                        fut.set_result(msg)
+                try:
+                    self._dispatch(msg)
+                except Exception:  # a bug on our side of one message: the engine and its other requests are fine
+                    log.exception("delivering the engine's %s failed", type(msg).__name__)
         except (EOFError, OSError) as e:
             why = f"its connection failed ({e!r})" if isinstance(e, OSError) else why
-        except Exception as e:  # a message we cannot read: nothing after it can be trusted
+        except msgspec.DecodeError as e:  # a message we cannot read: nothing after it can be trusted
             why = f"an unreadable message ({e!r})"
             log.exception("the engine process sent an unreadable message")
         code = self.proc.poll()
         self._fail_all("shut down" if self._closing else why if code is None else f"it exited with code {code}")
+
+    def _dispatch(self, msg: FromEngine) -> None:
+        if isinstance(msg, Deltas):
+            self._snapshot = msg.stats
+            with self._lock:
+                sinks = [(self._streams.get(d.rid), d) for d in msg.items]
+            for stream, d in sinks:
+                if stream is not None:
+                    _deliver(stream[0], d)
+        elif isinstance(msg, Reply):
+            with self._lock:
+                fut = self._calls.pop(msg.call_id, None)
+            if fut is not None:
+                _resolve(fut, msg)
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -284,7 +292,7 @@ class EngineProcess(RequestFront):
             out = Output(rid, "", [], "error", prompt_len, 0, 0, error=f"the engine process is gone: {why}")
             _deliver(sink, Delta(rid, "", finished=True, output=out))
         for fut in calls.values():
-            fut.set_exception(EngineDied(f"the engine process is gone: {why}"))
+            _resolve(fut, EngineDied(f"the engine process is gone: {why}"))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -321,6 +329,19 @@ def _deliver(sink: Callable[[Delta], None], d: Delta) -> None:
         pass
 
 
+def _resolve(fut: Future[Reply], outcome: Reply | BaseException) -> None:
+    """Complete a call's future from the reader thread. NOTE: its caller may have given up first
+    (a client that hung up cancels the awaiting task, and asyncio.wrap_future cancels this
+    future): a reply nobody waits for is dropped, never an error on the reader thread, which
+    would take the whole engine process for gone."""
+    if not fut.set_running_or_notify_cancel():  # cancelled; from here on it cannot be
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)
+
+
 # -- the engine process ---------------------------------------------------------------------------
 class _Core:
     """The engine process's side: commands in on a reader thread, the loop on the main thread."""
@@ -347,7 +368,8 @@ class _Core:
     def send(self, msg: Any) -> None:
         data = self.enc.encode(msg)
         with self.send_lock:
-            self.conn.send_bytes(data)
+            if not self.conn.closed:  # closed: the process is exiting, and a late reply (a grammar wait's) has nobody to read it
+                self.conn.send_bytes(data)
 
     def _flush(self) -> None:
         stats = self.engine.snapshot()
@@ -489,7 +511,8 @@ def _child_main(fd: int, spec: str) -> None:
             core._flush()
         except OSError:
             pass
-        conn.close()
+        with core.send_lock:
+            conn.close()
 
 
 def die_with_parent(parent: int) -> None:

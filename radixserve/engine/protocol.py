@@ -44,6 +44,7 @@ class EngineStats:
     cache_hit_rate: float = 0.0
     running: int = 0
     waiting: int = 0
+    waiting_tokens: int = 0  # the waiting requests' tokens (prompt, and output of a retracted one)
     steps: int = 0
     jump_forward_tokens: int = 0
     prompt_tokens: int = 0
@@ -276,7 +277,8 @@ class EngineClient(Protocol):
 
     def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                  priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,
-                 public_prefix_len: int | None = None, retention: Retention | None = None) -> Req: ...
+                 public_prefix_len: int | None = None, retention: Retention | None = None,
+                 tenant_key: str | None = None, default_max_new_tokens: int | None = None) -> Req: ...
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,

@@ -6,15 +6,20 @@ seconds of importing torch first.
     tokenizer_dir(path)       the folder with the model's config and tokenizer (a GGUF file:
                               its cached config and tokenizer only, never a conversion)
     load_tokenizer(folder)
+    file_digest(file)         the SHA-256 of a weights file, hashed once per version of the file
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
+import threading
 from pathlib import Path
 from typing import Any
 
+from radixserve.cache.disk_guard import make_dirs
 from radixserve.models.gguf import ModelLoadError, cache_root, default_gguf, ensure_converted, ensure_meta
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -23,6 +28,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # from its own module instead of AutoTokenizer's search through every model family (Qwen2.5's
 # tokenizer: 2.3 s instead of 4.7 s, in the server and the engine process each)
 _CLASS_FILES = ("config.json", "tokenizer_config.json", *_TOKENIZER_FILES)
+DIGESTS, MAX_DIGESTS = "file_digests.json", 256  # weight files' digests (cache_root()), by file version
 
 
 def resolve_model_dir(path: str | None) -> Path:
@@ -178,3 +184,64 @@ def _remember_class(key: str, where: str) -> None:
         tmp.replace(path)
     except OSError:  # a read-only cache: AutoTokenizer each time
         pass
+
+
+def file_digest(f: Path) -> str:
+    """The SHA-256 of the whole file, computed once per version of it: remembered in the
+    radixserve cache dir by (device, inode, size, mtime, ctime). Writing to a file, even to the
+    same size with its mtime set back, gives it a new ctime: a file changed in place is hashed
+    again."""
+    st = f.stat()
+    ident = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    cache = cache_root() / DIGESTS
+    known = _load_digests(cache)
+    if ident in known:
+        return known[ident]
+    digest = _hash_file(f)
+    after = f.stat()
+    if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        known.pop(ident, None)
+        known[ident] = digest
+        _save_digests(cache, dict(list(known.items())[-MAX_DIGESTS:]))
+    return digest
+
+
+def _hash_file(f: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(f, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _load_digests(cache: Path) -> dict[str, str]:
+    """The remembered digests ({} if none, or if the file is not this user's alone)."""
+    try:
+        fd = os.open(cache, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            return {}
+        try:
+            found = json.loads(fh.read(1 << 20))
+        except ValueError:
+            return {}
+    return {k: v for k, v in found.items() if isinstance(v, str)} if isinstance(found, dict) else {}
+
+
+def _save_digests(cache: Path, known: dict[str, str]) -> None:
+    """Written whole (0600) and renamed into place; of two writers at once, one's entry may be
+    lost (and computed again next time). A read-only cache dir: nothing remembered."""
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        make_dirs(cache.parent)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(known, fh)
+        os.replace(tmp, cache)
+    except OSError:
+        tmp.unlink(missing_ok=True)

@@ -70,9 +70,21 @@ def ensure_meta(gguf_path: Path) -> Path:
     return _cached(gguf_path, out.with_name(out.name + "-meta"), _write_meta, "reading the config and tokenizer of")
 
 
+def check_gguf(gguf_path: Path) -> None:
+    """Refuse a malformed file (ModelLoadError naming the field and its offset) before a reader
+    that trusts its lengths (transformers', through gguf-py) reads its metadata."""
+    from radixserve.models.gguf_file import GGUFFormatError, GGUFTensors
+
+    try:
+        GGUFTensors(gguf_path).close()
+    except (GGUFFormatError, OSError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+
+
 def _cached(gguf_path: Path, out: Path, make: Any, what: str) -> Path:
     if (out / "config.json").exists():
         return out
+    check_gguf(gguf_path)
     log.info("%s %s -> %s (once)", what, gguf_path.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))

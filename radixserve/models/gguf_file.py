@@ -10,6 +10,11 @@ does not hold the whole file resident beside the packed weights.
 Layout (GGUF v2/v3, little-endian): magic, version u32, tensor count u64, metadata count u64;
 metadata (key string, value type u32, value); tensor infos (name string, n_dims u32, dims u64
 each, fastest first, type u32, offset u64); padding to `general.alignment` (32); tensor data.
+
+Every count and length is checked against what the rest of the file can hold before it is used,
+arrays nest at most MAX_DEPTH deep and tensors have at most GGML_MAX_DIMS dimensions: a crafted
+or damaged file is a GGUFFormatError naming the field and its byte offset, never a recursion or
+an allocation its header asks for.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Any
 # metadata value type -> its size in bytes (8: string, 9: array, handled apart)
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MIN_SIZE = {**_SCALAR, _STRING: 8, _ARRAY: 12}  # the fewest bytes a value of each type takes
+MAX_DEPTH = 8  # metadata arrays of arrays (gguf-py and llama.cpp write one level)
+GGML_MAX_DIMS = 4
 
 
 class GGUFFormatError(ValueError):
@@ -106,18 +114,22 @@ class GGUFTensors:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
         if version < 2:
             raise GGUFFormatError(f"GGUF version {version} is not supported (2 or 3)")
+        self._fits(n_kv, 8 + 4 + 1, 24, "the metadata count (at byte 16)")
+        self._fits(n_tensors, 8 + 4 + 4 + 8, 24, "the tensor count (at byte 8)")
         pos, alignment = 24, 32
         try:
             for _ in range(n_kv):
-                key, pos = self._string(pos)
+                key, pos = self._string(pos, "a metadata key")
                 (vtype,) = struct.unpack_from("<I", m, pos)
                 if key == "general.alignment" and vtype == _UINT32:
                     (alignment,) = struct.unpack_from("<I", m, pos + 4)
-                pos = self._skip(vtype, pos + 4)
+                pos = self._skip(vtype, pos + 4, key[:80], 0)
             infos = []
             for _ in range(n_tensors):
-                name, pos = self._string(pos)
+                name, pos = self._string(pos, "a tensor name")
                 (n_dims,) = struct.unpack_from("<I", m, pos)
+                if n_dims > GGML_MAX_DIMS:
+                    raise GGUFFormatError(f"tensor {name[:80]!r}: n_dims {n_dims:,} at byte {pos:,} (at most {GGML_MAX_DIMS})")
                 dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
                 kind, off = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
                 pos += 4 + 8 * n_dims + 12
@@ -128,24 +140,36 @@ class GGUFTensors:
             raise GGUFFormatError(f"general.alignment {alignment} is not positive")
         return infos, alignment, pos
 
-    def _string(self, pos: int) -> tuple[str, int]:
+    def _fits(self, count: int, item: int, pos: int, what: str) -> None:
+        """`count` values of at least `item` bytes each fit in the file from `pos` on."""
+        left = len(self._map) - pos
+        if count * item > left:
+            raise GGUFFormatError(f"{what}: {count:,} items of at least {item} bytes each, more than the "
+                                  f"{max(left, 0):,} bytes left in the file from byte {pos:,}")
+
+    def _string(self, pos: int, what: str) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._map, pos)
-        if pos + 8 + n > len(self._map):
-            raise struct.error("string past the end")
+        self._fits(n, 1, pos + 8, f"{what} at byte {pos:,}: its length")
         return self._map[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
 
-    def _skip(self, vtype: int, pos: int) -> int:
+    def _skip(self, vtype: int, pos: int, key: str, depth: int) -> int:
         if vtype in _SCALAR:
             return pos + _SCALAR[vtype]
         if vtype == _STRING:
             (n,) = struct.unpack_from("<Q", self._map, pos)
+            self._fits(n, 1, pos + 8, f"metadata {key!r}: a string at byte {pos:,}")
             return pos + 8 + n
         if vtype == _ARRAY:
+            if depth >= MAX_DEPTH:
+                raise GGUFFormatError(f"metadata {key!r}: arrays nested more than {MAX_DEPTH} deep (at byte {pos:,})")
             etype, count = struct.unpack_from("<IQ", self._map, pos)
+            if etype not in _MIN_SIZE:
+                raise GGUFFormatError(f"metadata {key!r}: unknown array item type {etype} at byte {pos:,}")
+            self._fits(count, _MIN_SIZE[etype], pos + 12, f"metadata {key!r}: an array at byte {pos:,}")
             pos += 12
             if etype in _SCALAR:
                 return pos + count * _SCALAR[etype]
             for _ in range(count):
-                pos = self._skip(etype, pos)
+                pos = self._skip(etype, pos, key, depth + 1)
             return pos
-        raise GGUFFormatError(f"unknown metadata value type {vtype}")
+        raise GGUFFormatError(f"metadata {key!r}: unknown value type {vtype} at byte {pos - 4:,}")

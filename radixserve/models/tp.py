@@ -6,7 +6,7 @@
 - the embedding, every norm and the head whole.
 
 o_proj and down_proj each give a partial sum of the hidden state; `AllReduced` sums the ranks'
-partials (through shared memory on one machine, else torch.distributed: gloo on CPU) so every
+partials (through shared memory on one machine, else the ranks' gloo group) so every
 rank ends each layer with the whole hidden state, and rank 0 alone turns the last one into logits. A bias of a row-parallel linear is
 added once, by rank 0. Float weights only: a GGUF file's quantized linears (blocks along the
 input features) do not shard yet, and the fused decode step runs all layers in one native call
@@ -128,19 +128,20 @@ class ShmAllReduce:
 @dataclass
 class Group:
     """The ranks' process group as a layer sees it: an all-reduce (sum), through shared memory
-    where the ranks share a machine and the tensor fits (`shm`), else torch.distributed's;
-    timed for bench tp."""
+    where the ranks share a machine and the tensor fits (`shm`), else the ranks' gloo group
+    (`pg`, a ProcessGroupGloo: engine/parallel_channel.py); timed for bench tp."""
 
     shm: ShmAllReduce | None = None
     seconds: float = 0.0  # time spent in all-reduces, while timed
     timed: bool = False
+    pg: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter() if self.timed else 0.0
         if self.shm is None or not self.shm(x):
-            import torch.distributed as dist
-
-            dist.all_reduce(x)
+            if self.pg is None:
+                raise RuntimeError("tensor parallelism: an all-reduce without the ranks' group (closed?)")
+            self.pg.allreduce([x]).wait()
         if self.timed:
             self.seconds += time.perf_counter() - t0
         return x

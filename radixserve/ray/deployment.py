@@ -13,7 +13,7 @@ server is closed, and the server aborts the request and frees its KV.
 or its /health is not 200, so the controller replaces the replica and routers stop sending to
 it. `record_routing_stats` (Ray's routing-stats hook) reports the engine's KV and prefill
 counters; `record_autoscaling_stats` (Ray's custom-metrics hook) the autoscaling signals
-(requests waiting and running, KV usage, TTFT p90: autoscale.py). A replica logs its cold start:
+(requests waiting, their tokens, running, KV usage, TTFT per 1k prompt tokens: autoscale.py). A replica logs its cold start:
 from its actor's start to its server ready, and to its first answer. The server is stopped
 (drained) when Serve shuts the replica down, and killed with the replica process otherwise
 (local_server.py).
@@ -33,7 +33,7 @@ from ray import serve
 from radixserve.ray.autoscale import SIGNALS
 from radixserve.ray.envelope import RESPONSE_OWN, Envelope, Head, end_to_end
 from radixserve.ray.errors import ReplicaGone
-from radixserve.ray.local_server import LocalServer
+from radixserve.ray.local_server import replica_server
 from radixserve.ray.options import ReplicaSpec
 
 log = logging.getLogger("ray.serve")
@@ -48,7 +48,7 @@ class RadixServeReplica:
         self._born, born_at = time.monotonic(), time.time()
         self.id = serve.get_replica_context().replica_id.unique_id
         self._admin_key = spec.admin_key()
-        self.server = LocalServer(list(spec.argv), start_timeout, spec.tenants)
+        self.server = replica_server(spec, start_timeout)
         self._session: aiohttp.ClientSession | None = None
         self.cold_start: dict[str, float] = {"started_at": born_at, "server_ready_s": round(time.monotonic() - self._born, 3)}
         log.info("radixserve replica %s: server %s (pid %s) ready %.2f s after the replica started", self.id,

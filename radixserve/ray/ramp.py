@@ -29,6 +29,7 @@ from typing import Any
 
 from radixserve.cli_args import add_engine_args, engine_kwargs
 
+REQUEST_TIMEOUT_S = 120.0
 DECISION = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*radixserve autoscaler: \S+ asks (.*)")
 
 
@@ -83,7 +84,7 @@ class _Load:
             req = urllib.request.Request(self.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=300) as r:
+                with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
                     r.read()
                     status, replica = r.status, r.headers.get("x-radixserve-replica", "?")
             except urllib.error.HTTPError as e:
@@ -94,9 +95,10 @@ class _Load:
                 self.results.append((time.monotonic(), status, replica))
 
     def stop(self) -> None:
+        """Stop every client and wait for each (a request in flight ends within its timeout)."""
         self.set(0)
         for t in self._all:
-            t.join(330)
+            t.join(REQUEST_TIMEOUT_S + 30)
 
 
 def _running(app: str) -> int:
@@ -142,17 +144,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     options = {k: v for k, v in engine_kwargs(args).items() if v is not None}
     if args.model is not None:
         options["model"] = args.model
-    scale = AutoscaleConfig(1, args.max_replicas, 0, args.target_waiting, 0.85, None, args.upscale_delay_s,
-                            args.downscale_delay_s, args.look_back_s)
-    ray.init(address="local", num_cpus=max(4, args.max_replicas + 2), include_dashboard=False, log_to_driver=False)
+    scale = AutoscaleConfig(1, args.max_replicas, 0, target_waiting=args.target_waiting, target_waiting_tokens=None,
+                            target_ttft_per_1k_s=None, upscale_delay_s=args.upscale_delay_s,
+                            downscale_delay_s=args.downscale_delay_s, look_back_period_s=args.look_back_s)
     port = 18000 + os.getpid() % 1000
     check_port("127.0.0.1", port)
+    ray.init(address="local", num_cpus=max(4, args.max_replicas + 2), include_dashboard=False, log_to_driver=False)
     app = "autoscale"
     timeline: list[tuple[float, int]] = []
+    load = _Load(f"http://127.0.0.1:{port}", args)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(options, 1, autoscale=scale), name=app, route_prefix="/")
-        load = _Load(f"http://127.0.0.1:{port}", args)
         t0 = time.monotonic()
 
         def watch(until: Any, limit: float) -> None:
@@ -176,9 +179,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         load.set(args.low)
         watch(lambda n: n <= 1, args.settle_s)
         load.stop()
-        logs = Path(ray.get_runtime_context().get_temp_dir()) / "session_latest" / "logs"
-        decisions = _decisions(logs)
+        ctx = ray.get_runtime_context()  # this cluster's session (session_latest may be another cluster's)
+        decisions = _decisions(Path(ctx.get_temp_dir()) / ctx.get_session_name() / "logs")
     finally:
+        load.stop()  # no client thread outlives the cluster
         serve.shutdown()
         ray.shutdown()
     statuses = Counter(s for _, s, _ in load.results)

@@ -1,12 +1,13 @@
 """Build and run the Ray Serve application: `radixserve serve --ray --replicas N [serve flags]`
 (run_ray), or `serve run examples/ray/serve_config.yaml` (app_builder).
 
-Cluster: RAY_ADDRESS if set, else the cluster `ray start` left its address for on this machine
-(/tmp/ray/ray_current_cluster, as ray.init() looks it up), else a new local one, which with a
-loopback --host is a one-machine cluster on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; no
-dashboard, no usage stats; Ray Serve 2.60 still binds each replica's inter-deployment gRPC
-server to [::], with no option to change it). HTTP is Ray's proxy on --host/--port. On SIGINT/SIGTERM
-the application is deleted (replicas drain), and a cluster started here is shut down.
+Cluster: the one --ray-address names (given by the user, never looked up: not RAY_ADDRESS, not
+the cluster another user's `ray start` left its address for in /tmp/ray), else a new local one
+(ray.init(address="local")), which with a loopback --host is a one-machine cluster on 127.0.0.1
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; no dashboard, no usage stats; Ray Serve 2.60 still binds
+each replica's inter-deployment gRPC server to [::], with no option to change it). HTTP is Ray's
+proxy on --host/--port. On SIGINT/SIGTERM the application is deleted (replicas drain), and a
+cluster started here is shut down.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from radixserve.ray.autoscale import AutoscaleConfig
@@ -38,9 +37,10 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
         if args.replicas < 1:
             raise ValueError(f"replicas: must be a positive integer, got {args.replicas} (0 goes with --max-replicas)")
         return None
-    cfg = AutoscaleConfig(args.replicas, args.max_replicas, args.warm_replicas, args.autoscale_waiting,
-                          args.autoscale_kv_usage, args.autoscale_ttft_p90 or None, args.upscale_delay_s,
-                          args.downscale_delay_s)
+    cfg = AutoscaleConfig(args.replicas, args.max_replicas, args.warm_replicas, target_waiting=args.autoscale_waiting,
+                          target_waiting_tokens=args.autoscale_waiting_tokens or None,
+                          target_kv_usage=args.autoscale_kv_usage, target_ttft_per_1k_s=args.autoscale_ttft_per_1k or None,
+                          upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
     cfg.check()
     return cfg
 
@@ -121,7 +121,7 @@ def run_ray(args: argparse.Namespace) -> int:
     autoscale = autoscale_config(args)
     options = options_from_args(args)
     most = autoscale.max_replicas if autoscale is not None else args.replicas
-    started = connect(args.host, most, check=lambda: check_port(args.host, args.port))
+    started = connect(args.ray_address, args.host, most, check=lambda: check_port(args.host, args.port))
     import ray
     from ray import serve
 
@@ -144,31 +144,26 @@ def run_ray(args: argparse.Namespace) -> int:
     return 0
 
 
-def connect(host: str, replicas: int, check: Any = None) -> bool:
-    """Connect to the cluster (see the module docstring); True when a new local one was started."""
-    address = os.environ.get("RAY_ADDRESS") or ("auto" if _ray_start_address_file().exists() else None)
+def connect(address: str | None, host: str, replicas: int, check: Any = None) -> bool:
+    """Join the cluster at `address` (--ray-address), or start a new local one (see the module
+    docstring); True when a new local one was started."""
     if address is None:
         if check is not None:
             check()  # the HTTP port, before anything starts
+        if os.environ.pop("RAY_ADDRESS", None):  # nor may Ray's own processes read it
+            log.warning("RAY_ADDRESS is set but not read: --ray-address names the cluster to join; starting a new one")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if host in LOOPBACK:
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # node address 127.0.0.1: nothing else listens
     import ray
 
     if address is None:
-        ray.init(num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False)
     else:
         ray.init(address=address)
     log.info("Ray: %s cluster, this node %s", "a new local" if address is None else f"the {address}",
              ray.util.get_node_ip_address())
     return address is None
-
-
-def _ray_start_address_file() -> Path:
-    """Where `ray start` leaves the cluster's address (Ray's temp folder: $RAY_TMPDIR, else
-    $TMPDIR on Linux, else /tmp; read before ray is imported, see connect)."""
-    tmp = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
-    return Path(tmp or "/tmp") / "ray" / "ray_current_cluster"
 
 
 def _stop_on_signal() -> threading.Event:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from radixserve.server import anthropic_cache as caching
 from radixserve.server import anthropic_convert as convert
-from radixserve.server import chat_core
+from radixserve.server import chat_core, reasoning
 from radixserve.server.anthropic_protocol import (
     CountTokensRequest,
     Message,
@@ -83,7 +83,7 @@ async def _translate(call: Call) -> Turn:
     parser, fmt = call.state.config.reasoning_parser, call.state.tool_format
     plan = convert.conversation(b, parser, fmt)
     sampling, opts = convert.engine_request(b, plan)
-    marks = caching.find(b)
+    marks = caching.find(b, call.tenant.retention_cap)
 
     def cut_plan(cut: MessagesRequest) -> chat_core.Plan:  # a breakpoint's prefix, rendered as the whole is
         return chat_core.constrain(convert.conversation(cut, parser, fmt), parser)
@@ -101,7 +101,7 @@ async def _reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
     if b.stream:
         return await stream_message(call.request, state, flight, turn.plan, b, mid, marks.usage)
     out = (await state.collect(flight))[0]
-    content, reason, sequence = convert.answer(out, turn.plan, b)
+    content, reason, sequence = await reasoning.read_long(len(out.text), convert.answer, out, turn.plan, b)
     return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, marks.usage(out)))
 
 

@@ -5,7 +5,9 @@ content block, or on the request itself: its whole prompt) asks for the prompt u
 that block to stay cached for its TTL. Where that is in tokens depends on the chat template, so
 it is measured: the request cut just after the block is rendered with the same template (a
 placeholder user turn where the cut leaves none), and the breakpoint is the number of leading
-tokens it shares with the full prompt.
+tokens it shares with the full prompt. The marks are counted in one pass that copies nothing
+(a 5th, or a TTL past the tenant's max_cache_retention, is a 400 naming its field); the cuts
+are made at admission, off the event loop, one at a time.
 
 The prefix cache caches every prompt anyway; a breakpoint adds retention (request.Retention:
 its prefix stays on the disk tier until the TTL ends, and is evicted from the pool after
@@ -20,7 +22,7 @@ unretained prefixes) and the usage split Anthropic reports:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +43,22 @@ MAX_BREAKPOINTS = 4  # as Anthropic's API
 PLACEHOLDER = "\u2063"  # the user turn a cut before the messages renders: shares no token with a real one
 
 
+@dataclass(frozen=True)
+class Mark:
+    """One cache_control: the field that holds it, its TTL (s), and where its cut ends: after
+    tools[i], after system[i], after messages[i].content[j], or the whole request."""
+
+    where: str
+    ttl: int
+    kind: str  # tools | system | messages | request
+    i: int = 0
+    j: int = 0
+
+
 @dataclass
 class Breakpoints:
-    cuts: list[tuple[MessagesRequest, int]]  # the request cut after each marked block, and its TTL (s)
+    marks: list[Mark] = field(default_factory=list)  # in prompt order, at most MAX_BREAKPOINTS
+    request: MessagesRequest | None = None  # what they mark
     points: list[tuple[int, int]] = field(default_factory=list)  # (tokens through it, TTL s), once rendered
 
     def usage(self, out: Output) -> Usage:
@@ -54,6 +69,30 @@ class Breakpoints:
         short = max(last - max(read, hour), 0)
         return Usage(out.prompt_tokens - read - long - short, out.completion_tokens, read, long + short,
                      CacheCreation(short, long))
+
+    def cuts(self) -> Iterator[tuple[MessagesRequest, int]]:
+        """Each breakpoint's cut of the request (the request up to its block) and TTL, one at a
+        time: a cut shares the request's blocks and lists only references to them."""
+        b = self.request
+        if b is None:
+            return
+        choice = b.tool_choice
+        if choice is not None and choice.type in ("any", "tool"):  # a cut may lose the named tool: render as auto
+            choice = ToolChoice("auto")
+        base = structs.replace(b, tool_choice=choice, output_config=None)
+        placeholder = [MessageParam("user", PLACEHOLDER)]
+        for m in self.marks:
+            if m.kind == "tools":
+                yield structs.replace(base, tools=(b.tools or [])[: m.i + 1], messages=placeholder), m.ttl
+            elif m.kind == "system":
+                assert isinstance(b.system, list)
+                yield structs.replace(base, system=b.system[: m.i + 1], messages=placeholder), m.ttl
+            elif m.kind == "messages":
+                msg = b.messages[m.i]
+                cut = structs.replace(msg, content=msg.content[: m.j + 1])
+                yield structs.replace(base, messages=[*b.messages[: m.i], cut]), m.ttl
+            else:
+                yield base, m.ttl
 
 
 def _ttl(cc: Any, where: str) -> int:
@@ -68,38 +107,40 @@ def _ttl(cc: Any, where: str) -> int:
     return TTLS[ttl]
 
 
-def find(b: MessagesRequest) -> Breakpoints:
-    """The request's breakpoints, in prompt order (400 naming the field for a bad one)."""
-    cuts: list[tuple[MessagesRequest, int]] = []
-    choice = b.tool_choice
-    if choice is not None and choice.type in ("any", "tool"):  # a cut may lose the named tool: render as auto
-        choice = ToolChoice("auto")
-    base = structs.replace(b, tool_choice=choice, output_config=None)
-    placeholder = [MessageParam("user", PLACEHOLDER)]
+def _marked(b: MessagesRequest) -> Iterator[tuple[Any, str, str, int, int]]:
+    """Every cache_control of the request, in prompt order: (it, its field, kind, i, j)."""
     for i, t in enumerate(b.tools or []):
         if t.cache_control is not None:
-            ttl = _ttl(t.cache_control, f"tools[{i}].cache_control")
-            cuts.append((structs.replace(base, tools=(b.tools or [])[: i + 1], messages=placeholder), ttl))
+            yield t.cache_control, f"tools[{i}].cache_control", "tools", i, 0
     if isinstance(b.system, list):
-        for j, blk in enumerate(b.system):
+        for i, blk in enumerate(b.system):
             if blk.cache_control is not None:
-                ttl = _ttl(blk.cache_control, f"system[{j}].cache_control")
-                cuts.append((structs.replace(base, system=b.system[: j + 1], messages=placeholder), ttl))
+                yield blk.cache_control, f"system[{i}].cache_control", "system", i, 0
     for i, m in enumerate(b.messages):
-        if isinstance(m.content, str):
-            continue
-        for j, part in enumerate(m.content):
-            cc = getattr(part, "cache_control", None)
-            if cc is not None:
-                ttl = _ttl(cc, f"messages[{i}].content[{j}].cache_control")
-                cut = structs.replace(m, content=m.content[: j + 1])
-                cuts.append((structs.replace(base, messages=[*b.messages[:i], cut]), ttl))
+        if not isinstance(m.content, str):
+            for j, part in enumerate(m.content):
+                if (cc := getattr(part, "cache_control", None)) is not None:
+                    yield cc, f"messages[{i}].content[{j}].cache_control", "messages", i, j
     if b.cache_control is not None:
-        cuts.append((base, _ttl(b.cache_control, "cache_control")))
-    if len(cuts) > MAX_BREAKPOINTS:
-        raise ApiError(400, f"cache_control: a request may mark at most {MAX_BREAKPOINTS} blocks, this one marks {len(cuts)}",
-                       param="cache_control")
-    return Breakpoints(cuts)
+        yield b.cache_control, "cache_control", "request", 0, 0
+
+
+def find(b: MessagesRequest, max_ttl: int | None = None) -> Breakpoints:
+    """The request's breakpoints, in prompt order (a 400 naming the field for a bad one, for a
+    5th, or for a TTL past `max_ttl` seconds: the tenant's max_cache_retention). One pass that
+    stops at the first refusal and copies nothing: the cuts are made one at a time, later."""
+    marks: list[Mark] = []
+    for cc, where, kind, i, j in _marked(b):
+        if len(marks) == MAX_BREAKPOINTS:
+            raise ApiError(400, f"{where}: a request may mark at most {MAX_BREAKPOINTS} blocks with cache_control, "
+                                f"this is the {MAX_BREAKPOINTS + 1}th", param=where)
+        ttl = _ttl(cc, where)
+        if max_ttl is not None and ttl > max_ttl:
+            raise ApiError(400, f"{where}.ttl: this tenant may keep a prompt cached for at most {max_ttl} s, the ttl asks "
+                                f"{ttl} s (the server's tenants file sets max_cache_retention)",
+                           param=f"{where}.ttl", code="retention_not_allowed")
+        marks.append(Mark(where, ttl, kind, i, j))
+    return Breakpoints(marks, b)
 
 
 def renderer(state: Any, render: Callable[[], list[int]], marks: Breakpoints, opts: RequestOptions,
@@ -112,7 +153,7 @@ def renderer(state: Any, render: Callable[[], list[int]], marks: Breakpoints, op
 
     def run() -> list[int]:
         ids = render()
-        for cut, ttl in marks.cuts:
+        for cut, ttl in marks.cuts():
             try:
                 cut_ids = chat_core.renderer(state.engine, plan_of(cut), rename)()
             except Exception as e:  # a cut the template cannot render: that breakpoint marks nothing

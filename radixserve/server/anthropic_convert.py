@@ -17,7 +17,6 @@ content blocks, stop reasons and usage.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from radixserve.engine.outputs import Output
@@ -46,6 +45,7 @@ from radixserve.server.chat_core import Plan
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.state import RequestOptions
+from radixserve.server.text_scan import cut_json, loads
 
 # engine field names -> this API's
 RENAME = {"max_new_tokens": "max_tokens", "prompt": "messages", "stop": "stop_sequences",
@@ -173,7 +173,7 @@ def _tools(specs: list[ToolParam] | None) -> list[tools.Tool]:
         where = f"tools[{i}]"
         if t.type not in (None, "custom"):
             raise bad(f"{where}.type", f"{t.type!r} is not supported; only custom tools (name, description, input_schema) are")
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", t.name):
+        if not tools.valid_name(t.name):
             raise bad(f"{where}.name", f"{t.name!r} is not a valid tool name (1-64 of A-Z a-z 0-9 _ -)")
         if t.input_schema is None:
             raise bad(f"{where}.input_schema", "required for a custom tool")
@@ -236,5 +236,8 @@ def answer(out: Output, plan: Plan, b: MessagesRequest,
 
 
 def tool_use(call: ToolCall) -> ToolUseBlock:
-    """A call as a tool_use block, its id from the call's (a parsed call's arguments are an object)."""
-    return ToolUseBlock("toolu_" + call.id.removeprefix("call_"), call.function.name, json.loads(call.function.arguments))
+    """A call as a tool_use block, its id from the call's (a parsed call's arguments are an object;
+    a call max_tokens cut short has what its arguments say so far, as Anthropic's does)."""
+    args = loads(call.function.arguments)
+    args = args if isinstance(args, dict) else cut_json(call.function.arguments)
+    return ToolUseBlock("toolu_" + call.id.removeprefix("call_"), call.function.name, args if isinstance(args, dict) else {})

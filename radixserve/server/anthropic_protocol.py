@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from radixserve.limits import MAX_MESSAGES, MAX_STOPS, MAX_TOOLS
+from radixserve.limits import MAX_MESSAGES, MAX_RID_CHARS, MAX_STOPS, MAX_TOOLS
 
 CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": "5m" | "1h"}: server/anthropic_cache.py
 
@@ -100,7 +100,7 @@ class ToolChoice(_In):
 
 
 class Metadata(_In):
-    user_id: str | None = None
+    user_id: Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None = None  # not used; bounded as every id we keep (256)
 
 
 class OutputFormat(_In):
@@ -143,8 +143,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
     stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOPS)] | None = None
     stream: bool = False
-    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # Anthropic's range
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None  # accepted; there is one tier

@@ -92,7 +92,8 @@ async def _answer(sse: EventWriter, state: ServerState, flight: Flight, plan: Pl
         out = d.output if d.finished else out
     if out is None:
         raise ApiError(500, "internal error while generating: the request ended without an output")
-    blocks, reason, sequence = convert.answer(out, plan, b, live.streamed_calls())  # an engine error raises here
+    blocks, reason, sequence = await reasoning.read_long(len(out.text), convert.answer, out, plan, b,
+                                                         live.streamed_calls())  # an engine error raises here
     await live.finish(blocks)
     await sse.emit(MessageDelta(StopInfo(reason, sequence), usage(out)))
     await sse.emit(MessageStop())

@@ -99,19 +99,22 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """The server's configuration and KV accounting. `?check_integrity=1` (admin only) also
-    checks that every KV page is free, cached or owned by exactly one request."""
+    """The server's configuration; an admin also sees the KV accounting and every tenant's
+    counters (kv, kv_tiers, tenants, ...), any other tenant its own only. `?check_integrity=1`
+    (admin only) also checks that every KV page is free, cached or owned by exactly one request."""
     state: ServerState = request.app["state"]
     tenant = state.auth.of_request(request)
     e, c = state.engine, state.config
     extra: dict[str, Any] = {}
-    if tenant.admin:  # the global counters say what every tenant sent: admins only
+    if tenant.admin:  # the global counters say what every tenant sent (and what the cache holds): admins only
         adm = state.admission
         snap = e.snapshot()
-        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(snap), engine_pid=e.pid,
-                     autoscaling={"waiting": snap.waiting, "running": snap.running,
+        extra.update(queued=adm.queued, in_flight=adm.in_flight, kv=dataclasses.asdict(snap), kv_tiers=_kv_tiers(snap),
+                     engine_pid=e.pid,
+                     autoscaling={"waiting": snap.waiting, "waiting_tokens": snap.waiting_tokens, "running": snap.running,
                                   "kv_usage": round(kv_cache_usage(snap), 4),
-                                  "ttft_p90_s": round(state.metrics.ttft_p90(), 4)},
+                                  "ttft_p90_s": round(state.metrics.ttft_p90(), 4),  # seen, not scaled on (ray/autoscale.py)
+                                  "ttft_per_1k_p90_s": round(state.metrics.ttft_per_1k_p90(), 4)},
                      speculative_stats=spec_stats(e.snapshot()),
                      tenants={t: vars(u) for t, u in state.usage.items()},
                      open_connections=state.connections.open if state.connections else None)
@@ -152,13 +155,19 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 def _kv_pool(s: EngineStats) -> dict[str, Any]:
-    """What the KV pool stores and holds: its dtype, a token's bytes (scales included), its tokens;
-    with sliding-window layers in a pool of their own, that pool's tokens; and per tier (the
-    pool, the disk tier) what it holds and the prompt tokens it served."""
+    """What the KV pool stores (the configuration, for every tenant): its dtype, a token's bytes
+    (scales included), its tokens; with sliding-window layers in a pool of their own, that
+    pool's tokens."""
     out = {"kv_cache_dtype": s.kv_dtype, "kv_bytes_per_token": s.kv_bytes_per_token, "kv_capacity_tokens": s.kv_total_slots,
            "kv_pool_bytes": s.kv_pool_bytes}
     if s.kv_window_total_slots:
         out["kv_window_capacity_tokens"] = s.kv_window_total_slots
+    return out
+
+
+def _kv_tiers(s: EngineStats) -> dict[str, Any]:
+    """Per tier (the pool, the disk tier) what it holds and the prompt tokens it served: every
+    tenant's traffic, so admins only."""
     tiers = {"device": {"cached_tokens": s.kv_cached_tokens, "capacity_tokens": s.kv_total_slots,
                         "cache_hit_prompt_tokens": s.cached_prompt_tokens - s.cached_prompt_tokens_disk}}
     if s.kv_disk_capacity_bytes:
@@ -166,8 +175,7 @@ def _kv_pool(s: EngineStats) -> dict[str, Any]:
                          "cache_hit_prompt_tokens": s.cached_prompt_tokens_disk, "written_tokens": s.kv_disk_written_tokens,
                          "skipped_tokens": s.kv_disk_skipped_tokens, "loaded_tokens": s.kv_disk_loaded_tokens,
                          "corrupt_blocks": s.kv_disk_corrupt_blocks}
-    out["kv_tiers"] = tiers
-    return out
+    return tiers
 
 
 def _spec_config(c: Any, device: str) -> dict[str, Any] | None:

@@ -9,15 +9,22 @@
     max_queued_requests = 32          # its share of the queue (over it: 429)
     max_cached_tokens = 200000        # its prefix-cache quota
     allow_public_prefix = true        # may hit and offer the shared public prefix
-    admin = false                     # may flush the whole prefix cache (POST /flush_cache)
+    admin = false                     # may flush the whole prefix cache (POST /flush_cache), sees every tenant's counters
+    max_cache_retention = "1h"        # the longest retention it may ask (prompt_cache_retention, cache_control
+                                      # ttl): a duration such as "90s", "5m", "1h", "24h"; omitted: "5m"
 
-No key configured: every request is the default tenant.
+No key configured: every request is the default tenant. It, and `--api-key`'s one tenant, may
+ask any retention. A tenant's prefix-cache namespaces (pool and disk tier) are keyed by a
+digest of its key as well as its id: a tenant id issued again with a new key starts with an
+empty cache, and so does a rotated key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -37,16 +44,45 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_cached_tokens: int | None = None
     allow_public_prefix: bool = False
     admin: bool = False  # may flush the whole prefix cache
+    max_cache_retention: str | None = None  # a duration (DURATION); None: DEFAULT_RETENTION
+
+    def __post_init__(self) -> None:
+        if self.max_cache_retention is not None and duration_seconds(self.max_cache_retention) is None:
+            raise ValueError(f"max_cache_retention: {self.max_cache_retention!r} is not a duration such as "
+                             "\"90s\", \"5m\", \"1h\" or \"24h\"")
+
+    @property
+    def retention_cap(self) -> int:
+        """The longest retention, in seconds, its requests may ask."""
+        return duration_seconds(self.max_cache_retention or DEFAULT_RETENTION) or 0
+
+    @property
+    def namespace_key(self) -> str | None:
+        """A digest of its key (never the key) that keys its cache namespaces with its id."""
+        if not self.api_key:
+            return None
+        return hashlib.sha256(b"radixserve namespace\0" + self.api_key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
     def __repr__(self) -> str:  # never show the key
         return f"Tenant({self.id!r}, priority={self.priority})"
+
+
+DURATION = re.compile(r"([0-9]{1,7})([smhd])")
+DEFAULT_RETENTION = "5m"  # Anthropic's default cache_control TTL: what any tenant may ask
+ANY_RETENTION = "24h"  # the longest any API asks (request.RETENTIONS)
+
+
+def duration_seconds(text: str) -> int | None:
+    """"90s", "5m", "1h", "2d" in seconds; None for another text."""
+    m = DURATION.fullmatch(text) if isinstance(text, str) else None
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)] if m else None
 
 
 class _TenantsFile(msgspec.Struct, forbid_unknown_fields=True):
     tenants: list[Tenant]
 
 
-OPEN_TENANT = Tenant(DEFAULT_TENANT, allow_public_prefix=True, admin=True)
+OPEN_TENANT = Tenant(DEFAULT_TENANT, allow_public_prefix=True, admin=True, max_cache_retention=ANY_RETENTION)
 
 
 class Auth:
@@ -64,7 +100,8 @@ class Auth:
         if api_key and tenants_file:
             raise ValueError("--api-key and --tenants are exclusive")
         if api_key:
-            return cls([Tenant(DEFAULT_TENANT, api_key=api_key, allow_public_prefix=True, admin=True)])
+            return cls([Tenant(DEFAULT_TENANT, api_key=api_key, allow_public_prefix=True, admin=True,
+                               max_cache_retention=ANY_RETENTION)])
         if tenants_file:
             return cls(load_tenants(Path(tenants_file)))
         return cls()

@@ -1,7 +1,8 @@
 """Reading a request body, bounded: a declared length over --max-request-bytes is refused from
-the header (413 before a byte of the body is read), a body that does not arrive within
---body-read-timeout is a 408, and no JSON value nests deeper than MAX_JSON_DEPTH (a 400
-naming the field). Both 413 and 408 close the connection, so no unread body is drained."""
+the header (413 before a byte of the body is read), a body that is not declared JSON
+(Content-Type application/json or a +json type, any charset) is a 415, a body that does not
+arrive within --body-read-timeout is a 408, and no JSON value nests deeper than MAX_JSON_DEPTH
+(a 400 naming the field). Both 413 and 408 close the connection, so no unread body is drained."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ async def read_body(request: web.Request, typ: type) -> Any:
     declared = request.content_length
     if declared is not None and declared > config.max_request_bytes:
         raise too_large(config.max_request_bytes, declared)
+    check_json_type(request)
     try:
         async with asyncio.timeout(config.body_read_timeout):  # no task: a body already here is read without a suspension
             raw = await request.read()
@@ -29,6 +31,17 @@ async def read_body(request: web.Request, typ: type) -> Any:
     body = decode_body(raw, typ)
     check_depth(body, "")
     return body
+
+
+def check_json_type(request: web.Request) -> None:
+    """A body's Content-Type must say JSON (as every OpenAI and Anthropic client sends it)."""
+    kind = request.content_type  # the media type alone, lower case; no header: application/octet-stream
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return
+    given = request.headers.get("Content-Type")
+    got = "no Content-Type header" if given is None else f"{given[:100]!r}"
+    raise ApiError(415, f"Content-Type: the body must be JSON, sent as 'Content-Type: application/json'; got {got}",
+                   code="unsupported_media_type")
 
 
 def too_large(limit: int, declared: int | None = None) -> ApiError:

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
+        abuse,
         agents,
         coldstart,
         compare,
@@ -51,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_args(bsub.add_parser("prefix", help="16 calls forked off a long system prompt; multi-turn history reuse"))
     route.add_args(bsub.add_parser("route", help="data-parallel replicas: prefix-affinity vs round-robin vs random routing"))
     serving.add_args(bsub.add_parser("serving", help="a running server under open- and closed-loop load, over HTTP"))
-    reliability.add_args(bsub.add_parser("reliability", help="a running server: overload rejections, tenant isolation timing"))
+    reliability.add_args(bsub.add_parser("reliability", help="a running server: overload rejections, tenant isolation timing "
+                                                             "(--abuse: the abuse bench)"))
+    abuse.add_args(bsub.add_parser("abuse", help="a running server: tenant B's chat latency alone and beside each of tenant "
+                                                 "A's abusive shapes (bombs, floods, idle connections), RSS, 5xx, restarts"))
     structured.add_args(bsub.add_parser("structured", help="JSON-schema coverage, compile time, compliance, constrained speed"))
     sessions.add_args(bsub.add_parser("sessions", help="an agent session's time to first token: pool, disk tier, restart, cold"))
     spec.add_args(bsub.add_parser("spec", help="speculative decoding from context copies, on vs off: rewrite, JSON, chat"))

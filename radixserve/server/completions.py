@@ -21,7 +21,7 @@ from radixserve.server.openai import (
     usage,
 )
 from radixserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from radixserve.server.reasoning import finish_reason
+from radixserve.server.reasoning import ended_early, finish_reason
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import Flight, ServerState
 
@@ -90,7 +90,10 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
         reason = None
         if d.finished and d.output is not None:
             finals[i] = d.output
-            reason = finish_reason(d.output) if d.output.finish_reason != "error" else "error"
+            if (err := ended_early(d.output)) is not None:  # an error event, never a finish reason
+                await sse.send(err.body())
+                continue
+            reason = finish_reason(d.output)
         text = (echo(i) if not started[i] else "") + d.text
         started[i] = True
         lps = _completion_logprobs(state, d.logprobs, offsets[i]) if top is not None and d.logprobs else None

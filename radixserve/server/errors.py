@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -10,6 +9,7 @@ from aiohttp import web
 
 from radixserve.limits import MAX_JSON_DEPTH
 from radixserve.server.protocol import ErrorDetail, ErrorResponse
+from radixserve.server.text_scan import skip_ws
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -19,6 +19,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "overloaded_error",
@@ -32,15 +33,35 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
+    def body(self) -> ErrorResponse:
+        """`{"error": {...}}`: the reply's body, and an OpenAI stream's last chunk when it fails."""
+        return ErrorResponse(ErrorDetail(self.message, ERROR_TYPES.get(self.status, "error"), self.param, self.code))
+
     def response(self) -> web.Response:
-        body = ErrorResponse(ErrorDetail(self.message, ERROR_TYPES.get(self.status, "error"), self.param, self.code))
-        return web.Response(status=self.status, body=msgspec.json.encode(body), content_type="application/json",
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json",
                             headers=self.headers)
 
 
-_PATH = re.compile(r" - at `\$\.?(.*)`$")
-_UNKNOWN = re.compile(r"unknown field `(.+?)`")
-_MISSING = re.compile(r"missing required field `(.+?)`")
+_AT = " - at `$"  # msgspec ends a message with the path it failed at: " - at `$.a[0].b`"
+
+
+def _path(msg: str) -> tuple[str | None, str]:
+    """The path msgspec names at the end of its message, and the message without it. NOTE: the
+    message may hold the client's own key (an unknown field): read with str.find, linear
+    whatever the key (a backtracking regex was quadratic on a key of " - at `$"s and a newline),
+    and a path is only field names and indexes."""
+    at = msg.rfind(_AT) if msg.endswith("`") else -1
+    path = msg[at + len(_AT):-1]
+    if at < 0 or not all(c.isalnum() or c in "_.[]" for c in path):
+        return None, msg
+    return path.removeprefix("."), msg[:at]
+
+
+def _quoted(msg: str, lead: str) -> str | None:
+    """The field msgspec quotes after `lead` ("unknown field `x`")."""
+    at = msg.find(lead)
+    end = msg.find("`", at + len(lead)) if at >= 0 else -1
+    return msg[at + len(lead):end] if end > at + len(lead) else None
 
 
 def decode_body(body: bytes, typ: type) -> Any:
@@ -48,13 +69,10 @@ def decode_body(body: bytes, typ: type) -> Any:
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _PATH.search(msg)
-        path = m.group(1) if m else None
-        for pattern in (_UNKNOWN, _MISSING):
-            if f := pattern.search(msg):
-                path = f"{path}.{f.group(1)}" if path else f.group(1)
-        text = _PATH.sub("", msg)
+        path, text = _path(str(e))
+        for lead in ("unknown field `", "missing required field `"):
+            if (f := _quoted(text, lead)) is not None:
+                path = f"{path}.{f}" if path else f
         raise ApiError(400, f"{path}: {text}" if path else text, param=path) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
@@ -65,18 +83,24 @@ def decode_body(body: bytes, typ: type) -> Any:
 
 
 DEEP_SCAN_BYTES = 1 << 16  # how far deep_path looks for the field (bounded work on a hostile body)
-_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"\s*:?|[\[\]{}]')
+_MARKS = bytes.maketrans(b"[]{}", b'""""')  # each bracket as a quote: the next mark is one bytes.find
 
 
 def deep_path(body: bytes, limit: int) -> str | None:
-    """The field (its first three keys) where a JSON text first nests deeper than `limit`."""
+    """The field (its first three keys) where a JSON text first nests deeper than `limit`. One
+    pass: each string is skipped once (one not closed ends the scan), each bracket counted."""
     keys: list[str] = []  # the key each open level was opened under ("" in a list)
-    pending = ""
-    for m in _TOKEN.finditer(body):
-        t = m.group()
-        if t[0] == 34:  # a string; "key": names what opens next
-            pending = t.rstrip(b" \t\r\n:")[1:-1].decode("utf-8", "replace") if t.endswith(b":") else ""
-        elif t in (b"[", b"{"):
+    pending, i, marks = "", 0, body.translate(_MARKS)
+    while (at := marks.find(b'"', i)) >= 0:
+        if body[at] == 34:  # a string; "key": names what opens next
+            end = _string_end(body, at + 1)
+            if end < 0:
+                return None
+            i = skip_ws(body, end + 1)
+            pending = body[at + 1:end].decode("utf-8", "replace") if body.startswith(b":", i) else ""
+            continue
+        i = at + 1
+        if body[at] in b"[{":
             keys.append(pending)
             pending = ""
             if len(keys) > limit:
@@ -84,6 +108,15 @@ def deep_path(body: bytes, limit: int) -> str | None:
         elif keys:
             keys.pop()
     return None
+
+
+def _string_end(body: bytes, i: int) -> int:
+    """The closing quote of the JSON string whose text starts at `i` (-1: not closed)."""
+    while (q := body.find(b'"', i)) >= 0:
+        if (q - i - len(body[i:q].rstrip(b"\\"))) % 2 == 0:  # not escaped: an even run of backslashes before it
+            return q
+        i = q + 1
+    return -1
 
 
 def value_error(e: ValueError, rename: dict[str, str] | None = None) -> ApiError:

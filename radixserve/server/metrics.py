@@ -90,6 +90,7 @@ class _EngineCollector(Collector):
 
 
 TTFT_WINDOW_S = 30.0  # the TTFT p90 an autoscaler reads (/server_info's autoscaling) is over this window
+PER_TOKENS = 1000  # the autoscaler's TTFT is per this many computed prompt tokens (a shorter prompt counts as this many)
 GATEWAY_NAMESPACE = "radixserve"  # the gateway gauges: radixserve:num_requests_waiting, ...
 VLLM_NAMESPACE = "vllm"  # the same gauges under vLLM's names, for an endpoint picker's default mapping
 Replicas = Callable[[], list[EngineStats]]
@@ -157,6 +158,10 @@ class Metrics:
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.ttft = Histogram("radixserve_time_to_first_token_seconds", "TTFT", registry=r, buckets=LATENCY_BUCKETS)
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, TTFT): the autoscaling signal
+        self._recent_ttft_per_1k: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, TTFT per PER_TOKENS)
+        self.ttft_per_1k = Histogram("radixserve_time_to_first_token_per_1k_prompt_tokens_seconds",
+                                     "TTFT per 1,000 computed prompt tokens (a shorter prompt counts as 1,000): the "
+                                     "autoscaling signal, which more replicas shorten", registry=r, buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("radixserve_time_per_output_token_seconds", "TPOT", registry=r, buckets=TPOT_BUCKETS)
         self.e2e = Histogram("radixserve_e2e_request_latency_seconds", "end-to-end latency", registry=r, buckets=LATENCY_BUCKETS)
         self.finished = Counter("radixserve_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
@@ -168,13 +173,18 @@ class Metrics:
         namespaces = (GATEWAY_NAMESPACE, VLLM_NAMESPACE) if vllm_names else (GATEWAY_NAMESPACE,)
         r.register(_GatewayCollector(snapshot, replicas or (lambda: [snapshot()]), namespaces))
 
-    def observe(self, ttft: float | None, e2e: float, completion_tokens: int, finish_reason: str) -> None:
+    def observe(self, ttft: float | None, e2e: float, completion_tokens: int, finish_reason: str,
+                computed_prompt_tokens: int = 0) -> None:
+        """`computed_prompt_tokens`: the prompt tokens the request's prefill computed (not cached)."""
         self.finished.labels(finish_reason).inc()
         self.e2e.observe(e2e)
         if ttft is None:
             return
         self.ttft.observe(ttft)
         self._recent_ttft.append((time.monotonic(), ttft))
+        per_1k = ttft * PER_TOKENS / max(computed_prompt_tokens, PER_TOKENS)
+        self.ttft_per_1k.observe(per_1k)
+        self._recent_ttft_per_1k.append((time.monotonic(), per_1k))
         tpot = (e2e - ttft) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
         if completion_tokens > 1:
             self.tpot.observe(tpot)
@@ -183,9 +193,18 @@ class Metrics:
 
     def ttft_p90(self, window_s: float = TTFT_WINDOW_S) -> float:
         """The 90th percentile of the TTFTs observed in the last window_s (0 if none)."""
-        since = time.monotonic() - window_s
-        recent = sorted(t for at, t in self._recent_ttft if at >= since)
-        return recent[min(len(recent) - 1, int(0.9 * len(recent)))] if recent else 0.0
+        return _recent_p90(self._recent_ttft, window_s)
+
+    def ttft_per_1k_p90(self, window_s: float = TTFT_WINDOW_S) -> float:
+        """The same of each TTFT per PER_TOKENS computed prompt tokens: what more replicas shorten
+        (a long prompt's prefill takes as long on any replica; time spent waiting does not)."""
+        return _recent_p90(self._recent_ttft_per_1k, window_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _recent_p90(samples: deque[tuple[float, float]], window_s: float) -> float:
+    since = time.monotonic() - window_s
+    recent = sorted(v for at, v in samples if at >= since)
+    return recent[min(len(recent) - 1, int(0.9 * len(recent)))] if recent else 0.0

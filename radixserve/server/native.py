@@ -100,7 +100,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     batch = "sampling_params.n" if sp.n > 1 else ("text" if body.text is not None else "input_ids")
     opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
                           retention=Retention.named(body.prompt_cache_retention, "prompt_cache_retention"),
-                          rename={**SAMPLING_NAMES, "prompt": "text" if body.text is not None else "input_ids", "n": batch})
+                          rename={**SAMPLING_NAMES, "prompt": "text" if body.text is not None else "input_ids", "n": batch},
+                          rest_of_window=False)  # SGLang's default: the engine's default_max_new_tokens
     async with state.admit(tenant, prompts, params, opts, arrival) as flight:
         if not body.stream:
             outs = await state.collect(flight)

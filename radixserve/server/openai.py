@@ -211,7 +211,8 @@ async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletio
                       plan: Plan) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     outs = await state.collect(flight)
-    choices = [chat_choice(state, i, o, plan) for i, o in enumerate(outs)]
+    choices = await reasoning.read_long(sum(len(o.text) for o in outs),
+                                        lambda: [chat_choice(state, i, o, plan) for i, o in enumerate(outs)])
     if not b.stream:
         resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
@@ -242,7 +243,7 @@ class _LiveChoice(reasoning.LiveParts):
     async def finish(self, out: Output) -> str:
         """The rest of the answer once it is whole (held text that is content, calls only the
         whole answer shows) into the delta; returns the finish reason."""
-        a, reason = plan_answer(out, self.plan, self.streamed_calls())
+        a, reason = await reasoning.read_long(len(out.text), plan_answer, out, self.plan, self.streamed_calls())
         await self.content_delta(0, self.rest(a.content or ""))
         sent = {c.id for c in self.streamed_calls()}
         for call in a.calls:
@@ -272,9 +273,8 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
         reason = None
         if d.finished and d.output is not None:
             outs[i] = d.output
-            if d.output.finish_reason == "error":
-                await sse.send({"error": {"message": f"internal error while generating: {d.output.error}",
-                                          "type": "internal_server_error", "param": None, "code": "internal_error"}})
+            if (err := reasoning.ended_early(d.output)) is not None:  # an error event, never a finish reason
+                await sse.send(err.body())
                 continue
         await live[i].feed(d.text, d.finished)
         if d.finished and d.output is not None:

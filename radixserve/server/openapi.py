@@ -90,6 +90,8 @@ def openapi_document(app: web.Application, model: str) -> dict[str, Any]:
         op["responses"]["200"] = {"description": "OK", "content": _content(resp, schema_of)}
         for status, text in _ERRORS.items():
             op["responses"][str(status)] = {"description": text, **error}
+        if req is not None:
+            op["responses"]["415"] = {"description": "body not sent as Content-Type: application/json", **error}
         if resp is _STATUS:  # the health routes say why they are unavailable in their own shape
             op["responses"]["503"] = {"description": "draining, or the engine is down", "content": _content(resp, schema_of)}
         paths.setdefault(path, {})[method.lower()] = op

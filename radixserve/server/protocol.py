@@ -31,6 +31,9 @@ SafetyIdentifier = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: a handful of switches (enable_thinking, ...)
 # crosses to the engine process as a msgpack int: bounded so a huge one is a 400, not an encoding error
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None
+# OpenAI's ranges (chat, completions, Responses); /generate keeps SGLang's (the engine's checks)
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)] | None
+TopP = Annotated[float, Meta(ge=0.0, le=1.0)] | None
 
 
 class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -189,8 +192,8 @@ class _OpenAISampling(_In):
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature = None
+    top_p: TopP = None
     user: str | None = None
     metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_KEYS)] | None = None
     store: bool | None = None

@@ -16,14 +16,17 @@ reasoning, content and the tool calls read from the content only), `reasoning_to
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.engine.outputs import Output
-from radixserve.server import tools
+from radixserve.server import cut_calls, tools
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
-from radixserve.server.tool_parsers import CallStream, partial_tail
+from radixserve.server.text_scan import partial_tail
+from radixserve.server.tool_parsers import CallStream
 
 if TYPE_CHECKING:
     from radixserve.server.chat_core import Plan
@@ -36,16 +39,22 @@ MARKER = CLOSE  # a constraint (JSON, a tool call) applies from here on: Samplin
 class ThinkSplitter:
     """States: start | open? -> think_ws -> think -> content_ws -> content (start may go straight
     to content). NOTE: `_held` is text not handed out yet: it may be (the start of) a tag, or
-    whitespace after one."""
+    whitespace after one; in start and open?, the whitespace before it is in `_lead` (read once:
+    an answer of spaces costs its length, not its square)."""
 
     def __init__(self, starts_inside: bool) -> None:
         self.state = "open?" if starts_inside else "start"
         self._held = ""
+        self._lead: list[str] = []
         self.saw_reasoning = starts_inside
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of one more text delta."""
         out: dict[str, list[str]] = {"r": [], "c": []}
+        if self.state in ("start", "open?") and not self._held:
+            rest = text.lstrip()
+            self._lead.append(text[:len(text) - len(rest)])
+            text = rest
         self._held += text
         while self._held and self._step(out):
             pass
@@ -53,19 +62,22 @@ class ThinkSplitter:
 
     def flush(self) -> tuple[str, str]:
         """What was held back, once the output has ended (an unfinished tag is plain text)."""
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._lead) + self._held, ""
+        self._lead = []
         return ("", held) if self.state in ("start", "content") else (held, "")
 
     def _step(self, out: dict[str, list[str]]) -> bool:
         """Hand out what can be decided of `_held`; False when the rest must wait for more text."""
         h, state = self._held, self.state
-        if state in ("start", "open?"):  # an optional <think> first, maybe after whitespace
-            lead = h.lstrip()
-            if lead.startswith(OPEN):
-                self._held, self.state, self.saw_reasoning = lead[len(OPEN):], "think_ws", True
+        if state in ("start", "open?"):  # an optional <think> first, after the whitespace in _lead
+            if h.startswith(OPEN):
+                self._held, self.state, self.saw_reasoning = h[len(OPEN):], "think_ws", True
+                self._lead = []
                 return True
-            if OPEN.startswith(lead):
+            if OPEN.startswith(h):
                 return False
+            self._held = "".join(self._lead) + h
+            self._lead = []
             self.state = "think_ws" if state == "open?" else "content"
             return True
         if state in ("think_ws", "content_ws"):
@@ -135,7 +147,7 @@ class LiveParts:
         self.split, self.live, self.calls = splitter(parser), live, calls
         self.parts: list[str] = []
         self.open_key: str | None = None
-        self.sent = ""  # the content streamed so far
+        self._sent: list[str] = []  # the content streamed so far, in pieces (joined when asked for)
 
     async def feed(self, text: str, final: bool) -> None:
         if not self.live:
@@ -151,7 +163,7 @@ class LiveParts:
         if content:
             if self.open_key != "content":
                 await self._open("content")
-            self.sent += content
+            self._sent.append(content)
             await self.content_delta(self.parts.index("content"), content)
         for call in new:
             await self._close_open()
@@ -161,11 +173,19 @@ class LiveParts:
     def streamed_calls(self) -> list[ToolCall]:
         return self.calls.calls if self.calls is not None else []
 
+    @property
+    def sent(self) -> str:
+        """The content streamed so far."""
+        if len(self._sent) > 1:
+            self._sent = ["".join(self._sent)]
+        return self._sent[0] if self._sent else ""
+
     def rest(self, content: str) -> str:
         """What of the final content the stream has not sent yet."""
-        if content.startswith(self.sent):
-            return content[len(self.sent):]
-        return content.lstrip()[len(self.sent):] if content.lstrip().startswith(self.sent) else ""
+        sent = self.sent
+        if content.startswith(sent):
+            return content[len(sent):]
+        return content.lstrip()[len(sent):] if content.lstrip().startswith(sent) else ""
 
     async def _open(self, key: str) -> None:
         await self._close_open()
@@ -208,11 +228,14 @@ def split(text: str, parser: str | None) -> tuple[str | None, str | None]:
 @dataclass
 class Answer:
     """A finished output as a client sees it. `reasoning` None: none was split off; `content`
-    None: nothing after it (e.g. cut off while reasoning, or all of it a tool call)."""
+    None: nothing after it (e.g. cut off while reasoning, or all of it a tool call). `cut`: the
+    last call was cut short by max_tokens (server.cut_calls): its arguments are as written so
+    far, not valid JSON."""
 
     reasoning: str | None
     content: str | None
     calls: list[ToolCall] = field(default_factory=list)
+    cut: bool = False
 
 
 def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none",
@@ -220,28 +243,50 @@ def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none"
            streamed: list[ToolCall] | None = None) -> Answer:
     """Tool calls (mode required: the constrained JSON; auto: calls in `tool_format`, see
     server.tool_parsers) are read from the content only: a call written inside the reasoning is
-    not one. `one_call` (parallel_tool_calls false): the first call only. In auto mode a call
-    completed before the output was cut off (max_tokens) is a call, as a stream sent it;
-    `streamed`: the calls a stream sent, whose ids the same calls keep."""
+    not one. `one_call` (parallel_tool_calls false): the first call only. An output cut off by
+    max_tokens keeps the calls it completed, as a stream sent them, and the call it was writing
+    is a call cut short (server.cut_calls), not text; `streamed`: the calls a stream sent, whose
+    ids the same calls keep."""
     thought, content = split(text, parser)
     calls: list[ToolCall] = []
-    if finish_reason == "stop" and content is not None and mode == "required":
+    cut: ToolCall | None = None
+    if finish_reason in ("stop", "length") and content is not None and mode == "required":
         calls = tools.calls_from_json(content)
+        if not calls and finish_reason == "length":
+            content, calls, was_cut = cut_calls.required(content, offered or [])
+            cut = calls[-1] if was_cut else None
         content = None if calls else content
     elif finish_reason in ("stop", "length") and content is not None and mode == "auto":
         content, calls = tools.parse_calls(content, offered or [], tool_format)
+        if finish_reason == "length":
+            content, more, was_cut = cut_calls.in_format(tool_format, content, offered or [])
+            calls, cut = calls + more, more[-1] if was_cut else None
         calls = calls[:1] if one_call else calls
         for i, sent in enumerate((streamed or [])[: len(calls)]):
             if sent.function == calls[i].function:
                 calls[i] = sent
-    return Answer(thought, content, calls)
+    return Answer(thought, content, calls, cut is not None and bool(calls) and calls[-1] is cut)
 
 
 def finish_reason(out: Output) -> str:
-    """The output's finish reason; an engine error is a 500."""
-    if out.finish_reason == "error":
-        raise ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
+    """The output's finish reason; an engine error is a 500, an abort a 503 (ended_early)."""
+    if (err := ended_early(out)) is not None:
+        raise err
     return out.finish_reason
+
+
+def ended_early(out: Output) -> ApiError | None:
+    """The error of an answer the server did not let finish, None for one that finished. An
+    abort (the server shutting down, POST /abort_request, a stream its client stopped reading)
+    is no finish reason of the OpenAI or Anthropic APIs: a client must not take the cut answer
+    for a whole one, so it is an error (a stream's last event), a 503 the client may retry."""
+    if out.finish_reason == "error":
+        return ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
+    if out.finish_reason == "abort":
+        why = out.error or "the server is shutting down, or the request was aborted (POST /abort_request)"
+        return ApiError(503, f"the request was aborted before it finished: {why}", code="aborted",
+                        headers={"Retry-After": "1"})
+    return None
 
 
 def read(out: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> Answer:
@@ -249,6 +294,19 @@ def read(out: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> Ans
     `streamed`: the calls a stream sent, whose ids they keep."""
     return answer(out.text, finish_reason(out), plan.parser, plan.mode, plan.offered, plan.tool_format, plan.one_call,
                   streamed)
+
+
+T = TypeVar("T")
+OFF_LOOP_CHARS = 4096  # a longer finished output is read in a worker thread (see read_long)
+
+
+async def read_long(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), which reads a finished output of `size` characters (`answer`, and the reply
+    built from it): on the event loop when it is short, in a worker thread when it is long. Its
+    reading is linear, but an answer dense with markup (thousands of calls or fences: a client
+    can make the model write them) costs up to ~1 µs a character of Python, which would stall
+    every other request for tens of milliseconds."""
+    return fn(*args) if size <= OFF_LOOP_CHARS else await asyncio.to_thread(fn, *args)
 
 
 def reasoning_tokens(tok: Any, ids: list[int]) -> int:

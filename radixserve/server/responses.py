@@ -59,7 +59,8 @@ async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
         return await _stream(call, turn, flight)
     out = (await call.state.collect(flight))[0]
     pending: Pending = turn.data
-    finish(pending.resp, out, turn.plan, pending.ids, call.state.engine.tokenizer)  # an engine error is a 500, as in chat
+    await reasoning.read_long(len(out.text), finish, pending.resp, out, turn.plan, pending.ids,
+                              call.state.engine.tokenizer)  # an engine error is a 500, as in chat
     await _save(call, turn, out)
     return web.Response(body=msgspec.json.encode(pending.resp), content_type="application/json")
 
@@ -89,7 +90,8 @@ def _output_items(out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> lis
         items.append(ReasoningOutput(ids[0], [ReasoningText(a.reasoning)], status if a.content is None else "completed"))
     if a.content or not (a.calls or a.reasoning is not None):
         items.append(OutputMessage(ids[1], [OutputText(a.content or "")], status))
-    return items + [function_item(c) for c in a.calls]
+    cut = len(a.calls) - 1 if a.cut else -1  # the call max_tokens cut short: incomplete, as the message is
+    return items + [function_item(c, "incomplete" if k == cut else "completed") for k, c in enumerate(a.calls)]
 
 
 async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
@@ -104,10 +106,14 @@ async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
         async for d in deltas:
             await live.feed(d.text, d.finished)
             out = d.output if d.finished else out
-    if out is None or out.finish_reason == "error":
-        await w.fail(resp, "server_error", f"internal error while generating: {out.error if out else 'no output'}")
+    if out is None:
+        await w.fail(resp, "server_error", "internal error while generating: no output")
         return w.response
-    finish(resp, out, plan, pending.ids, state.engine.tokenizer, live.streamed_calls())
+    if (err := reasoning.ended_early(out)) is not None:  # failed: never a cut answer as a whole one
+        await w.fail(resp, "server_error", err.message)
+        return w.response
+    await reasoning.read_long(len(out.text), finish, resp, out, plan, pending.ids, state.engine.tokenizer,
+                              live.streamed_calls())
     try:
         await _save(call, turn, out)
     except ApiError as e:

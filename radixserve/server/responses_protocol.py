@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from radixserve.limits import MAX_MESSAGES, MAX_METADATA_KEYS, MAX_RID_CHARS, MAX_TOOLS
-from radixserve.server.protocol import PromptCacheRetention, _In, _Out
+from radixserve.server.protocol import PromptCacheRetention, Temperature, TopP, _In, _Out
 
 ShortText = Annotated[str, Meta(max_length=MAX_RID_CHARS)]
 # OpenAI's own caps: 16 pairs, keys of up to 64 characters, values of up to 512
@@ -70,8 +70,8 @@ class CreateResponseRequest(_In):
     tool_choice: str | dict[str, Any] | None = None
     text: TextConfig | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature = None
+    top_p: TopP = None
     stream: bool = False
     store: bool = True
     previous_response_id: ShortText | None = None

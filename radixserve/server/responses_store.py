@@ -2,10 +2,15 @@
 its input items, and the context a continuation starts from. Every row carries its tenant; a
 read or delete names the tenant, so another tenant's response is as good as missing.
 
-Calls block (they are short): the routes run them off the event loop."""
+Calls block (they are short): the routes run them off the event loop.
+
+The file holds every tenant's conversations: it is this user's alone (0600, and so its -wal and
+-shm files, which SQLite creates with the database's mode; an existing one's modes are set so at
+open), its directory 0700 if we make it."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -58,7 +63,7 @@ class ResponseStore:
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
             path = self._path()
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _private_file(path)
             db = sqlite3.connect(path, check_same_thread=False, timeout=5.0, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -92,3 +97,20 @@ class ResponseStore:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+
+
+def _private_file(path: Path) -> None:
+    """`path` exists, mode 0600, as do its -wal and -shm files if there are any; its missing
+    directories are made 0700."""
+    missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            os.chmod(f, 0o600)
+        except FileNotFoundError:
+            pass

@@ -189,8 +189,8 @@ class LiveItems(reasoning.LiveParts):
         return streamed
 
 
-def function_item(call: ToolCall) -> FunctionCallOutput:
-    return FunctionCallOutput(call_item_id(call), call.id, call.function.name, call.function.arguments)
+def function_item(call: ToolCall, status: str = "completed") -> FunctionCallOutput:
+    return FunctionCallOutput(call_item_id(call), call.id, call.function.name, call.function.arguments, status)
 
 
 def call_item_id(call: ToolCall) -> str:

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import os
 import signal
 import socket
 import time
@@ -18,6 +19,7 @@ from radixserve.cli_args import add_engine_args, add_flags, engine_kwargs, scala
 from radixserve.config import RouterConfig, ServerConfig
 
 log = logging.getLogger("radixserve.server")
+SECRET_ENV = {"api_key": "RADIXSERVE_API_KEY", "metrics_key": "RADIXSERVE_METRICS_KEY"}  # a key's option -> its variable
 LINGER_S = 2.0  # after refusing a body (413/408), read and drop what the client still sends this long, then close
 
 
@@ -25,21 +27,64 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_flags(p, scalar_fields(ServerConfig))
     add_flags(p, scalar_fields(RouterConfig))
-    p.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster (the one RAY_ADDRESS or a running "
-                                                      "`ray start` names, else a local one): --replicas engines behind "
-                                                      "a prefix-aware request router (needs radixserve[ray])")
+    for name, env in SECRET_ENV.items():
+        flag = name.replace("_", "-")
+        p.add_argument(f"--{flag}-file", default=None, help=f"read --{flag} from this file (keep it 0600), as the "
+                                                            f"{env} environment variable can give it: a key on the "
+                                                            "command line is readable by every local user")
+    p.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster (the one --ray-address names, else a "
+                                                      "new local one): --replicas engines behind a prefix-aware request "
+                                                      "router (needs radixserve[ray])")
+    p.add_argument("--ray-address", default=None, help="with --ray: the Ray cluster to join (e.g. 10.0.0.5:6379, or "
+                                                       "'auto' for the one `ray start` left on this machine); unset: a "
+                                                       "new local cluster (RAY_ADDRESS is not read)")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (default: 2); with "
                                                            "--max-replicas, the fewest (0: scale to zero when idle)")
     a = p.add_argument_group("autoscaling (with --ray and --max-replicas; radixserve/ray/autoscale.py)")
     a.add_argument("--max-replicas", type=int, default=None, help="autoscale between --replicas and this many replicas "
-                                                                  "on requests waiting, KV usage and TTFT p90")
+                                                                  "on requests waiting, their prompt tokens, KV usage "
+                                                                  "and TTFT per 1k prompt tokens")
     a.add_argument("--warm-replicas", type=int, default=0, help="idle replicas kept beyond what the load needs (a warm "
                                                                 "pool a burst finds started)")
     a.add_argument("--autoscale-waiting", type=float, default=2.0, help="target requests waiting per replica")
     a.add_argument("--autoscale-kv-usage", type=float, default=0.85, help="target KV pool usage (0 to 1)")
-    a.add_argument("--autoscale-ttft-p90", type=float, default=5.0, help="target TTFT p90 in seconds (0: not a signal)")
+    a.add_argument("--autoscale-waiting-tokens", type=float, default=16384.0,
+                   help="target prompt tokens of the waiting requests per replica (0: not a signal)")
+    a.add_argument("--autoscale-ttft-per-1k", type=float, default=5.0,
+                   help="target p90 of TTFT per 1,000 computed prompt tokens (a prompt under 1,000 counts as 1,000), "
+                        "in seconds; keep it above a replica's own prefill time per 1,000 tokens (0: not a signal)")
     a.add_argument("--upscale-delay-s", type=float, default=10.0, help="how long a scale-up must be asked for")
     a.add_argument("--downscale-delay-s", type=float, default=120.0, help="how long a scale-down must be asked for")
+
+
+def resolve_secrets(args: argparse.Namespace) -> None:
+    """Each key (--api-key, --metrics-key) from its flag, else its --*-file, else its environment
+    variable (SECRET_ENV), which is then removed from this process's environment, so that no
+    child (the engine process, grammar workers, Ray's processes) inherits it."""
+    for name, env in SECRET_ENV.items():
+        from_env = os.environ.pop(env, None)
+        if getattr(args, name):
+            log.warning("--%s on the command line is readable by every local user (/proc/PID/cmdline): give it by "
+                        "%s or --%s-file", name.replace("_", "-"), env, name.replace("_", "-"))
+        value = read_secret(name, getattr(args, name), getattr(args, f"{name}_file", None))
+        setattr(args, name, value if value is not None else from_env or None)
+        setattr(args, f"{name}_file", None)
+
+
+def read_secret(name: str, value: str | None, file: str | None) -> str | None:
+    """A key given as a value or as a file (ValueError for both, or a file unreadable or empty)."""
+    if not file:
+        return value or None
+    if value:
+        raise ValueError(f"{name}: give --{name.replace('_', '-')} or --{name.replace('_', '-')}-file, not both")
+    try:
+        with open(file, encoding="utf-8") as f:
+            key = f.read(64 << 10).rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{name}_file: cannot read {file} ({getattr(e, 'strerror', None) or e})") from None
+    if not key.strip():
+        raise ValueError(f"{name}_file: {file} is empty")
+    return key
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -80,6 +125,7 @@ def listen_error(host: str, port: int, e: OSError) -> ValueError:
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_secrets(args)
     if args.ray:
         from radixserve.ray.serve import run_ray
 

@@ -20,7 +20,7 @@ from radixserve.engine.protocol import EngineClient, EngineDied
 from radixserve.request import Req, Retention, SamplingParams, TokenLogprob, distinct_prompts
 from radixserve.server import access_log, tool_parsers
 from radixserve.server.admission import Admission, Ticket, request_priority
-from radixserve.server.auth import Auth, Tenant
+from radixserve.server.auth import DEFAULT_RETENTION, Auth, Tenant
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.metrics import Metrics
 
@@ -42,6 +42,15 @@ def public_rid(engine_rid: str) -> str:
     return engine_rid.split("/", 1)[1] if "/" in engine_rid else engine_rid
 
 
+def check_retention(tenant: Tenant, seconds: int, param: str) -> None:
+    """A retention longer than the tenant's max_cache_retention is a 400 naming the field."""
+    if seconds > tenant.retention_cap:
+        raise ApiError(400, f"{param}: tenant {tenant.id!r} may keep a prompt cached for at most "
+                            f"{tenant.max_cache_retention or DEFAULT_RETENTION} ({tenant.retention_cap} s), this asks "
+                            f"{seconds} s (the server's tenants file sets max_cache_retention)",
+                       param=param, code="retention_not_allowed")
+
+
 @dataclass
 class RequestOptions:
     """What a route asks of the engine besides the prompt and sampling parameters."""
@@ -56,6 +65,9 @@ class RequestOptions:
     # from sharing a system prompt, the opposite of what the client asks for.
     prompt_cache_key: str | None = None
     retention: Retention | None = None  # how long the prompt stays cached (prompt_cache_retention, cache_control)
+    # no max tokens given: what the context window leaves after the prompt (the OpenAI APIs, as
+    # vLLM); False: the engine's default_max_new_tokens (/generate, as SGLang's 128)
+    rest_of_window: bool = True
 
 
 def _aborted(req: Req, last: Delta | None, tokens: int) -> Output:
@@ -152,6 +164,8 @@ class ServerState:
             raise ApiError(503, f"the engine process is gone ({why}); the server is shutting down", code="engine_down")
         if opts.public_prefix_len and not tenant.allow_public_prefix:
             raise ApiError(403, f"public_prefix_len: tenant {tenant.id!r} may not use the public prefix", param="public_prefix_len")
+        if opts.retention is not None:
+            check_retention(tenant, opts.retention.seconds, opts.rename.get("prompt_cache_retention", "prompt_cache_retention"))
         priority = request_priority(tenant, opts.priority)
         rids = engine_rids(tenant, opts.rid, len(prompts))
         if rids is not None and any(r in self.active for r in rids):
@@ -206,8 +220,10 @@ class ServerState:
                 p = rendered.setdefault(id(p), p())
             rid = rids[i] if rids is not None else None
             try:
-                reqs.append(self.engine.make_req(p, sp, rid, priority, tenant=tenant.id, cache_salt=opts.cache_salt,
-                                                 public_prefix_len=opts.public_prefix_len, retention=opts.retention))
+                reqs.append(self.engine.make_req(
+                    p, sp, rid, priority, tenant=tenant.id, cache_salt=opts.cache_salt, public_prefix_len=opts.public_prefix_len,
+                    retention=opts.retention, tenant_key=tenant.namespace_key,
+                    default_max_new_tokens=self.engine.context_len if opts.rest_of_window else None))
             except ValueError as e:
                 raise value_error(e, opts.rename) from None
         return reqs
@@ -232,8 +248,9 @@ class ServerState:
         finally:  # a run ends once: whoever releases the ticket, the request's use is counted here
             self.admission.leave(ticket)
             reason = out.finish_reason if out is not None else "abort"
-            self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason)
             used = out if out is not None else _aborted(req, last, tokens)
+            self.metrics.observe(ttft, time.monotonic() - arrival, out.completion_tokens if out else 0, reason,
+                                 computed_prompt_tokens=used.prompt_tokens - used.cached_tokens)
             self.usage[ticket.tenant].add(used)
             if (entry := access_log.CURRENT.get()) is not None:
                 entry.completion_tokens = (entry.completion_tokens or 0) + used.completion_tokens

@@ -15,26 +15,35 @@ not offered, or one that does not parse, stays content.
                  request with tools in auto mode keeps them in the decoded text (tools.keeps_markers).
     qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>,
                  each VALUE read by its parameter's schema type (a string as written)
-"""
+
+The text is the model's, which a client can steer (its own regex, logit_bias): every reading is
+linear in its length (server.text_scan), on a whole answer and on a stream (CallStream) alike.
+An answer cut short by max_tokens while writing a call: see server.cut_calls."""
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from radixserve.server.protocol import FunctionCall, ToolCall
+from radixserve.server.text_scan import (
+    FENCE,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    Text,
+    fenced,
+    loads,
+    partial_tail,
+    skip_ws,
+    tagged,
+    xml_calls,
+    xml_function,
+    xml_params,
+)
 
 Parsed = tuple[str | None, list[ToolCall]]
-
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.S)
-_ANY_FENCE = re.compile(r"```[^\n`]*\n.*?```", re.S)
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-_XML_CALL = re.compile(r"<tool_call>\s*(<function=.*?</function>)\s*</tool_call>", re.S)
 
 
 def for_template(template: str | None) -> str:
@@ -62,7 +71,7 @@ def new_call(name: str, arguments: Any) -> ToolCall:
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, json.dumps(arguments)))
 
 
-def _calls(objs: list[Any], tools: dict[str, Any], args_key: str = "arguments") -> list[ToolCall]:
+def calls_of(objs: list[Any], tools: dict[str, Any], args_key: str = "arguments") -> list[ToolCall]:
     """The calls `objs` stand for, or [] unless each is a call of an offered tool with object
     arguments (`args_key`, or "arguments")."""
     out = []
@@ -74,69 +83,73 @@ def _calls(objs: list[Any], tools: dict[str, Any], args_key: str = "arguments") 
     return out
 
 
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
-
-
 def _cut(text: str, spans: list[tuple[int, int]]) -> str | None:
-    for start, end in reversed(spans):
-        text = text[:start] + text[end:]
-    return text.strip() or None
+    """`text` without `spans` (in order, not overlapping), stripped."""
+    pieces, at = [], 0
+    for start, end in spans:
+        pieces.append(text[at:start])
+        at = end
+    pieces.append(text[at:])
+    return "".join(pieces).strip() or None
 
 
 def _hermes(text: str, tools: dict[str, Any]) -> Parsed:
     calls: list[ToolCall] = []
     spans = []
-    for m in _TAGGED.finditer(text):
-        found = _calls([_json(m.group(1))], tools)
+    for start, end, body in tagged(text):
+        found = calls_of([loads(body)], tools)
         if found:
             calls += found
-            spans.append(m.span())
+            spans.append((start, end))
     if not calls:  # no tagged call: fenced blocks that hold only calls (one, or a list)
-        for m in _FENCED.finditer(text):
-            obj = _json(m.group(1))
-            found = _calls(obj if isinstance(obj, list) and obj else [obj], tools)
+        for start, end, body in fenced(text):
+            obj = loads(body)
+            found = calls_of(obj if isinstance(obj, list) and obj else [obj], tools)
             if found:
                 calls += found
-                spans.append(m.span())
+                spans.append((start, end))
     return (_cut(text, spans), calls) if calls else (text, [])
+
+
+def llama3_objects(body: str) -> tuple[list[Any], int]:
+    """The JSON values at the start of `body`, separated by optional ";", and where the first
+    that does not parse starts (len(body) when all do)."""
+    objs: list[Any] = []
+    at, decoder = 0, json.JSONDecoder()
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            return objs, at
+        objs.append(obj)
+        at = skip_ws(body, end)
+        if body.startswith(";", at):
+            at = skip_ws(body, at + 1)
+    return objs, at
 
 
 def _llama3_json(text: str, tools: dict[str, Any]) -> Parsed:
     body = text.strip().removeprefix("<|python_tag|>").strip()
-    objs, at, decoder = [], 0, json.JSONDecoder()
-    while at < len(body):
-        try:
-            obj, at = decoder.raw_decode(body, at)
-        except json.JSONDecodeError:
-            return text, []
-        objs.append(obj)
-        rest = body[at:].lstrip()
-        if rest.startswith(";"):
-            rest = rest[1:].lstrip()
-        at = len(body) - len(rest)
-    calls = _calls(objs, tools, "parameters") if objs else []
+    objs, at = llama3_objects(body)
+    calls = calls_of(objs, tools, "parameters") if objs and at == len(body) else []
     return (None, calls) if calls else (text, [])
 
 
 def _mistral(text: str, tools: dict[str, Any]) -> Parsed:
     head, marker, tail = text.partition("[TOOL_CALLS]")
     if not marker:  # the marker is a special token: skipped from the text, a bare list of calls is left
-        obj = _json(text.strip())
-        calls = _calls(obj, tools) if isinstance(obj, list) and obj else []
+        obj = loads(text.strip())
+        calls = calls_of(obj, tools) if isinstance(obj, list) and obj else []
         return (None, calls) if calls else (text, [])
     tail = tail.strip()
-    obj = _json(tail)
+    obj = loads(tail)
     if obj is not None:  # v3: a JSON list (or one object)
-        calls = _calls(obj if isinstance(obj, list) else [obj], tools)
+        calls = calls_of(obj if isinstance(obj, list) else [obj], tools)
         return (head.strip() or None, calls) if calls else (text, [])
     calls = []  # v11: name[ARGS]{...}, one or more after the marker
     for part in tail.split("[TOOL_CALLS]"):
         name, sep, args = part.partition("[ARGS]")
-        found = _calls([{"name": name.strip(), "arguments": _json(args.strip())}], tools) if sep else []
+        found = calls_of([{"name": name.strip(), "arguments": loads(args.strip())}], tools) if sep else []
         if not found:
             return text, []
         calls += found
@@ -145,16 +158,19 @@ def _mistral(text: str, tools: dict[str, Any]) -> Parsed:
 
 def _qwen3_coder(text: str, tools: dict[str, Any]) -> Parsed:
     calls, spans = [], []
-    for m in _XML_CALL.finditer(text):
-        f = _FUNCTION.search(m.group(1))
-        if f is None or f.group(1).strip() not in tools:
+    for start, end, function in xml_calls(text):
+        f = xml_function(function)
+        if f is None or f[0].strip() not in tools:
             continue
-        tool = tools[f.group(1).strip()]
-        props = (tool.parameters or {}).get("properties", {}) if isinstance(tool.parameters, dict) else {}
-        args = {k.strip(): _typed(v, props.get(k.strip())) for k, v in _PARAMETER.findall(f.group(2))}
-        calls.append(new_call(tool.name, args))
-        spans.append(m.span())
+        calls.append(new_call(f[0].strip(), xml_arguments(tools[f[0].strip()], f[1])))
+        spans.append((start, end))
     return (_cut(text, spans), calls) if calls else (text, [])
+
+
+def xml_arguments(tool: Any, body: str) -> dict[str, Any]:
+    """A Qwen3-Coder call's parameters (those whole in `body`), each read by its schema's type."""
+    props = (tool.parameters or {}).get("properties", {}) if isinstance(tool.parameters, dict) else {}
+    return {k.strip(): _typed(v, props.get(k.strip())) for k, v in xml_params(body)}
 
 
 def _typed(value: str, schema: Any) -> Any:
@@ -164,7 +180,7 @@ def _typed(value: str, schema: Any) -> Any:
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return value
 
 
@@ -174,77 +190,207 @@ class CallStream:
     qwen3_coder) at its closing tag; a fenced call (hermes), a Llama 3 or a Mistral answer at
     the end, when the whole answer is parsed (`parse`, whose calls and text the stream has
     agreed with so far). Text from where a call may start (a marker, or the start of one at the
-    end of the text so far) is held until it is known not to be one."""
+    end of the text so far) is held until it is known not to be one.
 
-    _MARKERS = {"hermes": ("<tool_call>", "```"), "qwen3_coder": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+    NOTE: each delta costs work in proportion to itself: every search resumes where the last
+    one stopped (the `_from` positions), and what may still be a call is read once it closes."""
+
+    _MARKERS = {"hermes": (TOOL_OPEN, FENCE), "qwen3_coder": (TOOL_OPEN,), "mistral": ("[TOOL_CALLS]",),
                 "mistral_v11": ("[TOOL_CALLS]",), "llama3_json": ("<|python_tag|>",)}
 
     def __init__(self, fmt: str, tools: list[Any], one_call: bool) -> None:
         self.fmt, self.tools, self.one_call = fmt, {t.name: t for t in tools}, one_call
-        self.text = ""
+        self.text = Text()
         self.released = 0  # chars of `text` given out as content
         self.calls: list[ToolCall] = []  # given out
-        self._scanned = 0  # where the next tagged call may start (the end of the last one)
-        self._fences = 0  # where the next fence may start (the end of the last closed one, which held text)
+        self._ends = _CallEnds(self.text, fmt) if fmt in ("hermes", "qwen3_coder") else None
+        self._first = {m: _First(self.text, m) for m in self._MARKERS[fmt] if m != FENCE}
+        self._fences = _Fences(self.text, self.tools) if fmt == "hermes" else None
+        self._lead = 0  # where the answer's first non-space character is (or where to look for it)
+        self._seen = self._kept = 0  # text[:_seen] read for trailing spaces: its last other character ends at _kept
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content to send now, calls completed now) after `text` more of the answer."""
-        self.text += text
+        self.text.append(text)
         new = self._complete()
         if self.one_call:
             new = new[: max(0, 1 - len(self.calls))]
         self.calls += new
         safe = self._safe()
-        out = self.text[self.released : safe] if safe > self.released else ""
+        out = self.text.slice(self.released, safe) if safe > self.released else ""
         self.released = max(self.released, safe)
         return out, new
 
     def _complete(self) -> list[ToolCall]:
         """The tagged calls closed since the last feed."""
-        if self.fmt not in ("hermes", "qwen3_coder"):
-            return []
-        found = []
-        for m in (_TAGGED if self.fmt == "hermes" else _XML_CALL).finditer(self.text, self._scanned):
-            found += _BY_NAME[self.fmt](m.group(0), self.tools)[1]
-            self._scanned = m.end()
+        found: list[ToolCall] = []
+        while self._ends is not None and (span := self._ends.next()) is not None:
+            found += _BY_NAME[self.fmt](self.text.slice(*span), self.tools)[1]
         return found
 
     def _safe(self) -> int:
         """How much of the text so far is content whatever comes next (trailing spaces held)."""
         t = self.text
-        head = t.lstrip()
-        if self.fmt == "llama3_json" and (not head or head[0] == "{" or _opens(head, "<|python_tag|>")):
-            return 0  # an answer that may be all calls
-        if self.fmt in MISTRAL and head[:1] == "[":
+        if self._may_be_all_calls():
             return 0
         cut = len(t)
         for marker in self._MARKERS[self.fmt]:
-            at = t.find(marker)
-            if marker == "```":  # a closed fence that holds no calls is text
-                at = self._open_fence()
-            cut = min(cut, at if at >= 0 else len(t) - partial_tail(t, marker))
-        return len(t[:cut].rstrip())
+            at = self._fences.hold() if self._fences is not None and marker == FENCE else self._first[marker].at()
+            cut = min(cut, at if at >= 0 else len(t) - partial_tail(t.slice(len(t) - len(marker) + 1), marker))
+        return self._before_spaces(cut)
 
-    def _open_fence(self) -> int:
-        """Where the first fence that may hold calls starts: one not closed yet, or closed around
-        calls (-1: none)."""
-        for m in _ANY_FENCE.finditer(self.text, self._fences):
-            if _hermes(m.group(0), self.tools)[1]:
-                return m.start()
-            self._fences = m.end()
-        return self.text.find("```", self._fences)
+    def _may_be_all_calls(self) -> bool:
+        """A Llama 3 answer that starts like a call, or a Mistral one that starts with a list."""
+        if self.fmt != "llama3_json" and self.fmt not in MISTRAL:
+            return False
+        self._lead = self.text.skip_ws(self._lead)
+        head = self.text.slice(self._lead, self._lead + 15)
+        if self.fmt in MISTRAL:
+            return head[:1] == "["
+        return not head or head[0] == "{" or _opens(head, "<|python_tag|>")
+
+    def _before_spaces(self, cut: int) -> int:
+        """`cut` less the spaces before it. NOTE: cut only grows (each marker's hold does), so
+        the text before it is read for spaces once."""
+        if cut < self._seen:
+            return self.released + len(self.text.slice(self.released, cut).rstrip())
+        kept = self.text.slice(self._seen, cut).rstrip()
+        if kept:
+            self._kept = self._seen + len(kept)
+        self._seen = cut
+        return self._kept
+
+
+class _First:
+    """Where a marker first occurs in a growing text from `start` (-1: not yet), each part searched once."""
+
+    def __init__(self, text: Text, marker: str, start: int = 0) -> None:
+        self.text, self.marker, self._at, self._from = text, marker, -1, start
+
+    def at(self) -> int:
+        if self._at < 0:
+            self._at = self.text.find(self.marker, self._from)
+            self._from = max(self._from, len(self.text) - len(self.marker) + 1)
+        return self._at
+
+
+_NOT_A_CALL = -2
+
+
+class _CallEnds:
+    """The tagged calls of a growing text as each closes: what `tagged` (hermes) or `xml_calls`
+    (qwen3_coder) finds in the whole text, found one delta at a time."""
+
+    def __init__(self, text: Text, fmt: str) -> None:
+        self.text, self.xml = text, fmt == "qwen3_coder"
+        self._open = -1  # where the call being read opens (-1: none yet)
+        self._from = 0  # where reading resumes
+        self._step = 0  # xml: 0 spaces then <function=, 1 looking for </function>, 2 spaces then </tool_call>
+        self._close = 0  # xml: the </function> being tried
+
+    def next(self) -> tuple[int, int] | None:
+        """(start, end) of the next call that closed, or None (none yet)."""
+        t = self.text
+        while True:
+            if self._open < 0:
+                at = t.find(TOOL_OPEN, self._from)
+                if at < 0:
+                    self._from = max(self._from, len(t) - len(TOOL_OPEN) + 1)
+                    return None
+                self._open, self._from, self._step = at, at + len(TOOL_OPEN), 0
+            end = self._xml_end() if self.xml else self._end()
+            if end == _NOT_A_CALL:  # the next opening tag may be one
+                self._open, self._from = -1, self._open + 1
+                continue
+            if end < 0:
+                return None
+            span, self._open, self._from = (self._open, end), -1, end
+            return span
+
+    def _end(self) -> int:
+        e = self.text.find(TOOL_CLOSE, self._from)
+        if e < 0:
+            self._from = max(self._from, len(self.text) - len(TOOL_CLOSE) + 1)
+            return -1
+        return e + len(TOOL_CLOSE)
+
+    def _xml_end(self) -> int:
+        t = self.text
+        while True:
+            if self._step != 1:  # spaces, then what must come next
+                self._from = t.skip_ws(self._from)
+                want = "<function=" if self._step == 0 else TOOL_CLOSE
+                seen = t.slice(self._from, self._from + len(want))
+                if seen == want:
+                    if self._step == 2:
+                        return self._from + len(want)
+                    self._step, self._from = 1, self._from + len(want)
+                elif want.startswith(seen):  # (the start of) it, or nothing yet
+                    return -1
+                elif self._step == 0:
+                    return _NOT_A_CALL
+                else:  # this </function> is not the call's end: a later one may be
+                    self._step, self._from = 1, self._close + 1
+            c = t.find("</function>", self._from)
+            if c < 0:
+                self._from = max(self._from, len(t) - len("</function>") + 1)
+                return -1
+            self._step, self._close, self._from = 2, c, c + len("</function>")
+
+
+class _Fences:
+    """Hermes' fences in a growing text: where the text is held for one that may hold calls (a
+    fence not closed yet, or one closed around calls); a closed fence that holds none is text.
+    A fence: ``` and the rest of its line without a backtick, up to the next ``` (what the regex
+    it replaces matched in the whole text), found one delta at a time."""
+
+    def __init__(self, text: Text, tools: dict[str, Any]) -> None:
+        self.text, self.tools = text, tools
+        self._calls = -1  # a closed fence that holds calls: held from there
+        self._first = _First(text, FENCE)  # the first mark after the last closed fence that held text
+        self._mark, self._mark_from = -1, 0  # the mark being read as a fence's opening; where to look for one
+        self._body, self._from = -1, 0  # where its body starts (-1: its opening line is not whole yet); reading resumes
+        self._nl = -1  # the first newline at or after _from, once found
+
+    def hold(self) -> int:
+        """Where the first fence that may hold calls starts (-1: none)."""
+        while self._calls < 0 and (end := self._closed()) >= 0:
+            if _hermes(self.text.slice(self._mark, end), self.tools)[1]:
+                self._calls = self._mark
+            else:
+                self._mark, self._mark_from, self._first = -1, end, _First(self.text, FENCE, end)
+        return self._calls if self._calls >= 0 else self._first.at()
+
+    def _closed(self) -> int:
+        """The end of the fence now being read once it closes; -1: not yet."""
+        t = self.text
+        while True:
+            if self._mark < 0:
+                self._mark = t.find(FENCE, self._mark_from)
+                if self._mark < 0:
+                    self._mark_from = max(self._mark_from, len(t) - len(FENCE) + 1)
+                    return -1
+                self._body, self._from = -1, self._mark + len(FENCE)
+            if self._body < 0:  # its opening line: no backtick before the newline
+                if self._nl < self._from:
+                    self._nl = t.find("\n", self._from)
+                end = self._nl if self._nl >= 0 else None
+                if t.find("`", self._from, end) >= 0:
+                    self._mark, self._mark_from = -1, self._mark + 1
+                    continue
+                if self._nl < 0:
+                    self._from = len(t)
+                    return -1
+                self._body = self._from = self._nl + 1
+            c = t.find(FENCE, self._from)
+            if c < 0:
+                self._from = max(self._body, len(t) - len(FENCE) + 1)
+                return -1
+            return c + len(FENCE)
 
 
 def _opens(text: str, marker: str) -> bool:
     return text.startswith(marker) or marker.startswith(text)
-
-
-def partial_tail(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 MISTRAL = ("mistral", "mistral_v11")

@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 import json
-import re
+import string
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from radixserve.limits import TooDeep, loads
 from radixserve.server import tool_parsers
@@ -30,6 +31,14 @@ class Tool:
     description: str
     parameters: dict[str, Any]
     strict: bool = False  # the call's arguments must follow the parameters exactly (as response_format's strict)
+
+
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
+
+
+def valid_name(name: object) -> TypeGuard[str]:
+    """A function name as OpenAI and Anthropic take one: 1-64 of A-Z a-z 0-9 _ -."""
+    return isinstance(name, str) and 1 <= len(name) <= 64 and _NAME_CHARS.issuperset(name)
 
 
 _TOOL_KEYS = {"type", "function"}
@@ -49,7 +58,7 @@ def parse_tools(tools: list[Any] | None) -> list[Tool]:
         if fn.get("strict") not in (None, True, False):
             raise ApiError(400, f"tools[{i}].function.strict: expected a boolean", param=f"tools[{i}].function.strict")
         name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        if not valid_name(name):
             raise ApiError(400, f"tools[{i}].function.name: {name!r} is not a valid function name", param=f"tools[{i}].function.name")
         if not isinstance(params, dict):
             where = f"tools[{i}].function.parameters"
@@ -200,19 +209,44 @@ def error_param(offered: list[Tool], callable_tools: list[Tool], where: str) -> 
     return "tools"
 
 
-_ARGS_AT = re.compile(r"#/(?:anyOf/(\d+)/)?properties/arguments")
+_ARGS = "properties/arguments"
+
+
+def _args_at(msg: str) -> Iterator[tuple[int, int, int | None]]:
+    """(start, end, k) of each pointer into a call's arguments in a message:
+    #/properties/arguments, or #/anyOf/<k>/properties/arguments (k None for the first)."""
+    i = 0
+    while (s := msg.find("#/", i)) >= 0:
+        j = s + 2
+        if msg.startswith("anyOf/", j):
+            e = d = j + len("anyOf/")
+            while e < len(msg) and msg[e].isdecimal():
+                e += 1
+            if e > d and msg.startswith("/" + _ARGS, e):
+                yield s, e + 1 + len(_ARGS), int(msg[d:e])
+                i = e + 1 + len(_ARGS)
+                continue
+        if msg.startswith(_ARGS, j):
+            yield s, j + len(_ARGS), None
+            i = j + len(_ARGS)
+            continue
+        i = j
 
 
 def blame(e: ApiError, offered: list[Tool], callable_tools: list[Tool], where: str) -> ApiError:
     """A call schema's compile error (named by error_param), naming the tool whose parameters
     hold the problem where the message points into them, with pointers as in the tool's own schema."""
-    m = _ARGS_AT.search(e.message)
-    if m is None or e.param != error_param(offered, callable_tools, where):
+    found = list(_args_at(e.message))
+    if not found or e.param != error_param(offered, callable_tools, where):
         return e
-    param = e.param
-    if m.group(1) is not None and int(m.group(1)) < len(callable_tools):
-        param = where.format(offered.index(callable_tools[int(m.group(1))]))
-    msg = _ARGS_AT.sub("#", e.message)
+    param, k = e.param, found[0][2]
+    if k is not None and k < len(callable_tools):
+        param = where.format(offered.index(callable_tools[k]))
+    pieces, at = [], 0  # each pointer into the arguments as "#": the tool's own schema's root
+    for start, end, _ in found:
+        pieces += [e.message[at:start], "#"]
+        at = end
+    msg = "".join([*pieces, e.message[at:]])
     if msg.startswith(f"{e.param}: "):
         msg = param + msg[len(e.param):]
     return ApiError(e.status, msg, param=param, code=e.code)
@@ -290,7 +324,7 @@ def calls_from_json(text: str) -> list[ToolCall]:
     try:
         call = json.loads(text)
         return [tool_parsers.new_call(call["name"], call["arguments"])]
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (ValueError, RecursionError, KeyError, TypeError):  # a model's text: too deep or too long a number too
         return []
 
 
