@@ -113,6 +113,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedConfig:
     chunked_prefill_size: int = option(1024, "prefill tokens per iteration (running decodes ride along)")
+    shared_prefill_size: int = option(128, "prefill tokens per iteration while requests of more than one tenant are "
+                                           "running or waiting: a short step keeps the others' decodes and first tokens "
+                                           "moving beside one tenant's long prompts")
     max_running_requests: int = option(64, "requests decoding at once")
     max_total_tokens: int | None = option(None, "cap on the KV pool, in tokens")
     schedule_policy: str = option("fcfs", "order of waiting requests: fcfs, or lpm (longest cached prefix first)",
@@ -122,6 +125,11 @@ class SchedConfig:
     min_new_token_ratio: float = option(0.1, "floor that reserved share decays to")
     new_token_ratio_decay: float = option(0.002, "how much the reserved share decays per iteration")
     reserve_clip_tokens: int = option(4096, "per-request cap on the reservation, in tokens")
+
+    def __post_init__(self) -> None:
+        for name in ("chunked_prefill_size", "shared_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

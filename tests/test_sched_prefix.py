@@ -215,3 +215,54 @@ def test_prefixes_held_for_waiting_requests_never_block_the_head_of_the_queue():
     _drive(s)
     assert head.finish_reason is not None and back.finish_reason is not None
     assert s.cache.allocator.num_used == s.cache.prefix.cached_tokens  # nothing held, nothing leaked
+
+
+def test_one_tenants_long_prompts_do_not_hold_another_tenants_request_behind_their_chunks():
+    """Issue 44's abuse bench: tenant A's max-context prompts, chunk after chunk, kept tenant B's
+    short chat waiting until A stopped (B's requests timed out). B's request now starts the step
+    after it arrives, with A's chunk beside it; two long prompts split the budget."""
+    s = _sched(pool=65536, chunked_prefill_size=256, shared_prefill_size=256)
+    rng = random.Random(5)
+    longs = [Req([rng.randrange(1, 300) for _ in range(4000)], SamplingParams(), max_new_tokens=4, tenant="a")
+             for _ in range(3)]
+    for r in longs:
+        s.add(r)
+    _step(s)
+    _step(s)
+    assert longs[0].computed_len == 512 and not any(r.computed_len for r in longs[1:])  # A's prompts, one at a time
+    short = Req([rng.randrange(1, 300) for _ in range(40)], SamplingParams(), max_new_tokens=4, tenant="b")
+    s.add(short)
+    plan = s.schedule()
+    fed = {it.req.tenant: it.length for it in plan.items}
+    assert fed == {"b": 40, "a": 256 - 40}, fed  # B admitted at once, A's chunk beside it
+    _fake_model(s, plan)
+    s.reap()
+    other = Req([rng.randrange(1, 300) for _ in range(3000)], SamplingParams(), max_new_tokens=4, tenant="c")
+    s.add(other)
+    _step(s)  # C's long prompt starts within half the budget
+    plan = s.schedule()
+    chunks = {it.req.tenant: it.length for it in plan.items if it.length > 1}
+    assert chunks == {"a": 128, "c": 128}, chunks  # the budget split evenly
+    _fake_model(s, plan)
+    s.reap()
+    _drive(s)
+    assert all(r.finish_reason is not None for r in [*longs, short, other])
+
+
+def test_a_step_prefills_at_most_the_shared_size_while_tenants_share_the_engine():
+    """A step lasts as long as its prefill: beside another tenant's decodes it is short."""
+    s = _sched(pool=65536, chunked_prefill_size=1024, shared_prefill_size=128)
+    rng = random.Random(6)
+    long = Req([rng.randrange(1, 300) for _ in range(3000)], SamplingParams(), max_new_tokens=4, tenant="a")
+    s.add(long)
+    _step(s)
+    assert long.computed_len == 1024  # alone: the whole chunk
+    chat = Req([rng.randrange(1, 300) for _ in range(30)], SamplingParams(), max_new_tokens=50, tenant="b")
+    s.add(chat)
+    for _ in range(5):
+        plan = s.schedule()
+        assert sum(it.length for it in plan.items if not it.is_decode) <= 128, plan.items
+        _fake_model(s, plan)
+        s.reap()
+    assert chat.output_len == 5 and long.computed_len > 1024
+    _drive(s)

@@ -12,7 +12,7 @@ def _f(x: float | None, fmt: str = ".0f") -> str:
 
 
 COLUMNS = (("phase", "<20"), ("B TTFT p50/p99 ms", ">19"), ("x solo", ">8"), ("TPOT p50/p99 ms", ">17"), ("x solo", ">8"),
-           ("B served", ">10"), ("A 2xx/4xx/shed/5xx/other", ">26"), ("RSS MiB (growth, peak)", ">27"), ("restart", ">9"),
+           ("B served", ">10"), ("A 2xx/4xx/shed/5xx/other", ">26"), ("server RSS MiB (growth, peak)", ">30"), ("restart", ">9"),
            ("goals", ">7"))
 
 
@@ -37,6 +37,9 @@ def _row(name: str, row: dict[str, Any]) -> str:
 
 def _details(name: str, row: dict[str, Any], what: str) -> list[str]:
     lines = [f"  {name}: {what}" + (f" ({'; '.join(row['notes'])})" if row.get("notes") else "")]
+    if row.get("before", {}).get("engine_rss_mb") is not None and row.get("after", {}).get("engine_rss_mb") is not None:
+        lines.append(f"    engine process RSS: {_f(row['before']['engine_rss_mb'])} -> {_f(row['after']['engine_rss_mb'])} MiB "
+                     "(its KV pool's pages count once first written)")
     if row.get("a_outcomes"):
         lines.append(f"    A's outcomes: {dict(sorted(row['a_outcomes'].items()))}")
     lines += [f"    first {k}: {text}" for k, text in sorted(row.get("a_samples", {}).items())]

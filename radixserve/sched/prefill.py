@@ -40,9 +40,10 @@ class PrefillAdder:
     def _decode_share(self, req: Req) -> int:
         return int(min(req.remaining_new_tokens, self.cfg.reserve_clip_tokens) * self.ratio)
 
-    def continue_chunk(self, req: Req) -> int:
-        """Next chunk of an admitted, partly prefilled request (memory was reserved at admission)."""
-        n = min(req.extend_len, self.budget)
+    def continue_chunk(self, req: Req, limit: int | None = None) -> int:
+        """Next chunk of an admitted, partly prefilled request (memory was reserved at admission),
+        at most `limit` tokens."""
+        n = min(req.extend_len, self.budget, self.budget if limit is None else limit)
         if n <= 0 or not self.cache.alloc(req, n):
             return 0
         self.budget -= n

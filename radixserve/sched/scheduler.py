@@ -7,6 +7,7 @@ requests. Everything here runs on the engine thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixserve.config import SchedConfig
@@ -74,6 +75,31 @@ class SchedCounters:
     spec_cache_accepted_tokens: int = 0
 
 
+PREFILL_DECAY = 0.5 ** (1 / 64)  # a tenant's recent prefill halves every 64 steps
+PREFILL_TIE_TOKENS = 256  # recent prefill within this of another tenant's counts as the same (then FCFS)
+
+
+def fair_chunks(chunking: list[Req], budget: int) -> dict[Req, int]:
+    """The step's prefill budget split over the tenants with partly prefilled requests in equal
+    shares (what one needs less of goes to the others), and a tenant's share over its requests
+    in `chunking`'s order: no tenant's long prompts hold the whole budget while another
+    tenant's request waits for its next chunk."""
+    by_tenant: dict[str | None, list[Req]] = {}
+    for r in chunking:
+        by_tenant.setdefault(r.tenant, []).append(r)
+    need = {t: sum(r.extend_len for r in rs) for t, rs in by_tenant.items()}
+    share: dict[str | None, int] = {}
+    for i, t in enumerate(sorted(need, key=need.__getitem__)):
+        share[t] = min(need[t], max(budget // (len(need) - i), 0))
+        budget -= share[t]
+    give: dict[Req, int] = {}
+    for t, rs in by_tenant.items():
+        for r in rs:
+            give[r] = min(r.extend_len, share[t])
+            share[t] -= give[r]
+    return {r: n for r, n in give.items() if n > 0}
+
+
 class Scheduler:
     def __init__(self, cfg: SchedConfig, cache: CacheManager, proposer: NgramProposer | None = None) -> None:
         self.cfg = cfg
@@ -84,6 +110,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.counters = SchedCounters()
         self.new_token_ratio = cfg.init_new_token_ratio
+        self._prefilled: dict[str | None, float] = {}  # tenant -> its prefill tokens lately (_count_prefill)
 
     @property
     def has_work(self) -> bool:
@@ -107,11 +134,17 @@ class Scheduler:
         self.new_token_ratio = max(self.new_token_ratio - self.cfg.new_token_ratio_decay, self.cfg.min_new_token_ratio)
         self._schedule_decodes(plan)
         adder = PrefillAdder(self.cfg, self.cache, self.running, self.new_token_ratio)
-        for req in sorted(self.running, key=keep_key):
-            if req.extend_len > 1 and (n := adder.continue_chunk(req)):
+        if self._tenants_share():
+            adder.budget = min(adder.budget, self.cfg.shared_prefill_size)
+        chunking = [r for r in sorted(self.running, key=keep_key) if r.extend_len > 1]
+        if chunking and self.waiting and adder.can_admit:
+            self._admit_others_first(plan, adder, chunking)
+        for req, n in fair_chunks(chunking, adder.budget).items():
+            if n := adder.continue_chunk(req, n):
                 plan.items.append(PlanItem(req, req.computed_len, n))
         if self.waiting and adder.can_admit:
             self._admit(plan, adder)
+        self._count_prefill(plan)
         if not plan.items and not self.running and self.waiting and self.cache.let_go_all():
             # Nothing fits while prefixes put back from disk are held for requests further back
             # in the queue: they go back to being plain cached prefixes (evictable).
@@ -125,9 +158,42 @@ class Scheduler:
             self._draft(plan)
         return plan
 
-    def _admit(self, plan: SchedulePlan, adder: PrefillAdder) -> None:
+    def _tenants_share(self) -> bool:
+        """Requests of more than one tenant run or wait. NOTE: a step lasts as long as its prefill:
+        at the full chunk (1,024 tokens, about 2 s for SmolLM2 on 2 cores) one tenant's long
+        prompts set every other tenant's time per token and first token; with tenants sharing
+        the engine, the step's prefill is shared_prefill_size."""
+        first = next(iter(self.running or self.waiting), None)
+        return first is not None and any(r.tenant != first.tenant for q in (self.running, self.waiting) for r in q)
+
+    def _admit_others_first(self, plan: SchedulePlan, adder: PrefillAdder, chunking: list[Req]) -> None:
+        """NOTE (tenant fairness): a long prompt's chunks go on step after step, and the next
+        chunk used to come before anyone new, so one tenant's long prompts kept every other
+        tenant's requests waiting for as long as it sent them. Waiting requests of tenants that
+        have had less prefill lately than every tenant with a chunk under way (`_prefilled`), at
+        the priority of those chunks or above, are admitted first, within half the step's
+        budget; the chunks share the rest."""
+        least = min(self._prefilled.get(r.tenant, 0.0) for r in chunking)
+        top = max(r.priority for r in chunking)
+        half = adder.budget // 2
+        adder.budget -= half
+        self._admit(plan, adder, lambda r: self._prefilled.get(r.tenant, 0.0) < least and r.priority >= top)
+        adder.budget += half
+
+    def _count_prefill(self, plan: SchedulePlan) -> None:
+        """Each tenant's prefill tokens, decaying by half every PREFILL_HALF_LIFE steps."""
+        for tenant in list(self._prefilled):
+            self._prefilled[tenant] *= PREFILL_DECAY
+            if self._prefilled[tenant] < 1:
+                del self._prefilled[tenant]
+        for it in plan.items:
+            if not it.is_decode:
+                self._prefilled[it.req.tenant] = self._prefilled.get(it.req.tenant, 0.0) + it.length
+
+    def _admit(self, plan: SchedulePlan, adder: PrefillAdder, eligible: Callable[[Req], bool] | None = None) -> None:
         """Admit waiting requests in policy order until the budget or memory runs out,
-        skipping siblings that will hit a prefix being computed right now."""
+        skipping siblings that will hit a prefix being computed right now (and those not
+        `eligible`)."""
         hits: dict[str, int] = {}  # one prefix match per waiting request per round (nothing is inserted mid-round)
 
         def cached_len(req: Req) -> int:
@@ -136,8 +202,11 @@ class Scheduler:
             return hits[req.rid]
 
         gate = SiblingGate(self.cache, self.running, cached_len)
-        for req in self.policy.order(self.waiting, cached_len):
-            if gate.holds(req):
+        order = self.policy.order(self.waiting, cached_len)
+        if len(self._prefilled) > 1:  # tenants that had less prefill lately go first among equal priorities
+            order.sort(key=lambda r: (-r.priority, self._prefilled.get(r.tenant, 0.0) // PREFILL_TIE_TOKENS))
+        for req in order:
+            if gate.holds(req) or (eligible is not None and not eligible(req)):
                 continue
             n = adder.admit(req)
             if not n:

@@ -2,7 +2,8 @@
 the header (413 before a byte of the body is read), a body that is not declared JSON
 (Content-Type application/json or a +json type, any charset) is a 415, a body that does not
 arrive within --body-read-timeout is a 408, and no JSON value nests deeper than MAX_JSON_DEPTH
-(a 400 naming the field). Both 413 and 408 close the connection, so no unread body is drained."""
+(a 400 naming the field). Both 413 and 408 close the connection, so no unread body is drained.
+A long body is decoded and checked off the event loop (OFF_LOOP_BYTES)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from aiohttp import web
 
 from radixserve.limits import MAX_JSON_DEPTH, too_deep
 from radixserve.server.errors import ApiError, decode_body
+
+OFF_LOOP_BYTES = 1 << 18  # a body longer than this is decoded and checked on a worker thread (tens of ms a MiB)
 
 
 async def read_body(request: web.Request, typ: type) -> Any:
@@ -28,6 +31,12 @@ async def read_body(request: web.Request, typ: type) -> Any:
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within the body_read_timeout of {config.body_read_timeout:g} s",
                        code="body_timeout") from None
+    if len(raw) > OFF_LOOP_BYTES:
+        return await request.app["state"].off_loop(_decoded, raw, typ)
+    return _decoded(raw, typ)
+
+
+def _decoded(raw: bytes, typ: type) -> Any:
     body = decode_body(raw, typ)
     check_depth(body, "")
     return body
