@@ -16,9 +16,8 @@ import openai
 import pydantic
 import pytest
 from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
-from helpers import Sink
 from server_helpers import USER
-from test_reasoning_apis import Tok, _deltas, _frames, _msg, _opens_into, _out, _request
+from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
 from radixserve.server import anthropic_stream, reasoning, responses, responses_stream, sse
 from radixserve.server import openai as chat
@@ -90,19 +89,11 @@ def test_a_cut_input_reads_as_far_as_it_goes():
 CUT = ["Let", " me", " check", ".\n", "<tool_call>", '{"name": "f", ', '"arguments": {"s": ', '"Par']
 
 
-class _Engine(Sink):
-    """A sink that stands in for the engine too: it streams CUT one token per delta, cut by the limit."""
+class _Engine(ScriptedEngine):
+    """Streams CUT one token per delta, cut by the limit."""
 
     def _deltas(self):
         return _deltas(CUT, _out(CUT, "length"))
-
-    async def merged(self, flight):
-        for d in self._deltas():
-            yield 0, d
-
-    async def run(self, req, ticket, arrival):
-        for d in self._deltas():
-            yield d
 
 
 def test_a_chat_stream_ends_with_the_cut_call_and_finish_reason_length(monkeypatch):

@@ -74,6 +74,22 @@ def _deltas(pieces: list[str], out: Output) -> list[Delta]:
     return [Delta("r", p, [i], finished=i == n - 1, output=out if i == n - 1 else None) for i, p in enumerate(pieces)]
 
 
+class ScriptedEngine(Sink):
+    """A sink that stands in for the engine too: it streams `_deltas()` (`merged` as
+    ServerState.merged, `run` as ServerState.run)."""
+
+    def _deltas(self):
+        raise NotImplementedError
+
+    async def merged(self, flight):
+        for d in self._deltas():
+            yield 0, d
+
+    async def run(self, req, ticket, arrival):
+        for d in self._deltas():
+            yield d
+
+
 # -- /v1/responses -------------------------------------------------------------------------------
 def _request(**body) -> CreateResponseRequest:
     return decode_body(json.dumps({"model": "", "input": "hi", "store": False, **body}).encode(), CreateResponseRequest)

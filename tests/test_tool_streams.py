@@ -14,8 +14,7 @@ import openai
 import pydantic
 import pytest
 from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
-from helpers import Sink
-from test_reasoning_apis import Tok, _deltas, _frames, _msg, _opens_into, _out, _request
+from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
 from radixserve.server import anthropic_stream, responses, responses_stream, sse
 from radixserve.server import openai as chat
@@ -76,10 +75,9 @@ def test_answers_that_may_be_all_calls_are_held_whole(fmt, pieces):
     assert texts == ["Hello", " there"]
 
 
-class _Recording(Sink):
-    """A sink that also stands in for the engine: it streams TWO_CALLS one token per delta
-    (`merged` as ServerState.merged, `run` as ServerState.run) and notes how much had been
-    written to it when each delta was taken."""
+class _Recording(ScriptedEngine):
+    """Streams TWO_CALLS one token per delta and notes how much had been written to it when
+    each delta was taken."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,14 +86,6 @@ class _Recording(Sink):
     def _deltas(self):
         for d in _deltas(TWO_CALLS, _out(TWO_CALLS)):
             self.at.append(len(self.data))
-            yield d
-
-    async def merged(self, flight):
-        for d in self._deltas():
-            yield 0, d
-
-    async def run(self, req, ticket, arrival):
-        for d in self._deltas():
             yield d
 
 

@@ -31,7 +31,14 @@ def private_dir(path: str | os.PathLike[str], option: str = "kv_disk_dir") -> Pa
     return p
 
 
+def is_private_dir(st: os.stat_result) -> bool:
+    """A directory owned by this process's user with no group or other permission bits (the
+    disk tier's, the KV hand-off's staging, the model-parallel rendezvous)."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
 def check_private(p: Path, st: os.stat_result, option: str) -> None:
+    """is_private_dir, or a ValueError saying which part fails and how to fix it."""
     me = os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"{option}: {p} is not a directory")

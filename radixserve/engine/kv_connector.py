@@ -51,6 +51,8 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from radixserve.cache.disk_guard import is_private_dir
+
 log = logging.getLogger(__name__)
 
 CONNECTORS = ("shm", "tcp")
@@ -133,10 +135,6 @@ def _shm_path(directory: str, key: str) -> Path:
     return Path(directory) / f"radixserve-kv-{_check_key(key)}"
 
 
-def _private_dir(st: os.stat_result) -> bool:
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-
-
 class ShmConnector(KVConnector):
     """Pages staged as files in a private directory of this producer's (0700, removed at close):
     other users cannot list, read, pre-create or replace them."""
@@ -180,7 +178,7 @@ def _shm_take(directory: str, key: str, nbytes: int) -> bytearray | None:
     never waited on)."""
     path = _shm_path(directory, key)
     try:
-        if not _private_dir(os.lstat(directory)):
+        if not is_private_dir(os.lstat(directory)):
             log.warning("KV hand-off: %s is not a private directory of ours; its pages are not taken", directory)
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -359,7 +357,7 @@ def forget(location: str) -> None:
     if kind != "shm" or not os.path.basename(where).startswith("radixserve-kv-"):
         return
     try:
-        if _private_dir(os.lstat(where)):
+        if is_private_dir(os.lstat(where)):
             shutil.rmtree(where, ignore_errors=True)
     except OSError:
         pass

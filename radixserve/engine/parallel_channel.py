@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from radixserve.batch import SeqView
+from radixserve.cache.disk_guard import is_private_dir
 
 LOOPBACK = "127.0.0.1"
 STORE_FILE = "store"
@@ -46,7 +47,7 @@ def check_private(path: str) -> None:
     ranks' addresses: whoever rewrites it chooses whom the workers connect to)."""
     d = os.path.dirname(path) or "."
     st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not is_private_dir(st):
         raise RuntimeError(f"model parallelism: the rendezvous directory {d} must be a directory of ours with "
                            f"mode 0700 (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})")
 
