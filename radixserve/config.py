@@ -113,9 +113,10 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedConfig:
     chunked_prefill_size: int = option(1024, "prefill tokens per iteration (running decodes ride along)")
-    shared_prefill_size: int = option(128, "prefill tokens per iteration while requests of more than one tenant are "
-                                           "running or waiting: a short step keeps the others' decodes and first tokens "
-                                           "moving beside one tenant's long prompts")
+    shared_prefill_size: int = option(64, "prefill per iteration while requests of more than one tenant run or wait, "
+                                          "in token-equivalents (a token's attention over its context counted): a short "
+                                          "step keeps the others' decodes and first tokens moving beside one tenant's "
+                                          "long prompts")
     max_running_requests: int = option(64, "requests decoding at once")
     max_total_tokens: int | None = option(None, "cap on the KV pool, in tokens")
     schedule_policy: str = option("fcfs", "order of waiting requests: fcfs, or lpm (longest cached prefix first)",

@@ -266,3 +266,81 @@ def test_a_step_prefills_at_most_the_shared_size_while_tenants_share_the_engine(
         s.reap()
     assert chat.output_len == 5 and long.computed_len > 1024
     _drive(s)
+
+
+def test_while_tenants_share_a_chunk_is_costed_with_its_attention_over_the_context():
+    """A chunk's attention grows with its context: 128 tokens after 8k cost SmolLM2 about 8 times
+    what they cost after none. While tenants share the engine a step's prefill is
+    shared_prefill_size token-equivalents (PrefillAdder.cost), so the step stays short."""
+    cfg = SchedConfig(chunked_prefill_size=4096, shared_prefill_size=128)
+    s = Scheduler(cfg, CacheManager(SlotAllocator(65536, 1), RadixCache(1)), context_cost=1024.0)
+    rng = random.Random(7)
+    long = Req([rng.randrange(1, 300) for _ in range(12000)], SamplingParams(), max_new_tokens=4, tenant="a")
+    s.add(long)
+    _step(s)
+    _step(s)
+    assert long.computed_len == 8192  # alone: whole chunks, whatever they cost
+    chat = Req([rng.randrange(1, 300) for _ in range(30)], SamplingParams(), max_new_tokens=200, tenant="b")
+    s.add(chat)
+    for _ in range(20):
+        plan = s.schedule()
+        chunk = next(it for it in plan.items if it.req is long)
+        cost = chunk.length * (1 + (chunk.start + chunk.length) / 1024)
+        assert 1 <= chunk.length <= 128 * 1024 // chunk.start and cost <= 128 + 1 + chunk.start / 1024, chunk
+        _fake_model(s, plan)
+        s.reap()
+    assert chat.output_len == 20 and long.computed_len > 8192 + 20  # both move: B decodes, A's prompt goes on
+    _drive(s)
+    assert long.finish_reason is not None
+
+
+def test_a_context_too_long_for_the_shared_budget_still_moves_a_token_a_step():
+    cfg = SchedConfig(chunked_prefill_size=4096, shared_prefill_size=16)
+    s = Scheduler(cfg, CacheManager(SlotAllocator(65536, 1), RadixCache(1)), context_cost=64.0)
+    rng = random.Random(8)
+    long = Req([rng.randrange(1, 300) for _ in range(5000)], SamplingParams(), max_new_tokens=1, tenant="a")
+    s.add(long)
+    _step(s)
+    chat = Req([rng.randrange(1, 300) for _ in range(10)], SamplingParams(), max_new_tokens=100, tenant="b")
+    s.add(chat)
+    _step(s)
+    before = long.computed_len
+    for _ in range(5):
+        _step(s)
+    assert long.computed_len == before + 5  # 1 token a step: 16 token-equivalents buy less than one at 4k context
+
+
+def test_siblings_are_not_held_a_step_for_a_few_shared_tokens():
+    """Held siblings wait a whole step, a tenth of a second beside another tenant's long prompt:
+    worth it for a shared prompt, not for the two tokens "Request 1" shares with "Request 2"."""
+    s = _sched(pool=4096)
+    rng = random.Random(9)
+    head = [rng.randrange(1, 300) for _ in range(8)]
+    few = [Req(head + [rng.randrange(1, 300) for _ in range(20)], SamplingParams(), max_new_tokens=2) for _ in range(4)]
+    for r in few:
+        s.add(r)
+    plan = s.schedule()
+    assert {it.req.rid for it in plan.items} == {r.rid for r in few}  # all four at once
+    _fake_model(s, plan)
+    s.reap()
+    _drive(s)
+
+
+def test_a_tenant_between_requests_still_shares_the_engine_for_a_few_steps():
+    """Issue 44's abuse bench: B's chats all finished in one step and its next ones came a few ms
+    later, into a full 1,024-token chunk of A's 8k prompt (2 s): B's first token waited for it."""
+    s = _sched(pool=65536, chunked_prefill_size=1024, shared_prefill_size=64)
+    rng = random.Random(10)
+    long = Req([rng.randrange(1, 300) for _ in range(20000)], SamplingParams(), max_new_tokens=1, tenant="a")
+    chat = Req([rng.randrange(1, 300) for _ in range(20)], SamplingParams(), max_new_tokens=3, tenant="b")
+    s.add(long)
+    s.add(chat)
+    while chat.finish_reason is None:
+        _step(s)
+    fed = []
+    for _ in range(20):
+        plan = s.schedule()
+        fed.append(sum(it.length for it in plan.items))
+        _fake_model(s, plan)
+        s.reap()
+    assert fed[:16] == [64] * 16 and fed[17:] == [1024] * 3, fed  # shared for 16 steps more, then A's own again

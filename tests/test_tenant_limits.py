@@ -2,7 +2,8 @@
 breakpoints checked in one linear pass, retention within the tenant's max_cache_retention,
 kv_tiers for admins only, cache salts capped and digested, a tenant id issued again with a new
 key starting with an empty cache (disk tier included), the OpenAI default max_tokens (the context
-window left), OpenAI's and Anthropic's sampling ranges, and a JSON Content-Type on every JSON route."""
+window left), OpenAI's and Anthropic's sampling ranges, a JSON Content-Type on every JSON route,
+and a tenant's request rate (max_requests_per_second) counted before any body is read."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from radixserve.server import anthropic_cache
 from radixserve.server.anthropic_protocol import MessagesRequest
 from radixserve.server.auth import Auth, Tenant, load_tenants
 from radixserve.server.errors import ApiError
+from radixserve.server.rate_limit import MAX_PACE_S, RateLimiter, units
 
 CONTEXT = 320  # the test server's --context-length
 TENANTS = ('[[tenants]]\nid = "ops"\napi_key = "key-ops"\nadmin = true\nmax_cache_retention = "24h"\n\n'
            '[[tenants]]\nid = "plain"\napi_key = "key-plain"\n\n'
-           '[[tenants]]\nid = "hourly"\napi_key = "key-hourly"\nmax_cache_retention = "1h"\n')
+           '[[tenants]]\nid = "hourly"\napi_key = "key-hourly"\nmax_cache_retention = "1h"\n\n'
+           '[[tenants]]\nid = "metered"\napi_key = "key-metered"\nmax_requests_per_second = 2\nmax_request_burst = 3\n')
 CHAT = {"messages": USER, "max_tokens": 2}
 MESSAGES = {"model": "", "max_tokens": 2, "messages": USER}
 RESPONSES = {"input": "Agents call tools.", "max_output_tokens": 2}
@@ -255,3 +258,59 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context_window(limits)
     native = {"text": "hi", "sampling_params": {"temperature": 0, "ignore_eos": True}}
     status, r = _post(limits, "/generate", native, "key-plain")
     assert status == 200 and r["meta_info"]["completion_tokens"] == 128, r  # SGLang's native default
+
+
+# -- request rate ----------------------------------------------------------------------------------
+def test_the_rate_limiter_allows_the_burst_then_the_rate_and_charges_nothing_for_a_refusal():
+    now = [100.0]
+    rl, t = RateLimiter(lambda: now[0]), Tenant("t", api_key="k", max_requests_per_second=4, max_request_burst=2)
+    assert [rl.wait(t) for _ in range(2)] == [0.0, 0.0]  # the burst
+    assert rl.wait(t) == pytest.approx(0.25)  # then one every 1/4 s
+    assert rl.wait(t) == pytest.approx(0.25)  # a refusal counts nothing
+    now[0] += 0.25
+    assert rl.wait(t) == 0.0 and rl.wait(t) == pytest.approx(0.25)
+    now[0] += 10
+    assert [rl.wait(t) for _ in range(3)][:2] == [0.0, 0.0]  # idle: the burst again, no more
+    assert rl.wait(Tenant("free", api_key="f")) == 0.0  # no limit set: never waits
+    assert Tenant("d", api_key="k", max_requests_per_second=0.5).request_burst == 1
+    ten = Tenant("big", api_key="k", max_requests_per_second=10, max_request_burst=10)
+    assert units(100) == 1 and units(5 << 16) == 6
+    assert rl.wait(ten, units(5 << 16)) == 0.0  # a 320 KiB body counts 6 requests
+    assert rl.wait(ten, 5) == pytest.approx(0.1) and rl.wait(ten, 4) == 0.0
+    rl.charge(ten, 3)  # a chunked body, counted once read
+    assert rl.wait(ten) == pytest.approx(0.4)
+    assert rl.wait(ten, 1000) == pytest.approx(1.3)  # never more than the burst
+    late = RateLimiter(lambda: 13881.320236085)  # a monotonic clock hours after boot: rounding at the edge
+    twenty = Tenant("t20", api_key="k", max_requests_per_second=20)
+    assert late.wait(twenty, 20) == 0.0 and late.wait(twenty, 20) > 0.9  # (it once let the second in uncounted)
+    for bad in ({"max_requests_per_second": 0}, {"max_requests_per_second": float("inf")}, {"max_request_burst": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Tenant("x", api_key="k", **bad)
+
+
+def test_over_its_rate_a_tenant_gets_a_paced_429_before_its_body_is_read(limits):
+    """Issue 44's abuse bench: a tenant flooding refusals (a retention it may not ask, 6 MiB salts)
+    made the server read and decode ~830 requests a second beside the other tenants' work."""
+    time.sleep(2)  # the metered tenant's allowance whole again
+    statuses = [limits.get("/v1/models", "key-metered")[0] for _ in range(3)]
+    assert statuses == [200, 200, 200]  # the burst
+    big = json.dumps({**CHAT, "cache_salt": "x" * (3 << 20)}).encode()  # would be a 400 once read: never read
+    conn = http.client.HTTPConnection("127.0.0.1", limits.port, timeout=scaled(30))
+    try:
+        t0 = time.perf_counter()
+        conn.putrequest("POST", "/v1/chat/completions")
+        for k, v in {"Authorization": "Bearer key-metered", "Content-Type": "application/json",
+                     "Content-Length": str(len(big))}.items():
+            conn.putheader(k, v)
+        conn.endheaders()  # the headers alone: the answer comes before the body is sent
+        r = conn.getresponse()
+        took, reply = time.perf_counter() - t0, json.loads(r.read())
+        assert r.status == 429 and reply["error"]["code"] == "rate_limited", reply
+        assert "2 requests a second" in _message(reply) and r.getheader("Retry-After") is not None
+        assert r.getheader("Connection") == "close"  # the unread body is never drained
+        assert 0.2 <= took <= MAX_PACE_S + scaled(1.0), took  # paced: answered when the next request would be allowed
+    finally:
+        conn.close()
+    assert limits.get("/v1/models", "key-plain")[0] == 200  # other tenants are not counted
+    time.sleep(0.6)
+    assert limits.get("/v1/models", "key-metered")[0] == 200  # the rate goes on

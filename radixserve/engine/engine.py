@@ -105,7 +105,7 @@ class Engine(RequestFront):
         ps = cfg.cache.page_size
         allocator = WindowedAllocator(slots, window_slots, ps) if window_slots else SlotAllocator(slots, ps)
         self.cache = CacheManager(allocator, self._prefix_cache())
-        self.scheduler = Scheduler(cfg.sched, self.cache, self._proposer())
+        self.scheduler = Scheduler(cfg.sched, self.cache, self._proposer(), self.arch.context_cost())
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # nothing started yet: see on_idle below
         backend = create_backend(cfg.attention_backend, self.pool, self.device)

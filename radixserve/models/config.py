@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+ATTENTION_SLOWDOWN = 2.0  # attention's cost per FLOP against the linear layers' (ArchConfig.context_cost)
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -38,6 +40,18 @@ class ArchConfig:
     attn_scale: float | None = None  # the attention's softmax scale, where not head_dim ** -0.5
     sandwich_norm: bool = False  # Gemma: a norm after attention and after the MLP too, and weights as 1 + w
     nope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3: every fourth)
+
+    def context_cost(self) -> float:
+        """Tokens of context whose attention costs a prefilled token what its linear layers do: a
+        chunk of n tokens after s costs about n * (1 + (s + n) / context_cost()) tokens' worth.
+        From the FLOPs (projections and MLP: 2 * weights a token; attention: 4 * heads * head_dim
+        a context token, for scores and values), halved because attention runs at about half
+        the GEMMs' rate per FLOP on a CPU (SmolLM2 on the 2-core EPYC: a 128-token chunk at 7k
+        context spends ~0.95 us a context token against ~1.2 ms a token in the linears). Windowed
+        layers are counted as full (an upper bound on the cost)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = 2 * (self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size)
+        return linear / (4 * q) / ATTENTION_SLOWDOWN
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:

@@ -76,18 +76,21 @@ class SchedCounters:
 
 
 PREFILL_DECAY = 0.5 ** (1 / 64)  # a tenant's recent prefill halves every 64 steps
+SHARE_LINGER_STEPS = 16  # steps a tenant counts as present after its last request (_tenants_share)
 PREFILL_TIE_TOKENS = 256  # recent prefill within this of another tenant's counts as the same (then FCFS)
 
 
-def fair_chunks(chunking: list[Req], budget: int) -> dict[Req, int]:
+def fair_chunks(chunking: list[Req], budget: int, cost: Callable[[Req, int], int] = lambda r, n: n) -> dict[Req, int]:
     """The step's prefill budget split over the tenants with partly prefilled requests in equal
     shares (what one needs less of goes to the others), and a tenant's share over its requests
     in `chunking`'s order: no tenant's long prompts hold the whole budget while another
-    tenant's request waits for its next chunk."""
+    tenant's request waits for its next chunk. Shares are in the budget's units: `cost(req, n)`
+    is what req's next n tokens take from it (PrefillAdder.cost)."""
     by_tenant: dict[str | None, list[Req]] = {}
     for r in chunking:
         by_tenant.setdefault(r.tenant, []).append(r)
-    need = {t: sum(r.extend_len for r in rs) for t, rs in by_tenant.items()}
+    whole = {r: cost(r, r.extend_len) for r in chunking}
+    need = {t: sum(whole[r] for r in rs) for t, rs in by_tenant.items()}
     share: dict[str | None, int] = {}
     for i, t in enumerate(sorted(need, key=need.__getitem__)):
         share[t] = min(need[t], max(budget // (len(need) - i), 0))
@@ -95,14 +98,16 @@ def fair_chunks(chunking: list[Req], budget: int) -> dict[Req, int]:
     give: dict[Req, int] = {}
     for t, rs in by_tenant.items():
         for r in rs:
-            give[r] = min(r.extend_len, share[t])
+            give[r] = min(whole[r], share[t])
             share[t] -= give[r]
     return {r: n for r, n in give.items() if n > 0}
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedConfig, cache: CacheManager, proposer: NgramProposer | None = None) -> None:
+    def __init__(self, cfg: SchedConfig, cache: CacheManager, proposer: NgramProposer | None = None,
+                 context_cost: float = 0.0) -> None:
         self.cfg = cfg
+        self.context_cost = context_cost  # ArchConfig.context_cost (0: chunks are costed by their tokens alone)
         self.cache = cache
         self.proposer = proposer  # speculative drafts (None: off)
         self.policy = Policy(cfg.schedule_policy, cfg.lpm_queue_cap)
@@ -111,6 +116,8 @@ class Scheduler:
         self.counters = SchedCounters()
         self.new_token_ratio = cfg.init_new_token_ratio
         self._prefilled: dict[str | None, float] = {}  # tenant -> its prefill tokens lately (_count_prefill)
+        self._present: dict[str | None, int] = {}  # tenant -> the last step it had work in (_tenants_share)
+        self._steps = 0
 
     @property
     def has_work(self) -> bool:
@@ -136,10 +143,11 @@ class Scheduler:
         adder = PrefillAdder(self.cfg, self.cache, self.running, self.new_token_ratio)
         if self._tenants_share():
             adder.budget = min(adder.budget, self.cfg.shared_prefill_size)
+            adder.context_cost = self.context_cost
         chunking = [r for r in sorted(self.running, key=keep_key) if r.extend_len > 1]
         if chunking and self.waiting and adder.can_admit:
             self._admit_others_first(plan, adder, chunking)
-        for req, n in fair_chunks(chunking, adder.budget).items():
+        for req, n in fair_chunks(chunking, adder.budget, adder.cost).items():
             if n := adder.continue_chunk(req, n):
                 plan.items.append(PlanItem(req, req.computed_len, n))
         if self.waiting and adder.can_admit:
@@ -159,12 +167,22 @@ class Scheduler:
         return plan
 
     def _tenants_share(self) -> bool:
-        """Requests of more than one tenant run or wait. NOTE: a step lasts as long as its prefill:
-        at the full chunk (1,024 tokens, about 2 s for SmolLM2 on 2 cores) one tenant's long
-        prompts set every other tenant's time per token and first token; with tenants sharing
-        the engine, the step's prefill is shared_prefill_size."""
-        first = next(iter(self.running or self.waiting), None)
-        return first is not None and any(r.tenant != first.tenant for q in (self.running, self.waiting) for r in q)
+        """Requests of more than one tenant run or wait, or did within SHARE_LINGER_STEPS steps.
+        NOTE: a step lasts as long as its prefill: at the full chunk (1,024 tokens, 2 to 5 s for
+        SmolLM2 on 2 cores after 2k to 8k of context) one tenant's long prompts set every other
+        tenant's time per token and first token; with tenants sharing the engine, the step's
+        prefill is shared_prefill_size token-equivalents, a chunk's attention over its context
+        counted (PrefillAdder.cost). The linger: a tenant whose requests all finished in one step
+        sends its next ones a few milliseconds later, into the step under way; without it that
+        step was the other tenant's full chunk."""
+        self._steps += 1
+        for q in (self.running, self.waiting):
+            for r in q:
+                self._present[r.tenant] = self._steps
+        for tenant, seen in list(self._present.items()):
+            if self._steps - seen > SHARE_LINGER_STEPS:
+                del self._present[tenant]
+        return len(self._present) > 1
 
     def _admit_others_first(self, plan: SchedulePlan, adder: PrefillAdder, chunking: list[Req]) -> None:
         """NOTE (tenant fairness): a long prompt's chunks go on step after step, and the next

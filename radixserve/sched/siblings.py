@@ -4,7 +4,10 @@ computed (the cache manager inserts it after each chunk) and let them hit it ins
 computing it again. 16 branches sent at the same instant then compute the shared prompt once.
 
 A held request waits only while its leader is still prefilling the shared part; a leader that
-finishes its prompt, or is retracted, stops holding anyone.
+finishes its prompt, or is retracted, stops holding anyone. It is held only for a gain of at
+least MIN_GAIN tokens (SGLang's in-batch prefix threshold is the same 32): a step against
+another tenant's long prompt can take a tenth of a second, so waiting one to save a few
+tokens' prefill would delay their first token by that step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Callable
 from radixserve.cache.prefix import common_prefix_len
 from radixserve.request import Req
 from radixserve.sched.cache_manager import CacheManager
+
+MIN_GAIN = 32  # tokens a held request must gain over what the cache already gives it
 
 
 class SiblingGate:
@@ -29,13 +34,14 @@ class SiblingGate:
 
     def holds(self, req: Req) -> bool:
         """True when a leader is computing a prefix this request could reuse that is at least
-        one whole page longer than what the cache already gives it. The wait is one iteration
-        per chunk the leader still needs for the shared part."""
+        MIN_GAIN tokens and one whole page longer than what the cache already gives it. The
+        wait is one iteration per chunk the leader still needs for the shared part."""
         if not self.leaders:
             return False
         cached = self.cached_len(req)
         aligned = self.cache.prefix.aligned
-        return any(aligned(self._reusable(req, leader)) > cached for leader in self.leaders)
+        gain = max(aligned(self._reusable(req, leader)) for leader in self.leaders) - cached
+        return gain > 0 and gain >= MIN_GAIN
 
     def _reusable(self, req: Req, leader: Req) -> int:
         """Tokens of req's prompt that leader's prefill will put in the cache where req can hit them."""

@@ -20,7 +20,7 @@ from aiohttp import web
 from radixserve.engine.front import ON_STALL
 from radixserve.engine.protocol import EngineStats
 from radixserve.request import SamplingParams
-from radixserve.server import access_log, anthropic, completions, native, openai, responses
+from radixserve.server import access_log, anthropic, completions, native, openai, rate_limit, responses
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
 from radixserve.server.errors import ApiError
@@ -62,9 +62,16 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     if err.status in (429, 503):
         state.metrics.rejection_latency.observe(time.monotonic() - arrival)
     resp = err.response()
-    if err.status in (408, 413):  # the rest of the body is never read: close rather than drain it
-        resp.force_close()
+    if err.status in (408, 413) or (err.code == "rate_limited" and _body_unread(request)):
+        resp.force_close()  # the rest of the body is never read: close rather than drain it
     return resp
+
+
+def _body_unread(request: web.Request) -> bool:
+    """A body is coming that nobody read (more than a small one's worth, which is cheaper to drain
+    than the connection is to open again)."""
+    length = request.content_length
+    return request.body_exists and (length is None or length > 65536) and not request.content.at_eof()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -263,7 +270,8 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[access_log.middleware, errors], client_max_size=state.config.max_request_bytes)
+    app = web.Application(middlewares=[access_log.middleware, errors, rate_limit.middleware],
+                          client_max_size=state.config.max_request_bytes)
     app["state"] = state
     app.router.add_post("/generate", native.generate)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)

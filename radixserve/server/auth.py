@@ -12,6 +12,8 @@
     admin = false                     # may flush the whole prefix cache (POST /flush_cache), sees every tenant's counters
     max_cache_retention = "1h"        # the longest retention it may ask (prompt_cache_retention, cache_control
                                       # ttl): a duration such as "90s", "5m", "1h", "24h"; omitted: "5m"
+    max_requests_per_second = 20      # its request rate, counted before any body is read (over it: a paced 429;
+    max_request_burst = 40            # server/rate_limit.py); the burst: omitted, one second's worth
 
 No key configured: every request is the default tenant. It, and `--api-key`'s one tenant, may
 ask any retention. A tenant's prefix-cache namespaces (pool and disk tier) are keyed by a
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -45,11 +48,22 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allow_public_prefix: bool = False
     admin: bool = False  # may flush the whole prefix cache
     max_cache_retention: str | None = None  # a duration (DURATION); None: DEFAULT_RETENTION
+    max_requests_per_second: float | None = None  # None: no rate limit
+    max_request_burst: int | None = None  # None: a second's worth (at least 1)
 
     def __post_init__(self) -> None:
+        if self.max_requests_per_second is not None and not 0 < self.max_requests_per_second < float("inf"):
+            raise ValueError(f"max_requests_per_second: must be a positive number, got {self.max_requests_per_second}")
+        if self.max_request_burst is not None and self.max_request_burst < 1:
+            raise ValueError(f"max_request_burst: must be a positive integer, got {self.max_request_burst}")
         if self.max_cache_retention is not None and duration_seconds(self.max_cache_retention) is None:
             raise ValueError(f"max_cache_retention: {self.max_cache_retention!r} is not a duration such as "
                              "\"90s\", \"5m\", \"1h\" or \"24h\"")
+
+    @property
+    def request_burst(self) -> int:
+        """Requests it may send at once over its rate."""
+        return self.max_request_burst or max(1, math.ceil(self.max_requests_per_second or 1))
 
     @property
     def retention_cap(self) -> int:
@@ -76,6 +90,9 @@ def duration_seconds(text: str) -> int | None:
     """"90s", "5m", "1h", "2d" in seconds; None for another text."""
     m = DURATION.fullmatch(text) if isinstance(text, str) else None
     return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)] if m else None
+
+
+TENANT_KEY = "radixserve.tenant"  # a request's tenant once authenticated (server/rate_limit.middleware)
 
 
 class _TenantsFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,7 +129,8 @@ class Auth:
 
     def of_request(self, request: web.Request) -> Tenant:
         """The tenant of a request's key (a 401 without a valid one), noted in its access-log entry."""
-        tenant = self.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        tenant = request.get(TENANT_KEY) or self.authenticate(request.headers.get("Authorization"),
+                                                              request.headers.get("x-api-key"))
         if (entry := access_log.CURRENT.get()) is not None:
             entry.tenant = tenant.id
         return tenant

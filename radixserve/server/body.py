@@ -8,12 +8,16 @@ A long body is decoded and checked off the event loop (OFF_LOOP_BYTES)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 from aiohttp import web
 
 from radixserve.limits import MAX_JSON_DEPTH, too_deep
+from radixserve.server import rate_limit
+from radixserve.server.auth import TENANT_KEY
 from radixserve.server.errors import ApiError, decode_body
 
 OFF_LOOP_BYTES = 1 << 18  # a body longer than this is decoded and checked on a worker thread (tens of ms a MiB)
@@ -31,6 +35,8 @@ async def read_body(request: web.Request, typ: type) -> Any:
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within the body_read_timeout of {config.body_read_timeout:g} s",
                        code="body_timeout") from None
+    if declared is None and (tenant := request.get(TENANT_KEY)) is not None:  # chunked: counted once read
+        request.app["state"].rate_limiter.charge(tenant, rate_limit.units(len(raw)) - 1)
     if len(raw) > OFF_LOOP_BYTES:
         return await request.app["state"].off_loop(_decoded, raw, typ)
     return _decoded(raw, typ)
@@ -38,7 +44,7 @@ async def read_body(request: web.Request, typ: type) -> Any:
 
 def _decoded(raw: bytes, typ: type) -> Any:
     body = decode_body(raw, typ)
-    check_depth(body, "")
+    check_depth(body)
     return body
 
 
@@ -58,13 +64,43 @@ def too_large(limit: int, declared: int | None = None) -> ApiError:
     return ApiError(413, f"the request body is larger than the limit of {limit} bytes{size}", code="request_too_large")
 
 
-def check_depth(value: Any, path: str) -> None:
-    """Every free-form JSON field of a decoded body (schemas, tools, ...) within the nesting cap."""
+def check_depth(value: Any, path: str = "") -> None:
+    """Every free-form JSON field of a decoded body (schemas, tools, ...) within the nesting cap.
+    Only the fields that can nest are walked (`_nesting_fields`), and the path is built only for
+    the field that fails: a body of 20,000 content blocks is checked in a few milliseconds (it
+    took 36 ms with a path string made for every field, under the GIL beside the event loop)."""
+    bad = _too_deep(value)
+    if bad is not None:
+        where = path + "".join(part if part.startswith("[") or not (path or k) else "." + part for k, part in enumerate(bad))
+        raise ApiError(400, f"{where}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", param=where)
+
+
+def _too_deep(value: Any) -> list[str] | None:
+    """The path (field names and "[i]") to the first field nesting too deep, or None."""
     if isinstance(value, msgspec.Struct):
-        for name in value.__struct_fields__:
-            check_depth(getattr(value, name), f"{path}.{name}" if path else name)
+        for name in _nesting_fields(type(value)):
+            if (bad := _too_deep(getattr(value, name))) is not None:
+                return [name, *bad]
     elif isinstance(value, list) and value and isinstance(value[0], msgspec.Struct):
         for i, item in enumerate(value):
-            check_depth(item, f"{path}[{i}]")
+            if (bad := _too_deep(item)) is not None:
+                return [f"[{i}]", *bad]
     elif isinstance(value, (dict, list)) and too_deep(value, MAX_JSON_DEPTH):
-        raise ApiError(400, f"{path}: nests deeper than the limit of {MAX_JSON_DEPTH} levels", param=path)
+        return []
+    return None
+
+
+@functools.cache
+def _nesting_fields(cls: type) -> tuple[str, ...]:
+    """A Struct type's fields that may hold something that nests (a Struct, a list, a dict, any
+    JSON); a scalar field never does."""
+    return tuple(f.name for f in msgspec.inspect.type_info(cls).fields if _may_nest(f.type))  # type: ignore[attr-defined]
+
+
+_SCALARS = (mi.StrType, mi.IntType, mi.FloatType, mi.BoolType, mi.NoneType, mi.LiteralType, mi.EnumType, mi.BytesType)
+
+
+def _may_nest(t: mi.Type) -> bool:
+    if isinstance(t, mi.UnionType):
+        return any(_may_nest(x) for x in t.types)
+    return not isinstance(t, _SCALARS)

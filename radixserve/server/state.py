@@ -23,6 +23,7 @@ from radixserve.server.admission import Admission, Ticket, request_priority
 from radixserve.server.auth import DEFAULT_RETENTION, Auth, Tenant
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.metrics import Metrics
+from radixserve.server.rate_limit import RateLimiter
 
 T = TypeVar("T")
 Prompt = str | list[int]
@@ -116,6 +117,7 @@ class ServerState:
     token_texts: list[str] | None = None
     usage: defaultdict[str, TenantUsage] = field(default_factory=lambda: defaultdict(TenantUsage))
     connections: Any = None  # the server's ConnectionLimits, once it listens
+    rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # tenants' max_requests_per_second
 
     def __post_init__(self) -> None:
         c = self.config
