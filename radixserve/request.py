@@ -306,6 +306,7 @@ class Req:
         self.finish_matched: int | str | None = None
         self.error: str | None = None
         self.retractions = 0
+        self.held_for_prefix = False  # the sibling gate held it for a leader's prefix (sched/siblings.py)
         self.stop_ids = frozenset(params.stop_token_ids or ())  # checked at every token: a set, built once
         self.grammar_spec: GrammarSpec | None = params.grammar_spec()
         self.grammar: Any = None  # its grammars.base.Matcher once compiled; constrains every sample once active

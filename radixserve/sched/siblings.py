@@ -4,10 +4,11 @@ computed (the cache manager inserts it after each chunk) and let them hit it ins
 computing it again. 16 branches sent at the same instant then compute the shared prompt once.
 
 A held request waits only while its leader is still prefilling the shared part; a leader that
-finishes its prompt, or is retracted, stops holding anyone. It is held only for a gain of at
-least MIN_GAIN tokens (SGLang's in-batch prefix threshold is the same 32): a step against
-another tenant's long prompt can take a tenth of a second, so waiting one to save a few
-tokens' prefill would delay their first token by that step.
+finishes its prompt, or is retracted, stops holding anyone. A request is first held only for a
+gain of at least MIN_GAIN tokens (SGLang's in-batch prefix threshold is the same 32): a step
+against another tenant's long prompt can take a tenth of a second, so waiting one to save a
+few tokens' prefill would delay its first token by that step. Once held it waits for the
+whole shared part (the branches of a fork then share every whole page of it).
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ class SiblingGate:
 
     def holds(self, req: Req) -> bool:
         """True when a leader is computing a prefix this request could reuse that is at least
-        MIN_GAIN tokens and one whole page longer than what the cache already gives it. The
-        wait is one iteration per chunk the leader still needs for the shared part."""
-        if not self.leaders:
-            return False
-        cached = self.cached_len(req)
-        aligned = self.cache.prefix.aligned
-        gain = max(aligned(self._reusable(req, leader)) for leader in self.leaders) - cached
-        return gain > 0 and gain >= MIN_GAIN
+        MIN_GAIN tokens (once held: any) and one whole page longer than what the cache already
+        gives it. The wait is one iteration per chunk the leader still needs for the shared part."""
+        gain = 0
+        if self.leaders:
+            aligned = self.cache.prefix.aligned
+            gain = max(aligned(self._reusable(req, leader)) for leader in self.leaders) - self.cached_len(req)
+        held = gain > 0 and (req.held_for_prefix or gain >= MIN_GAIN)
+        req.held_for_prefix = held
+        return held
 
     def _reusable(self, req: Req, leader: Req) -> int:
         """Tokens of req's prompt that leader's prefill will put in the cache where req can hit them."""
