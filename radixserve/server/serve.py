@@ -172,7 +172,8 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
 
     state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name)
     state.connections = ConnectionLimits(fit_fd_limit(cfg.max_connections), cfg.max_connections_per_client,
-                                         on_refuse=state.metrics.rejected.labels("too_many_connections").inc)
+                                         on_refuse=state.metrics.rejected.labels("too_many_connections").inc,
+                                         hold=cfg.keepalive_timeout)
     runner = GuardedRunner(build_app(state), state.connections, handler_cancellation=True, access_log=None,
                            keepalive_timeout=cfg.keepalive_timeout, lingering_time=LINGER_S)
     await runner.setup()
