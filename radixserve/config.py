@@ -184,7 +184,8 @@ class ServerConfig:
     body_read_timeout: float = option(30.0, "seconds a request's whole body may take to arrive; then 408")
     keepalive_timeout: float = option(15.0, "seconds a connection may sit idle, or take to send its headers; then closed")
     max_connections: int = option(4096, "open connections in all; more are answered 503 and closed at once")
-    max_connections_per_client: int = option(512, "open connections from one client address; more: 503 and closed")
+    max_connections_per_client: int = option(512, "open connections from one client address; more: 503 after the "
+                                                  "keep-alive timeout (at most 5 s), then closed")
     metrics_key: str | None = option(None, "a key for GET /metrics besides admin keys (/metrics is open only when no key "
                                            "is configured)")
     metrics_vllm_names: bool = option(False, "also export the gateway gauges under vLLM's names (vllm:num_requests_waiting, "
