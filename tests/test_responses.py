@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from server_helpers import scaled
 
 TENANTS = '[[tenants]]\nid = "alice"\napi_key = "key-alice"\n\n[[tenants]]\nid = "bob"\napi_key = "key-bob"\n'
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "strict": True,
@@ -38,7 +39,9 @@ class Servers:
         old = self.server
         old.proc.send_signal(signal.SIGTERM)
         self.server = self._start()
-        assert old.stop() == 0, old.log.read_text()
+        # wait, never signal again: a second SIGTERM while it exits kills it (-15), as it did when
+        # the new server was ready first
+        assert old.proc.wait(scaled(60)) == 0, old.log.read_text()
 
     def client(self, key: str = "key-alice"):
         import openai
@@ -302,3 +305,18 @@ def test_the_store_keeps_at_most_the_cap_per_tenant_dropping_the_oldest(tmp_path
     assert [store.get("a", f"resp_{i}") is not None for i in (0, 1, 3)] == [False, True, True]
     assert store.get("b", "resp_2") is not None  # another tenant's count is its own
     store.close()
+
+
+def test_a_tenant_id_issued_again_with_a_new_key_reads_none_of_the_old_owners_responses(servers: Servers) -> None:
+    """The store was keyed by tenant id alone: "alice" given to someone new, with a new key, read
+    and continued the old alice's conversations (the prefix cache's namespaces already hold the key)."""
+    import openai
+
+    r = _turn(servers.client(), None, ASK)
+    (servers.tmp / "tenants.toml").write_text(TENANTS.replace("key-alice", "key-alice-2"))
+    servers.restart()  # the module's last test: the server keeps the new tenants file
+    new = servers.client("key-alice-2")
+    for call in (lambda: new.responses.retrieve(r.id), lambda: _turn(new, r.id, "And then?")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert new.responses.retrieve(_turn(new, None, ASK).id).output_text  # its own are kept

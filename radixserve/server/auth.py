@@ -77,6 +77,13 @@ class Tenant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return None
         return hashlib.sha256(b"radixserve namespace\0" + self.api_key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
+    @property
+    def owner(self) -> str:
+        """Who owns its stored Responses: its id and the digest of its key, so a tenant id issued
+        again with a new key (or a rotated key) reads none of the old owner's conversations."""
+        key = self.namespace_key
+        return self.id if key is None else f"{self.id}/{key}"
+
     def __repr__(self) -> str:  # never show the key
         return f"Tenant({self.id!r}, priority={self.priority})"
 

@@ -134,7 +134,7 @@ async def _save(call: Call, turn: Turn, out: Output) -> None:
 
     def row() -> StoredResponse:
         ctx = _context_after(tok, pending.conversation, rendered, out)
-        return StoredResponse(resp.id, call.tenant.id, resp.created_at, msgspec.json.encode(resp), items,
+        return StoredResponse(resp.id, call.tenant.owner, resp.created_at, msgspec.json.encode(resp), items,
                               pack_context(ctx))
 
     store = call.request.app[STORE]

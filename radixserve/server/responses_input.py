@@ -50,7 +50,7 @@ async def translate(call: Call) -> Turn:
     plan, sampling = plan_of(b, call.state.tool_format)
     prev = None
     if b.previous_response_id is not None:
-        row = await db(call.request, call.request.app[STORE].get, call.tenant.id, b.previous_response_id)
+        row = await db(call.request, call.request.app[STORE].get, call.tenant.owner, b.previous_response_id)
         if row is None:
             raise not_found(b.previous_response_id, "previous_response_id")
         prev = row.loaded_context()

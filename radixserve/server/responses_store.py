@@ -1,6 +1,8 @@
 """Stored /v1/responses in one SQLite file (stdlib sqlite3, WAL): the response object as sent,
-its input items, and the context a continuation starts from. Every row carries its tenant; a
-read or delete names the tenant, so another tenant's response is as good as missing.
+its input items, and the context a continuation starts from. Every row carries its owner (the
+tenant's id and a digest of its key: `Tenant.owner`); a read or delete names the owner, so
+another tenant's response, or the response of a tenant id since issued with a new key, is as
+good as missing.
 
 Calls block (they are short): the routes run them off the event loop.
 

@@ -50,7 +50,7 @@ def not_found(rid: str, param: str) -> ApiError:
 async def _stored(request: web.Request) -> StoredResponse:
     tenant = request.app["state"].auth.of_request(request)
     rid = request.match_info["response_id"]
-    row = await db(request, request.app[STORE].get, tenant.id, rid)
+    row = await db(request, request.app[STORE].get, tenant.owner, rid)
     if row is None:
         raise not_found(rid, "response_id")
     return row
@@ -64,7 +64,7 @@ async def retrieve(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     tenant = request.app["state"].auth.of_request(request)
     rid = request.match_info["response_id"]
-    if not await db(request, request.app[STORE].delete, tenant.id, rid):
+    if not await db(request, request.app[STORE].delete, tenant.owner, rid):
         raise not_found(rid, "response_id")
     return web.Response(body=msgspec.json.encode(DeletedResponse(rid)), content_type="application/json")
 
