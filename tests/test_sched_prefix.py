@@ -17,10 +17,10 @@ from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.siblings import SiblingGate
 
 
-def _sched(pool: int, page_size: int = 1, cache: bool = True, **kw) -> Scheduler:
+def _sched(pool: int, page_size: int = 1, cache: bool = True, context_cost: float = 0.0, **kw) -> Scheduler:
     cfg = SchedConfig(**{"chunked_prefill_size": 256, **kw})
     prefix = RadixCache(page_size) if cache else NullPrefixCache(page_size)
-    return Scheduler(cfg, CacheManager(SlotAllocator(pool, page_size), prefix))
+    return Scheduler(cfg, CacheManager(SlotAllocator(pool, page_size), prefix), context_cost=context_cost)
 
 
 def _fake_model(s: Scheduler, plan) -> None:
@@ -272,8 +272,7 @@ def test_while_tenants_share_a_chunk_is_costed_with_its_attention_over_the_conte
     """A chunk's attention grows with its context: 128 tokens after 8k cost SmolLM2 about 8 times
     what they cost after none. While tenants share the engine a step's prefill is
     shared_prefill_size token-equivalents (PrefillAdder.cost), so the step stays short."""
-    cfg = SchedConfig(chunked_prefill_size=4096, shared_prefill_size=128)
-    s = Scheduler(cfg, CacheManager(SlotAllocator(65536, 1), RadixCache(1)), context_cost=1024.0)
+    s = _sched(pool=65536, chunked_prefill_size=4096, shared_prefill_size=128, context_cost=1024.0)
     rng = random.Random(7)
     long = Req([rng.randrange(1, 300) for _ in range(12000)], SamplingParams(), max_new_tokens=4, tenant="a")
     s.add(long)
@@ -295,8 +294,7 @@ def test_while_tenants_share_a_chunk_is_costed_with_its_attention_over_the_conte
 
 
 def test_a_context_too_long_for_the_shared_budget_still_moves_a_token_a_step():
-    cfg = SchedConfig(chunked_prefill_size=4096, shared_prefill_size=16)
-    s = Scheduler(cfg, CacheManager(SlotAllocator(65536, 1), RadixCache(1)), context_cost=64.0)
+    s = _sched(pool=65536, chunked_prefill_size=4096, shared_prefill_size=16, context_cost=64.0)
     rng = random.Random(8)
     long = Req([rng.randrange(1, 300) for _ in range(5000)], SamplingParams(), max_new_tokens=1, tenant="a")
     s.add(long)

@@ -199,7 +199,7 @@ class Scheduler:
         adder.budget += half
 
     def _count_prefill(self, plan: SchedulePlan) -> None:
-        """Each tenant's prefill tokens, decaying by half every PREFILL_HALF_LIFE steps."""
+        """Each tenant's prefill tokens, halving every 64 steps (PREFILL_DECAY)."""
         for tenant in list(self._prefilled):
             self._prefilled[tenant] *= PREFILL_DECAY
             if self._prefilled[tenant] < 1:

@@ -76,19 +76,17 @@ class ConnectionLimits:
         server.connection_made = connection_made  # type: ignore[method-assign]
         server.connection_lost = connection_lost  # type: ignore[method-assign]
 
-    def admit(self, transport: Any) -> bool | str:
-        """True when a new connection is within the caps. If not it is answered 503 and closed at
-        once (False), or, over its client's cap while fewer than half max_connections are held,
-        its refusal is returned to be sent after `hold` seconds (counted in `held` until then)."""
+    def refusal(self, transport: Any) -> str | None:
+        """None when a new connection is within the caps, else why it is refused (counted)."""
         refused = self._over(_client(transport))
-        if refused is None:
-            return True
-        self.on_refuse()
-        if self.hold > 0 and self.open < self.max_total and self.held < self.max_total // 2:
-            self.held += 1
-            return refused
-        refuse(transport, refused)
-        return False
+        if refused is not None:
+            self.on_refuse()
+        return refused
+
+    def may_hold(self) -> bool:
+        """Whether a refusal over a client's cap may wait `hold` seconds: fewer than half
+        max_connections are held, and the server is not full."""
+        return self.hold > 0 and self.open < self.max_total and self.held < self.max_total // 2
 
     def _over(self, client: str) -> str | None:
         if self.open >= self.max_total:
@@ -119,14 +117,17 @@ class _Gate(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None  # a held refusal's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        admitted = self.limits.admit(transport)
-        if admitted is True:
+        refused = self.limits.refusal(transport)
+        if refused is None:
             handler = self.server()
             transport.set_protocol(handler)
             handler.connection_made(transport)
-        elif isinstance(admitted, str):
+        elif self.limits.may_hold():
+            self.limits.held += 1
             transport.pause_reading()  # type: ignore[attr-defined]
-            self.timer = asyncio.get_running_loop().call_later(self.limits.hold, self._refuse, transport, admitted)
+            self.timer = asyncio.get_running_loop().call_later(self.limits.hold, self._refuse, transport, refused)
+        else:
+            refuse(transport, refused)
 
     def _refuse(self, transport: asyncio.BaseTransport, message: str) -> None:
         self._release()

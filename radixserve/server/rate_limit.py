@@ -88,9 +88,10 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
     """Authenticate a request that carries a key once, and count it against its tenant's rate;
     a request without a valid key goes on to its route, which answers it (401, or an open route)."""
     state = request.app["state"]
-    if not state.auth.open and (request.headers.get("Authorization") or request.headers.get("x-api-key")):
+    authorization, api_key = request.headers.get("Authorization"), request.headers.get("x-api-key")
+    if not state.auth.open and (authorization or api_key):
         try:
-            tenant = state.auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+            tenant = state.auth.authenticate(authorization, api_key)
         except ApiError:
             return await handler(request)
         request[TENANT_KEY] = tenant
