@@ -17,6 +17,7 @@ from typing import Any
 from grammars import BACKENDS as GRAMMAR_BACKENDS
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # ModelConfig.quantization
+ACTIVATIONS = ("auto", "int8", "int16", "float")  # ModelConfig.activations (radixserve.models.quant.ACTIVATIONS)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "int8")  # radixserve.cache.pool maps them to torch dtypes
 SPECULATIVE = ("none", "ngram")  # SpecConfig.speculative
 # Names other layers resolve (a test checks each against its registry): the engine's dtypes,
@@ -48,6 +49,11 @@ class ModelConfig:
     quantization: str = option("auto", "weight quantization; auto: as stored (GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
                                        "kept), none: every weight in --dtype, int8/int4: float weights quantized at load",
                                QUANTIZATIONS)
+    # what quantized weights' native kernels multiply: activations quantized per block of 32 to 8 bits (auto, int8:
+    # llama.cpp's Q8_0 form) or 16 (int16), or float (dequantize the weight each call: exact, slow)
+    activations: str = option("auto", "activations of quantized linears; auto: int8 (per block of 32, as llama.cpp), "
+                                      "int16: twice the integer work, float: dequantize each call (exact, slow)",
+                              ACTIVATIONS)
     disable_packed_linears: bool = option(False, "CPU: keep plain torch linears (no oneDNN-packed copy of the weights)")
     tensor_parallel: int = option(1, "split each layer's heads and MLP over N processes (float weights; gloo on CPU); "
                                      "the engine is rank 0, N - 1 workers follow its steps")

@@ -16,6 +16,9 @@ is replaced by its table, with a plot (SVG, beside the JSON) where a curve says 
               the README's performance table
     sessions  `bench sessions --json`: an agent's returning turn from the pool, the disk tier,
               after a restart, and cold
+    quality   `bench quality --json` (and `--from-llama-perplexity` for llama.cpp's own runs):
+              each fast path's KL divergence from its exact path, one row per runs.json
+              `quality-*` entry, in order (docs/quantization.md)
 
 The README's sections are rendered the same way (`PAGES`).
 """
@@ -162,9 +165,31 @@ def sessions(runs: dict[str, dict[str, str]], plots: bool) -> str:
     return "\n".join(lines)
 
 
+def quality(runs: dict[str, dict[str, str]], plots: bool) -> str:
+    """Each fast path against its own exact path on the same file and text (`bench quality`)."""
+    rows = [(r, json.loads((BENCH / r["file"]).read_text())) for k, r in runs.items() if k.startswith("quality-")]
+    if not rows:
+        return "(no quality-* runs in docs/bench/runs.json)"
+    lines = ["| file | candidate, against its exact path | mean KLD | 99% KLD | max KLD | same top token | RMS Δp | "
+             "PPL candidate / exact |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    def kld(x: float, digits: int) -> str:
+        return f"{x:.{digits}f}" if x >= 10 ** -digits else f"{x:.1e}"
+
+    for r, q in rows:
+        err = f" ± {q['mean_kld_err']:.5f}" if "mean_kld_err" in q else ""
+        lines.append(f"| {r['model']} | {r['label']} | {kld(q['mean_kld'], 5)}{err} | {kld(q['p99_kld'], 4)} | "
+                     f"{kld(q['max_kld'], 3)} | "
+                     f"{100 * q['same_top']:.2f} % | {100 * q['rms_dp']:.2f} % | "
+                     f"{q['ppl_candidate']:.3f} / {q['ppl_reference']:.3f} |")
+    lines += ["", "Made by:", ""]
+    lines += [f"- {r['model']}, {r['label']}: `{r['command']}` ({r['date']}, {r['machine']})" for r, _ in rows]
+    return "\n".join(lines)
+
+
 SECTIONS: dict[str, Callable[[dict[str, dict[str, str]], bool], str]] = {
-    "fork": fork, "serving": serving, "compare": compare, "sessions": sessions}
-PAGES = {PAGE: ("fork", "serving", "sessions"), README: ("compare",)}
+    "fork": fork, "serving": serving, "compare": compare, "sessions": sessions, "quality": quality}
+QUALITY_PAGE = ROOT / "docs" / "quantization.md"
+PAGES = {PAGE: ("fork", "serving", "sessions"), README: ("compare",), QUALITY_PAGE: ("quality",)}
 
 
 def render(page: str, names: tuple[str, ...], plots: bool, where: Path = PAGE) -> str:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (the CPU peer for `radixserve bench compare`)
-# from the sources in the llama-cpp-python sdist, and make F32/BF16 GGUFs of
-# the default model.  Opt-in: nothing in CI depends on it.
+# Build llama.cpp's llama-server (the CPU peer for `radixserve bench compare`),
+# llama-bench, llama-quantize and llama-perplexity (the peer's side of
+# `radixserve bench quality`: docs/quantization.md) from the sources in the
+# llama-cpp-python sdist, and make F32/BF16 GGUFs of the default model.
+# Opt-in: nothing in CI depends on it.
 #
 #   bash scripts/build_llama_server.sh [CACHE_DIR]   # default ~/.cache/radixserve/peer
 #   bash scripts/build_llama_server.sh --avx2 [CACHE_DIR]
@@ -60,16 +62,15 @@ BUILD="$SRC/build-$CPU_KEY"
 NO_AMX=""
 [ "$(uname -m)" != x86_64 ] || NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-quantize" ] \
-    || [ ! -x "$BUILD/bin/llama-bench" ]; then
+    || [ ! -x "$BUILD/bin/llama-bench" ] || [ ! -x "$BUILD/bin/llama-perplexity" ]; then
   echo "building llama.cpp natively for this CPU in $BUILD"
   cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-  cmake --build "$BUILD" -j "$(nproc)" --target llama-server llama-quantize llama-bench
+  cmake --build "$BUILD" -j "$(nproc)" --target llama-server llama-quantize llama-bench llama-perplexity
 fi
-ln -sfn "$BUILD/bin/llama-server" "$CACHE/llama-server"
-ln -sfn "$BUILD/bin/llama-bench" "$CACHE/llama-bench"
+for TOOL in llama-server llama-bench llama-quantize llama-perplexity; do ln -sfn "$BUILD/bin/$TOOL" "$CACHE/$TOOL"; done
 "$CACHE/llama-server" --version
 GGUF="$("$PY" -c 'from radixserve.models.gguf import default_gguf; print(default_gguf())')"
 for T in F32 BF16; do

@@ -3,12 +3,12 @@ at batch 1 is bound by reading the weights), and its rate at 32 rows, per GGUF k
 kernel build this CPU runs. The roof is measured here, STREAM-like: the read rate of a sum
 over a 1 GiB array, and the rate of a 1 GiB copy (read + write), on torch's threads.
 
-    .venv/bin/python scripts/quant_roofs.py [--mib 512] [--kinds q4_0,q4_k,...] [--isas avx512,avx2]
+    .venv/bin/python scripts/quant_roofs.py [--mib 512] [--kinds q4_0,q4_k,...] [--isas avx512,avx2] [--bits 8,16]
 
 Each kind is timed over Qwen2.5-1.5B-shaped weights (a layer's q/k/v, o, gate/up and down,
 repeated to --mib MiB of packed blocks, each weight distinct, so they stream from memory).
-Prints a table: kind, build, packed GB/s at one row (and its share of the read roof), ms per
-pass, and GMAC/s at 32 rows.
+Prints a table: kind, build, activation bits (--activations int8 / int16), packed GB/s at one
+row (and its share of the read roof), ms per pass, and GMAC/s at 32 and 64 rows.
 """
 
 from __future__ import annotations
@@ -64,29 +64,31 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--kinds", default="q4_0,q4_1,q8_0,q5_0,q5_1,q4_k,q5_k,q6_k")
     ap.add_argument("--isas", default=",".join(i for i in cpu.runnable_isas() if i != "generic"))
+    ap.add_argument("--bits", default="8,16", help="activation bits to time (8: --activations int8, 16: int16)")
     args = ap.parse_args()
     read, copy = roofs()
     print(f"memory roof: read {read:.1f} GB/s (sum of 1 GiB), copy {copy:.1f} GB/s (read + write of 1 GiB), "
           f"{torch.get_num_threads()} threads")
-    print("| kind | build | 1 row: packed GB/s | share of the read roof | ms a pass | 32 rows: GMAC/s |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| kind | build | bits | 1 row: packed GB/s | share of the read roof | ms a pass | 32 rows: GMAC/s | 64 rows: GMAC/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for kind in args.kinds.split(","):
         for isa in args.isas.split(","):
             ops = cpu.ops_for(isa)
             ws = weights(kind, args.mib, ops)
             nbytes = sum(p.numel() for p, _, _ in ws)
             macs = sum(n * k for _, n, k in ws)
-            xs = {k: torch.randn(32, k) for _, k in SHAPES}
+            xs = {k: torch.randn(64, k) for _, k in SHAPES}
+            for bits in map(int, args.bits.split(",")):
+                def run(rows: int, ws=ws, xs=xs, ops=ops, bits=bits) -> None:
+                    for p, n, k in ws:
+                        ops.qlinear(xs[k][:rows], p, n, None, True, False, bits)
 
-            def run(rows: int, ws=ws, xs=xs, ops=ops) -> None:
-                for p, n, k in ws:
-                    ops.qlinear(xs[k][:rows], p, n, None, True, False)
-
-            t1 = best_of(lambda: run(1), 3)
-            t32 = best_of(lambda: run(32), 2)
-            gbs = nbytes / t1 / 1e9
-            print(f"| {kind} | {ops.isa()} | {gbs:.1f} | {gbs / read:.0%} | {t1 * 1e3:.1f} | {32 * macs / t32 / 1e9:.0f} |",
-                  flush=True)
+                t1 = best_of(lambda: run(1), 3)
+                t32 = best_of(lambda: run(32), 2)
+                t64 = best_of(lambda: run(64), 2)
+                gbs = nbytes / t1 / 1e9
+                print(f"| {kind} | {ops.isa()} | {bits} | {gbs:.1f} | {gbs / read:.0%} | {t1 * 1e3:.1f} | "
+                      f"{32 * macs / t32 / 1e9:.0f} | {64 * macs / t64 / 1e9:.0f} |", flush=True)
             del ws
 
 

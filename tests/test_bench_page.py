@@ -55,3 +55,19 @@ def test_the_compare_table_is_what_bench_compare_wrote(tmp_path, monkeypatch):
     assert "| prefill: one ~2,000-token prompt, ms | - | 4,000.0 vs 2,000.0: **0.50x** | 1.5x |" in out
     assert "7.0 vs 140.0: **20.00x**" in out and "- B, avx2: `bench b` (d, m)" in out
     assert out.startswith("x\n") and out.endswith("\ny")
+
+
+def test_the_quality_section_is_a_row_per_quality_run(tmp_path, monkeypatch):
+    page = _page_module()
+    monkeypatch.setattr(page, "BENCH", tmp_path)
+    figures = {"mean_kld": 0.00211, "mean_kld_err": 0.00005, "p99_kld": 0.0121, "max_kld": 0.0412, "same_top": 0.97206,
+               "rms_dp": 0.0116, "ppl_candidate": 18.48, "ppl_reference": 18.41}
+    (tmp_path / "ours.json").write_text(json.dumps(figures))
+    (tmp_path / "peer.json").write_text(json.dumps({**figures, "mean_kld": 0.0019}))
+    made = {"model": "SmolLM2 Q4_1", "date": "d", "machine": "m"}
+    (tmp_path / "runs.json").write_text(json.dumps({
+        "quality-a": {**made, "label": "radixserve", "file": "ours.json", "command": "c1"},
+        "quality-b": {**made, "label": "llama.cpp", "file": "peer.json", "command": "c2"}}))
+    out = page.render("<!-- bench:quality -->\n<!-- /bench:quality -->", ("quality",), plots=False)
+    assert "| SmolLM2 Q4_1 | radixserve | 0.00211 ± 0.00005 | 0.0121 | 0.041 | 97.21 % | 1.16 % | 18.480 / 18.410 |" in out
+    assert "| SmolLM2 Q4_1 | llama.cpp | 0.00190 ± 0.00005 |" in out and "`c2` (d, m)" in out

@@ -324,6 +324,7 @@ def test_a_server_whose_engine_process_dies_fails_its_streams_and_exits_for_a_re
 
 def test_an_engine_that_cannot_start_is_a_clean_error_and_leaves_nothing_behind(tiny_llama, tmp_path):
     for args, says in ((["--max-total-tokens", "0"], "max_total_tokens: the KV pool would hold 0 tokens"),
+                       (["--activations", "int8"], "--activations int8: the model has no quantized weights"),
                        (["--model", str(tmp_path / "missing")], "does not exist")):
         model = [] if args[0] == "--model" else ["--model", str(tiny_llama)]
         r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", "serve", *model, *args, "--port", "1"],

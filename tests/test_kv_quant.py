@@ -104,13 +104,16 @@ def test_the_engine_serves_forks_and_prefix_hits_from_a_quantized_pool(tiny_llam
 
 
 def test_the_server_reports_its_kv_dtype_bytes_per_token_and_capacity(tiny_llama, tmp_path):
-    s = ServerProcess(tiny_llama, "--kv-cache-dtype", "int8", "--kv-cache-memory-mb", "1", log=tmp_path / "server.log")
+    """(With int4 weights whose activations are chosen: /server_info says that too.)"""
+    s = ServerProcess(tiny_llama, "--kv-cache-dtype", "int8", "--kv-cache-memory-mb", "1", "--quantization", "int4",
+                      "--activations", "int16", log=tmp_path / "server.log")
     try:
         status, out = s.post("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 3}})
         assert status == 200 and out["meta_info"]["completion_tokens"] == 3
         _, info = s.get("/server_info?check_integrity=1")
         assert (info["kv_cache_dtype"], info["kv_bytes_per_token"], info["kv_capacity_tokens"]) == ("int8", 160, 6553)
         assert info["integrity"] == "ok"
+        assert (info["quantization"], info["activations"]) == ("q4_1+q8_0", "int16")
         with urllib.request.urlopen(s.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
         assert 'radixserve_kv_cache_dtype_info{dtype="int8"} 1.0' in text

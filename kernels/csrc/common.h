@@ -116,7 +116,7 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::
 at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_t k);
 at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<at::Tensor> rows);
 at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
-                      bool generic);
+                      bool generic, int64_t act_bits);
 
 // --- decode_step.cpp ----------------------------------------------------------------------
 // One linear of a layer in the fused step: its packed parts (one; or one per shard where a GGUF
@@ -131,6 +131,7 @@ struct StepLinear {
 struct DecodeWeights {
   std::vector<at::Tensor> in_norm, post_norm, q_norm, k_norm;  // q/k norms: none, or one per layer (Qwen3)
   std::vector<StepLinear> qkv, o_proj, gate_up, down;
+  int64_t act_bits = 16;  // quantized linears' activations: 8 or 16 bits (QuantRows)
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
   double eps = 0, scale = 0;
 };
@@ -140,7 +141,8 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
                                               std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm,
                                               std::vector<LinearParts> qkv, std::vector<LinearParts> o_proj,
                                               std::vector<LinearParts> gate_up, std::vector<LinearParts> down, int64_t heads,
-                                              int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale);
+                                              int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale,
+                                              int64_t act_bits);
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                                       std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows, at::Tensor table,
                                       at::Tensor lens, const DecodeWeights& w, std::vector<at::Tensor> k_scales,

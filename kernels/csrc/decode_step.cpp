@@ -12,15 +12,15 @@ namespace rs {
 namespace {
 
 // Either kind of packed weight: a float/bf16 panel (pack_linear) or a quantized one (pack_quant).
-at::Tensor part_linear(const at::Tensor& x, const StepLinear& l, size_t i) {
-  if (l.parts[i].scalar_type() == at::kByte) return qlinear(x, l.parts[i], l.widths[i], l.biases[i], false, false);
+at::Tensor part_linear(const at::Tensor& x, const StepLinear& l, size_t i, int64_t bits) {
+  if (l.parts[i].scalar_type() == at::kByte) return qlinear(x, l.parts[i], l.widths[i], l.biases[i], false, false, bits);
   return linear(x, l.parts[i], l.widths[i], l.biases[i], false);
 }
 
-at::Tensor run_linear(const at::Tensor& x, const StepLinear& l) {
-  if (l.parts.size() == 1) return part_linear(x, l, 0);
+at::Tensor run_linear(const at::Tensor& x, const StepLinear& l, int64_t bits) {
+  if (l.parts.size() == 1) return part_linear(x, l, 0, bits);
   std::vector<at::Tensor> outs;
-  for (size_t i = 0; i < l.parts.size(); ++i) outs.push_back(part_linear(x, l, i));
+  for (size_t i = 0; i < l.parts.size(); ++i) outs.push_back(part_linear(x, l, i, bits));
   return at::cat(outs, 1);
 }
 
@@ -49,7 +49,8 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
                                               std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm,
                                               std::vector<LinearParts> qkv, std::vector<LinearParts> o_proj,
                                               std::vector<LinearParts> gate_up, std::vector<LinearParts> down, int64_t heads,
-                                              int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale) {
+                                              int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale,
+                                              int64_t act_bits) {
   const size_t layers = in_norm.size();
   TORCH_CHECK(layers > 0, "decode_weights: no layers");
   TORCH_CHECK(post_norm.size() == layers && qkv.size() == layers && o_proj.size() == layers && gate_up.size() == layers &&
@@ -71,6 +72,8 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
   w->inter = inter;
   w->eps = eps;
   w->scale = scale;
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "decode_weights: act_bits is 8 or 16, got ", act_bits);
+  w->act_bits = act_bits;
   return w;
 }
 
@@ -108,7 +111,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
       h = r[0];
       residual = r[1];
     }
-    auto proj = run_linear(h, w.qkv[i]);
+    auto proj = run_linear(h, w.qkv[i], w.act_bits);
     auto q = proj.narrow(1, 0, q_size).view({rows, heads, head_dim});
     auto k = proj.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     auto v = proj.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
@@ -125,10 +128,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
       run_store(k_pools[i], v_pools[i], out_slots, k, v);
       run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, w.scale);
     }
-    auto o = run_linear(attn.view({rows, q_size}), w.o_proj[i]);
+    auto o = run_linear(attn.view({rows, q_size}), w.o_proj[i], w.act_bits);
     auto r = rms_norm(o, residual, w.post_norm[i], w.eps);
     residual = r[1];
-    x = run_linear(silu_and_mul(run_linear(r[0], w.gate_up[i])), w.down[i]);
+    x = run_linear(silu_and_mul(run_linear(r[0], w.gate_up[i], w.act_bits)), w.down[i], w.act_bits);
   }
   return {x, residual};
 }

@@ -232,11 +232,9 @@ void ktile_generic(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_
         const Lane l = lane_scales(F, rec, sub, lane);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t at = r * kb + b * fm.subs() + i;
-          const int8_t* hi = xr.hi.data() + at * QBLOCK;
-          const int8_t* lo = xr.lo.data() + at * QBLOCK;
           const float dx = xr.dx[at];
           int32_t s[2] = {0, 0};
-          for (int j = 0; j < 32; ++j) s[j / 16] += int32_t(q[lane][j]) * (256 * hi[j] + lo[j]);
+          for (int j = 0; j < 32; ++j) s[j / 16] += int32_t(q[lane][j]) * xr.value(at, j);
           float& a = acc[r * QPANEL + lane];
           if (l.z) {
             a = std::fma(float(s[0] - l.z * xr.sq0[at]), l.a0 * dx, a);
@@ -291,7 +289,7 @@ inline void scales16(const uint8_t* rec, const uint8_t* sub, __m512& a0, __m512&
   off = _mm512_sub_ps(_mm512_setzero_ps(), dm);
 }
 
-template <int F, int MR, typename O>
+template <int F, int MR, bool W, typename O>
 void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
   constexpr Fmt fm = FMTS[F];
@@ -322,15 +320,21 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
         const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-        const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
-        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0;
         for (int c = 0; c < 4; ++c) {
-          h0 = _mm512_dpbusd_epi32(h0, w[c], _mm512_set1_epi32(hi[c]));
-          h1 = _mm512_dpbusd_epi32(h1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
-          l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
-          l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+          s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(hi[c]));
+          s1 = _mm512_dpbusd_epi32(s1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
         }
-        const __m512i s0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0), s1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1);
+        if constexpr (W) {
+          const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+          __m512i l0 = _mm512_setzero_si512(), l1 = l0;
+          for (int c = 0; c < 4; ++c) {
+            l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
+            l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+          }
+          s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), l0);
+          s1 = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), l1);
+        }
         const __m512 dx = _mm512_set1_ps(xr.dx[at]);
         if constexpr (Z != 0) {
           const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
@@ -394,7 +398,7 @@ inline void scales8(const uint8_t* rec, const uint8_t* sub, int h, __m256& a0, _
   off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f16(rec + 32), u8(sc + 16)));
 }
 
-template <int F, int MR, typename O>
+template <int F, int MR, bool W, typename O>
 void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
   constexpr Fmt fm = FMTS[F];
@@ -427,11 +431,18 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
         for (int m = 0; m < MR; ++m) {
           const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
           const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-          const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
           __m256i s0 = _mm256_setzero_si256(), s1 = s0;
-          for (int c = 0; c < 4; ++c) {
-            s0 = _mm256_add_epi32(s0, _mm256_add_epi32(dot_q(w[c], hi[c], x256), dot_q(w[c], lo[c], x1)));
-            s1 = _mm256_add_epi32(s1, _mm256_add_epi32(dot_q(w[4 + c], hi[4 + c], x256), dot_q(w[4 + c], lo[4 + c], x1)));
+          if constexpr (W) {
+            const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+            for (int c = 0; c < 4; ++c) {
+              s0 = _mm256_add_epi32(s0, _mm256_add_epi32(dot_q(w[c], hi[c], x256), dot_q(w[c], lo[c], x1)));
+              s1 = _mm256_add_epi32(s1, _mm256_add_epi32(dot_q(w[4 + c], hi[4 + c], x256), dot_q(w[4 + c], lo[4 + c], x1)));
+            }
+          } else {
+            for (int c = 0; c < 4; ++c) {
+              s0 = _mm256_add_epi32(s0, dot_q(w[c], hi[c], x1));
+              s1 = _mm256_add_epi32(s1, dot_q(w[4 + c], hi[4 + c], x1));
+            }
           }
           const __m256 dx = _mm256_set1_ps(xr.dx[at]);
           if constexpr (Z != 0) {
@@ -458,19 +469,27 @@ constexpr bool HAS_VEC_KTILE = true;
 constexpr bool HAS_VEC_KTILE = false;
 #endif
 
+#if defined(RS_INT_DOT)
+template <int F, bool W, typename O>
+void ktiles(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+  for (int64_t m0 = 0; m0 < m; m0 += KMR) {
+    switch (std::min<int64_t>(KMR, m - m0)) {
+      case 1: ktile<F, 1, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+      case 2: ktile<F, 2, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+      case 3: ktile<F, 3, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+      default: ktile<F, KMR, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+    }
+  }
+}
+#endif
+
 template <int F, typename O>
 void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n,
             bool vector) {
 #if defined(RS_INT_DOT)
   if (vector) {
-    for (int64_t m0 = 0; m0 < m; m0 += KMR) {
-      switch (std::min<int64_t>(KMR, m - m0)) {
-        case 1: ktile<F, 1>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-        case 2: ktile<F, 2>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-        case 3: ktile<F, 3>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-        default: ktile<F, KMR>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-      }
-    }
+    if (xr.wide) ktiles<F, true>(panel, nb, xr, m, bias, y, n0, n);
+    else ktiles<F, false>(panel, nb, xr, m, bias, y, n0, n);
     return;
   }
 #endif

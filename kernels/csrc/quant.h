@@ -1,5 +1,5 @@
 // What the quantized-linear families share: the activations of a few rows quantized per block
-// of 32 to 16 bits (QuantRows, made once per call by quantize_rows), and the panel of 16
+// of 32 to 8 or 16 bits (QuantRows, made once per call by quantize_rows), and the panel of 16
 // outputs every packed quantized weight is cut into.
 #pragma once
 
@@ -15,21 +15,29 @@ constexpr int64_t QPANEL = 16, QBLOCK = 32;
 #define RS_INT_DOT 1
 #endif
 
-// Activations of `m` rows, quantized per block of 32 to 16 bits: xi = round(x / dx) with
-// dx = amax / 32639, held as two int8 halves xi = 256*hi + lo (hi in -127..127, lo in
-// -128..127), so u8 x s8 products make each block's exact integer sum in two passes.
-// 16 bits, not llama.cpp's 8: the activations' rounding error (~1.5e-5 of a block's largest)
-// stays far below bf16's, and on SmolLM2 greedy output then agrees with the dequantized fp32
-// model as closely as fp32 kernels agree with each other (scripts/quant_check.py).
+// Activations of `m` rows, quantized per block of 32 (llama.cpp's Q8_0 form, or finer):
+//   8 bits (wide = false; the default for quantized weights): xi = round(x / dx) with
+//     dx = amax / 127, held in `hi` (-127..127): one u8 x s8 product per weight;
+//   16 bits (wide = true): dx = amax / 32639, xi held as two int8 halves xi = 256*hi + lo (hi in
+//     -127..127, lo in -128..127), so u8 x s8 products make each block's exact integer sum in
+//     two passes: twice the integer work, and a rounding error (~1.5e-5 of a block's largest)
+//     far below bf16's. `radixserve bench quality` measures what 8 bits change.
 // sq: the sum of a block's xi (sq0: of its first 16); sx = dx * sq, the sum of the values they
 // stand for (a format's offset term multiplies it: the result is then the exact dot product of
 // the weights with the quantized activations).
 constexpr float QSTEPS = 32639.f;  // 127 * 256 + 127: hi = (xi + 128) >> 8 stays in -127..127
+constexpr float QSTEPS8 = 127.f;
 
 struct QuantRows {
-  std::vector<int8_t> hi, lo;
+  std::vector<int8_t> hi, lo;  // lo: empty unless wide
   std::vector<float> dx, sx;
   std::vector<int32_t> sq, sq0;
+  bool wide = true;
+  // xi of block `at`'s weight j, whichever the width
+  int32_t value(int64_t at, int j) const {
+    const int64_t i = at * 32 + j;
+    return wide ? 256 * int32_t(hi[i]) + lo[i] : int32_t(hi[i]);
+  }
 };
 
 // One block of row r: xi, its halves, and the block's scale and sums (see QuantRows).
@@ -41,9 +49,10 @@ inline void finish_block(QuantRows& out, int64_t at, float d, int32_t sq, int32_
 }
 
 
-// x (m, k) rows with stride ldx, into kb blocks of 32 each (the last one zero-padded).
+// x (m, k) rows with stride ldx, into kb blocks of 32 each (the last one zero-padded), to 16
+// bits (wide) or 8.
 template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, QuantRows& out);
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bool wide, QuantRows& out);
 
 // One panel's 16 sums v into row y's outputs n0.. (n0 + 16 <= n or fewer), plus the bias.
 template <typename O>

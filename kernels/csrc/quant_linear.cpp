@@ -17,10 +17,10 @@ namespace {
 //           w = d*q.
 // The block bytes are GGUF's own, so the repack is exact and dequant_quant reproduces
 // gguf-py's dequantization bit for bit (d*q is exact in fp32, then one rounding for + m).
-// A linear of few rows (qlinear) works in integers, as llama.cpp does on CPU: each row's
-// activations are quantized per block of 32 (to 16 bits, see QuantRows), and every block's dot
-// product is an integer sum of u8 x s8 products (vpdpbusd), scaled by d * dx. Many rows (prefill) dequantize the weight once per call instead
-// and run fp32 GEMM: exactly the dequantized model's numbers.
+// qlinear works in integers, as llama.cpp does on CPU: each row's activations are quantized per
+// block of 32 (to 8 or 16 bits, see QuantRows), and every block's dot product is an integer sum
+// of u8 x s8 products (vpdpbusd), scaled by d * dx. (models/quant.py decides which calls take it:
+// prefill may dequantize the weight once per call and run fp32 GEMM instead.)
 constexpr int64_t Q4_BYTES = 320, Q8_BYTES = 544;
 
 inline uint16_t float_to_half_exact(float f) {  // only for values fp16 holds exactly (-8 * an fp16 d)
@@ -169,15 +169,7 @@ at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<
 
 namespace {
 
-// Activations of `m` rows, quantized per block of 32 to 16 bits: xi = round(x / dx) with
-// dx = amax / 32639, held as two int8 halves xi = 256*hi + lo (hi in -127..127, lo in
-// -128..127), so u8 x s8 products (vpdpbusd) make each block's exact integer sum in two passes.
-// 16 bits, not llama.cpp's 8: the activations' rounding error (~1.5e-5 of a block's largest)
-// stays far below bf16's, and on SmolLM2 greedy output then agrees with the dequantized fp32
-// model as closely as fp32 kernels agree with each other (scripts/quant_check.py).
-// sq: the sum of a block's xi; sx = dx * sq, the sum of the values they stand for (Q4's m term
-// multiplies it: the result is then the exact dot product of the weights with the quantized
-// activations).
+// Activations: see QuantRows (quant.h).
 #if defined(RS_AVX512)
 inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16_masked(const uint16_t* p, __mmask16 m) {
@@ -188,37 +180,44 @@ inline __m512 load16_masked(const uint16_t* p, __mmask16 m) {
 }  // namespace
 
 template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, QuantRows& out) {
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bool wide, QuantRows& out) {
+  out.wide = wide;
   out.hi.assign(m * kb * QBLOCK, 0);
-  out.lo.assign(m * kb * QBLOCK, 0);
+  out.lo.assign(wide ? m * kb * QBLOCK : 0, 0);
   out.dx.resize(m * kb);
   out.sx.resize(m * kb);
   out.sq.resize(m * kb);
   out.sq0.resize(m * kb);
+  const float steps = wide ? QSTEPS : QSTEPS8;
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < kb; ++b) {
         const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK), at = r * kb + b;
         const T* xr = x + r * ldx + b * QBLOCK;
+        int8_t* hp = out.hi.data() + at * QBLOCK;
 #if defined(RS_AVX512)
         // the scalar loop below, 32 lanes at a time (the same roundings, so the same numbers)
         const __mmask16 m0 = lim >= 16 ? __mmask16(0xffff) : __mmask16((1u << lim) - 1);
         const __mmask16 m1 = lim >= 32 ? __mmask16(0xffff) : lim > 16 ? __mmask16((1u << (lim - 16)) - 1) : __mmask16(0);
         const __m512 v0 = load16_masked(xr, m0), v1 = load16_masked(xr + 16, m1);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? QSTEPS / amax : 0.f), hi_q = _mm512_set1_ps(QSTEPS), lo_q = _mm512_set1_ps(-QSTEPS);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? steps / amax : 0.f), hi_q = _mm512_set1_ps(steps), lo_q = _mm512_set1_ps(-steps);
         const __m512i x0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, inv), lo_q), hi_q));
         const __m512i x1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, inv), lo_q), hi_q));
-        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(x0, _mm512_set1_epi32(128)), 8);
-        const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(x1, _mm512_set1_epi32(128)), 8);
-        int8_t* hp = out.hi.data() + at * QBLOCK;
-        int8_t* lp = out.lo.data() + at * QBLOCK;
-        _mm_storeu_si128((__m128i*)hp, _mm512_cvtepi32_epi8(h0));
-        _mm_storeu_si128((__m128i*)(hp + 16), _mm512_cvtepi32_epi8(h1));
-        _mm_storeu_si128((__m128i*)lp, _mm512_cvtepi32_epi8(_mm512_sub_epi32(x0, _mm512_slli_epi32(h0, 8))));
-        _mm_storeu_si128((__m128i*)(lp + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x1, _mm512_slli_epi32(h1, 8))));
+        if (wide) {
+          const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(x0, _mm512_set1_epi32(128)), 8);
+          const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(x1, _mm512_set1_epi32(128)), 8);
+          int8_t* lp = out.lo.data() + at * QBLOCK;
+          _mm_storeu_si128((__m128i*)hp, _mm512_cvtepi32_epi8(h0));
+          _mm_storeu_si128((__m128i*)(hp + 16), _mm512_cvtepi32_epi8(h1));
+          _mm_storeu_si128((__m128i*)lp, _mm512_cvtepi32_epi8(_mm512_sub_epi32(x0, _mm512_slli_epi32(h0, 8))));
+          _mm_storeu_si128((__m128i*)(lp + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x1, _mm512_slli_epi32(h1, 8))));
+        } else {
+          _mm_storeu_si128((__m128i*)hp, _mm512_cvtepi32_epi8(x0));
+          _mm_storeu_si128((__m128i*)(hp + 16), _mm512_cvtepi32_epi8(x1));
+        }
         const int32_t s0 = _mm512_reduce_add_epi32(x0);
-        finish_block(out, at, amax / QSTEPS, s0 + _mm512_reduce_add_epi32(x1), s0);
+        finish_block(out, at, amax / steps, s0 + _mm512_reduce_add_epi32(x1), s0);
 #else
         float v[QBLOCK];
         float amax = 0.f;
@@ -226,24 +225,28 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, Qu
           v[j] = j < lim ? ld(xr, j) : 0.f;
           amax = std::max(amax, std::fabs(v[j]));
         }
-        const float inv = amax > 0.f ? QSTEPS / amax : 0.f;
+        const float inv = amax > 0.f ? steps / amax : 0.f;
         int32_t sq = 0, sq0 = 0;
         for (int64_t j = 0; j < QBLOCK; ++j) {
-          const int32_t xi = int32_t(std::nearbyint(std::clamp(v[j] * inv, -QSTEPS, QSTEPS)));
-          const int32_t h = (xi + 128) >> 8;
-          out.hi[at * QBLOCK + j] = int8_t(h);
-          out.lo[at * QBLOCK + j] = int8_t(xi - 256 * h);
+          const int32_t xi = int32_t(std::nearbyint(std::clamp(v[j] * inv, -steps, steps)));
+          if (wide) {
+            const int32_t h = (xi + 128) >> 8;
+            hp[j] = int8_t(h);
+            out.lo[at * QBLOCK + j] = int8_t(xi - 256 * h);
+          } else {
+            hp[j] = int8_t(xi);
+          }
           sq += xi;
           if (j == 15) sq0 = sq;
         }
-        finish_block(out, at, amax / QSTEPS, sq, sq0);
+        finish_block(out, at, amax / steps, sq, sq0);
 #endif
       }
   });
 }
 
-template void quantize_rows<float>(const float*, int64_t, int64_t, int64_t, int64_t, QuantRows&);
-template void quantize_rows<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t, QuantRows&);
+template void quantize_rows<float>(const float*, int64_t, int64_t, int64_t, int64_t, bool, QuantRows&);
+template void quantize_rows<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t, bool, QuantRows&);
 
 namespace {
 
@@ -257,10 +260,8 @@ void qtile_generic(const uint8_t* panel, int64_t kb, int64_t bytes, const QuantR
     float acc[QPANEL] = {0};
     for (int64_t b = 0; b < kb; ++b) {
       const uint8_t* blk = panel + b * bytes;
-      const int8_t* hi = xr.hi.data() + (r * kb + b) * QBLOCK;
-      const int8_t* lo = xr.lo.data() + (r * kb + b) * QBLOCK;
       int32_t q[QBLOCK];
-      for (int j = 0; j < QBLOCK; ++j) q[j] = 256 * hi[j] + lo[j];
+      for (int j = 0; j < QBLOCK; ++j) q[j] = xr.value(r * kb + b, j);
       const float dx = xr.dx[r * kb + b], sx = xr.sx[r * kb + b];
       for (int64_t lane = 0; lane < QPANEL; ++lane) {
         int32_t isum = 0;
@@ -289,7 +290,7 @@ void qtile_generic(const uint8_t* panel, int64_t kb, int64_t bytes, const QuantR
 #if defined(RS_AVX512) && defined(__AVX512VNNI__)
 constexpr int64_t QMR = 4;  // rows per tile: 8 weight registers + 2 per row
 
-template <int MR, int BITS, typename O>
+template <int MR, int BITS, bool W, typename O>
 void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
   constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
@@ -316,15 +317,21 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * kb + b;
       const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-      const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
-      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-      for (int c = 0; c < 4; ++c) {  // four chains, so the sums overlap
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0;
+      for (int c = 0; c < 4; ++c) {  // independent chains, so the sums overlap
         h0 = _mm512_dpbusd_epi32(h0, w[c], _mm512_set1_epi32(hi[c]));
         h1 = _mm512_dpbusd_epi32(h1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
-        l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
-        l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
       }
-      __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+      __m512i s = _mm512_add_epi32(h0, h1);
+      if constexpr (W) {
+        const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+        __m512i l0 = _mm512_setzero_si512(), l1 = l0;
+        for (int c = 0; c < 4; ++c) {
+          l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
+          l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+        }
+        s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(l0, l1));
+      }
       if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xr.sq[at]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xr.dx[at])), acc[m]);
       if constexpr (BITS == 4) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xr.sx[at]), acc[m]);
@@ -351,7 +358,7 @@ inline __m256i dot_nib(__m256i w, int32_t x4, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), scale);
 }
 
-template <int MR, int BITS, typename O>
+template <int MR, int BITS, bool W, typename O>
 void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
   constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
@@ -374,9 +381,13 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
           for (int m = 0; m < MR; ++m) {
             const int64_t at = (m0 + m) * kb + b;
             const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-            const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
-            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, hi[c], x256), dot_nib(wh, hi[4 + c], x256)));
-            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, lo[c], x1), dot_nib(wh, lo[4 + c], x1)));
+            if constexpr (W) {
+              const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+              s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, hi[c], x256), dot_nib(wh, hi[4 + c], x256)));
+              s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, lo[c], x1), dot_nib(wh, lo[4 + c], x1)));
+            } else {
+              s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, hi[c], x1), dot_nib(wh, hi[4 + c], x1)));
+            }
           }
         }
       } else {
@@ -386,9 +397,13 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
           for (int m = 0; m < MR; ++m) {
             const int64_t at = (m0 + m) * kb + b;
             const int32_t hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK)[c];
-            const int32_t lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK)[c];
-            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, hi, x4096), dot_nib(wl, hi, x256)));
-            s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, lo, x16), dot_nib(wl, lo, x1)));
+            if constexpr (W) {
+              const int32_t lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK)[c];
+              s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, hi, x4096), dot_nib(wl, hi, x256)));
+              s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, lo, x16), dot_nib(wl, lo, x1)));
+            } else {
+              s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wh, hi, x16), dot_nib(wl, hi, x1)));
+            }
           }
         }
       }
@@ -415,14 +430,14 @@ constexpr bool HAS_VEC_QTILE = false;
 #endif
 
 #if defined(RS_INT_DOT)
-template <int BITS, typename O>
+template <int BITS, bool W, typename O>
 void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
   for (int64_t m0 = 0; m0 < m; m0 += QMR) {
     switch (std::min<int64_t>(QMR, m - m0)) {
-      case 1: qtile<1, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      case 2: qtile<2, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      case 3: qtile<3, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      default: qtile<4, BITS>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 1: qtile<1, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 2: qtile<2, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 3: qtile<3, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      default: qtile<4, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
     }
   }
 }
@@ -438,8 +453,10 @@ void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, cons
       const uint8_t* panel = pd + p * kb * bytes;
 #if defined(RS_INT_DOT)
       if (vector) {
-        if (bytes == Q4_BYTES) qpanel<4>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-        else qpanel<8>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+        if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                               : qpanel<4, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+        else xr.wide ? qpanel<8, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                     : qpanel<8, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
         continue;
       }
 #endif
@@ -450,14 +467,16 @@ void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, cons
 
 }  // namespace
 
-// y (M, n) = x (M, k) W^T + bias over a pack_quant weight; y is x's dtype, or fp32.
+// y (M, n) = x (M, k) W^T + bias over a pack_quant weight; y is x's dtype, or fp32; x quantized
+// per block of 32 to act_bits (8 or 16, see QuantRows).
 // generic: the portable C++ path even where AVX512-VNNI is built (tests compare the two).
 at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
-                      bool generic) {
+                      bool generic, int64_t act_bits) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "qlinear: 2-d float32 or bfloat16 x, rows contiguous");
   const int64_t m = x.size(0), k = x.size(1);
   const int f = check_quant(packed, n, k);
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits is 8 or 16, got ", act_bits);
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                 "qlinear: a contiguous float32 bias of n");
@@ -466,7 +485,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
   if (m == 0) return y;
   QuantRows xr;
   const int64_t kb = f >= 0 ? k / QBLOCK : packed.size(1);
-  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, xr); });
+  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, xr); });
   if (f >= 0) {
     qlinear_kfamily(packed, f, xr, m, bd, y, n, generic);
     return y;

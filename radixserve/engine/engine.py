@@ -37,7 +37,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
 from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
-from radixserve.models.quant import weight_bytes
+from radixserve.models.quant import set_activations, weight_bytes
 from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
@@ -68,6 +68,7 @@ class Engine(RequestFront):
         t0 = time.monotonic()
         loaded = load_model(cfg.model.path, self.dtype, self.device, cfg.model.quantization)
         self.quantization = loaded.quantization
+        self.activations = set_activations(loaded.model, cfg.model.activations)  # before the decode step fuses them
         self.kv_heads = loaded.arch.num_kv_heads  # this rank's (its shard's, with tensor parallelism)
         self.pool_layers, self.pool_windows = loaded.arch.num_layers, loaded.arch.layer_windows  # (its stage's, pipelined)
         self.parallel: Any = None  # rank 0's side of --tensor-parallel / --pipeline-parallel (engine/model_parallel.py)
@@ -175,7 +176,8 @@ class Engine(RequestFront):
         m = self.config.model
         n = max(m.tensor_parallel, m.pipeline_parallel)
         tensor = self.tp_group is not None
-        spec = mp.WorkerSpec(mp.TENSOR if tensor else mp.PIPELINE, m.path, self.dtype, m.quantization, self.kv_dtype, slots,
+        spec = mp.WorkerSpec(mp.TENSOR if tensor else mp.PIPELINE, m.path, self.dtype, m.quantization, m.activations,
+                             self.kv_dtype, slots,
                              window_slots, self.config.attention_backend, not m.disable_packed_linears, mp.threads_per_rank(n),
                              n, mp.new_init_file(), mp.new_shm_name() if tensor else "")
         self.parallel = mp.ModelParallel(spec, model, backend, self.tp_group if tensor else self.stage)
@@ -187,7 +189,7 @@ class Engine(RequestFront):
         if c.kv_disk_dir is None:
             return None
         self._one_pool("kv_disk_dir", "the disk tier")
-        facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization]
+        facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization, self.activations]
         return open_tier(c, self.pool, Path(path), facts)
 
     def _one_pool(self, option: str, what: str) -> None:

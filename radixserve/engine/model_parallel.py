@@ -46,6 +46,7 @@ class WorkerSpec:
     path: str | None  # as the engine was given it (None: the default model)
     dtype: torch.dtype
     quantization: str
+    activations: str  # --activations, as rank 0 took it
     kv_dtype: torch.dtype
     num_slots: int
     window_slots: int
@@ -240,9 +241,11 @@ def build_rank(spec: WorkerSpec, rank: int, group: Group | None) -> tuple[Any, A
     from radixserve.cache.pool import KVPool
     from radixserve.models.linear import pack_linears
     from radixserve.models.loader import load_model
+    from radixserve.models.quant import set_activations
 
     device = torch.device("cpu")
     loaded = load_model(spec.path, spec.dtype, device, spec.quantization)
+    set_activations(loaded.model, spec.activations)
     a = loaded.arch
     part: Shard | Stage
     if group is not None:

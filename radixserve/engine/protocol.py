@@ -193,6 +193,7 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     load_peak_rss: int = 0
     cpu_kernels: str = ""  # the native CPU kernels' build (kernels.cpu: avx512+vnni+bf16, avx2, ...), or ""
     kv_location: str = ""  # its KV connector's address (--kv-connector; engine/kv_connector.py), or ""
+    activations: str = "float"  # what quantized linears multiply: int8, int16 or float (models.quant.set_activations)
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):
@@ -268,6 +269,7 @@ class EngineClient(Protocol):
     load_peak_rss: int
     cpu_kernels: str  # kernels.cpu's build in use ("" on a GPU or without them)
     quantization: str  # what the weights are ("none", or the kinds held, e.g. "q4_k+q6_k")
+    activations: str  # what their linears multiply: int8, int16 or float
     dtype: Any  # the activations' torch.dtype, and the device they are on
     device: Any
     config: EngineConfig  # as built from the flags (/server_info reports it)

@@ -90,7 +90,7 @@ class FusedDecode:
     runs all layers in one native call, with the same kernels the per-layer path calls, minus its
     Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms and linears split by GGUF kind."""
 
-    def __init__(self, model: LlamaModel, linears: list[list[list[Any]]]) -> None:
+    def __init__(self, model: LlamaModel, linears: list[list[list[Any]]], act_bits: int) -> None:
         self.ops: Any = linears[0][0][0].native
         layers = model.decoder_layers()
         attn = layers[0].self_attn
@@ -100,7 +100,8 @@ class FusedDecode:
             [layer.input_layernorm.weight for layer in layers],
             [layer.post_attention_layernorm.weight for layer in layers],
             [q.weight for q, _ in norms if q is not None], [k.weight for _, k in norms if k is not None],
-            *parts, attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5)
+            *parts, attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5,
+            act_bits)
 
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
@@ -118,7 +119,10 @@ class FusedDecode:
                 if parts is None:
                     return None
                 held.append(parts)
-        return cls(model, linears) if len(model.layers) else None
+        bits = {m.act_bits for slot in linears for layer in slot for m in layer if isinstance(m, QuantLinear)}
+        if 0 in bits or len(bits) > 1:  # float activations (dequantized per call), or a mix: layer by layer
+            return None
+        return cls(model, linears, bits.pop() if bits else 16) if len(model.layers) else None
 
     def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,

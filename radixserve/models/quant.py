@@ -17,18 +17,20 @@ A weight stays in its file's blocks, repacked once by `kernels.cpu` pack_quant i
 The repack keeps the file's bits, so dequantizing reproduces gguf-py's float weights bit for
 bit (tests/test_quant.py, every kind). How a `QuantLinear` computes, by the rows it gets:
 
-    few rows (decode, <= 64)  the native kernel quantizes each row's activations to 16 bits per
-                              block of 32 and sums u8 x s8 products in integers (vpdpbusd with
-                              AVX512-VNNI, vpmaddubsw + vpmaddwd with AVX2: the same sums, so
-                              the same numbers), as llama.cpp does on CPU with 8 bits: not bit
-                              for bit the float path's numbers, but close enough that greedy
-                              output equals the dequantized fp32 model's (scripts/quant_check.py)
-    many rows (prefill)       with a VNNI build: the same native kernel, 64 rows at a time (its
-                              integer sums run 2-3x faster than dequantize + fp32 GEMM here:
-                              112 against 48 GMAC/s on a Qwen2.5-1.5B Q4_K down projection);
-                              elsewhere (AVX2's integer sums are not faster than MKL's GEMM) the
-                              weight is dequantized once per call and multiplied in fp32, exactly
-                              the dequantized model's numbers. NATIVE_PREFILL (or
+    few rows (decode, <= 64)  the native kernel quantizes each row's activations per block of 32
+                              to 8 bits (`--activations int8`, the default, llama.cpp's Q8_0
+                              form) or 16 (`int16`: two int8 halves, twice the integer work) and
+                              sums u8 x s8 products in integers (vpdpbusd with AVX512-VNNI,
+                              vpmaddubsw + vpmaddwd with AVX2: the same sums, so the same
+                              numbers); `float` dequantizes the weight at each call and runs an
+                              fp32 GEMM instead (exact, slow). `radixserve bench quality`
+                              measures each choice against the exact model
+    many rows (prefill)       the same native kernel, 64 rows at a time, where it outruns
+                              dequantize + fp32 GEMM (`QuantLinear.native_prefill`: with VNNI,
+                              ~160-270 GMAC/s at 8 bits and 120-170 at 16 against MKL's ~55; on
+                              AVX2 at 8 bits, 85-125); else (AVX2 at 16 bits) the weight is
+                              dequantized once per call and multiplied in fp32, exactly the
+                              dequantized model's numbers. NATIVE_PREFILL (or
                               RADIXSERVE_QUANT_PREFILL=native|dequant) overrides the choice
     on CUDA                   kernels/quant_matmul.py: a Triton kernel dequantizing in registers
                               (Q4_0 / Q4_1 / Q8_0; the other kinds load dequantized on a GPU)
@@ -60,8 +62,9 @@ from kernels.quant_matmul import dequant_ref, quant_matmul_triton
 BLOCK = 32
 PANEL = 16
 MAX_NATIVE_ROWS = 64  # rows per native call; more rows (prefill): see NATIVE_PREFILL
-# prefill through the native kernel (True), through dequantize + fp32 GEMM (False), or (None) the
-# native kernel where the build sums with VNNI; read at each call
+ACTIVATIONS = {"auto": 8, "int8": 8, "int16": 16, "float": 0}  # --activations -> QuantLinear.act_bits (0: float)
+# prefill through the native kernel (True), through dequantize + fp32 GEMM (False), or (None) as
+# QuantLinear.native_prefill says; read at each call
 NATIVE_PREFILL: bool | None = {"native": True, "dequant": False}.get(os.environ.get("RADIXSERVE_QUANT_PREFILL", "auto"))
 # kind -> (weights per GGUF block, bytes per packed record: one panel of 16 outputs x one block)
 FORMATS = {"q4_0": (32, 320), "q4_1": (32, 320), "q8_0": (32, 544), "q5_0": (32, 352), "q5_1": (32, 384),
@@ -178,6 +181,7 @@ class QuantLinear(nn.Module):
         self.native = None  # the kernels, once `finish` found them for this device
         self.vnni = False  # their build sums with VNNI (then prefill runs on them too)
         self.native_bias: torch.Tensor | None = None
+        self.act_bits = 8  # the native kernel's activations: 8 or 16 bits per value; 0: dequantize, fp32 GEMM
 
     def finish(self) -> None:
         """After the weights are in: pick the kernels and convert the bias once."""
@@ -186,6 +190,14 @@ class QuantLinear(nn.Module):
         if self.native is not None and self.bias is not None:
             self.native_bias = self.bias.detach().float().contiguous()
 
+    @property
+    def native_prefill(self) -> bool:
+        """Whether prefill (more rows than one call takes) runs the integer kernel, 64 rows a call:
+        where it outruns dequantize + fp32 GEMM (MKL's ~55 GMAC/s here): with VNNI at either
+        width, and on AVX2 at 8 bits (85-125 GMAC/s at 32-64 rows; 16 bits there: 40-80).
+        `scripts/quant_roofs.py` measures it."""
+        return self.vnni or self.act_bits == 8
+
     def dequantized(self) -> torch.Tensor:
         return dequantize_packed(self.packed, self.out_features, self.in_features)
 
@@ -193,15 +205,17 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if self.native is not None and x2.dtype in (torch.float32, torch.bfloat16) \
+        if self.native is not None and self.act_bits and x2.dtype in (torch.float32, torch.bfloat16) \
                 and not (torch.is_grad_enabled() and x2.requires_grad) \
-                and (rows <= MAX_NATIVE_ROWS or (NATIVE_PREFILL if NATIVE_PREFILL is not None else self.vnni)):
+                and (rows <= MAX_NATIVE_ROWS or (NATIVE_PREFILL if NATIVE_PREFILL is not None else self.native_prefill)):
             x2 = x2.contiguous()
             if rows <= MAX_NATIVE_ROWS:
-                y = self.native.qlinear(x2, self.packed, self.out_features, self.native_bias, self.float_out, False)
+                y = self.native.qlinear(x2, self.packed, self.out_features, self.native_bias, self.float_out, False,
+                                        self.act_bits)
             else:  # prefill: 64 rows a call
                 y = torch.cat([self.native.qlinear(x2[i:i + MAX_NATIVE_ROWS], self.packed, self.out_features, self.native_bias,
-                                                   self.float_out, False) for i in range(0, rows, MAX_NATIVE_ROWS)])
+                                                   self.float_out, False, self.act_bits)
+                               for i in range(0, rows, MAX_NATIVE_ROWS)])
         elif self.native is None and use_triton(x2):  # CUDA: kernels/quant_matmul.py
             y = quant_matmul_triton(x2, self.packed, self.out_features, self.bias)
             y = y if self.float_out else y.to(x.dtype)
@@ -212,7 +226,7 @@ class QuantLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, act_bits={self.act_bits}"
 
 
 class SplitQuantLinear(nn.Module):
@@ -267,6 +281,38 @@ def dequantize_packed(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor |
     """fp32 rows (all: None) of a packed weight: the native kernel on CPU, torch elsewhere."""
     ops = cpu.ops() if packed.device.type == "cpu" else None
     return ops.dequant_quant(packed, n, k, rows) if ops is not None else dequant_ref(packed, n, k, rows)
+
+
+def set_activations(model: nn.Module, choice: str) -> str:
+    """Set every quantized linear's activations (`--activations`); returns what runs: "int8
+    (head int16)" (auto), "int8", "int16" or "float" ("float" too for a model with no quantized
+    linear, where `auto` and `float` are the only choices). A choice the linears cannot take is a
+    ValueError naming it."""
+    if choice not in ACTIVATIONS:
+        raise ValueError(f"--activations: one of {', '.join(ACTIVATIONS)}, got {choice!r}")
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    bits = ACTIVATIONS[choice]
+    if not linears or bits == 0:
+        if bits and choice != "auto":
+            raise ValueError(f"--activations {choice}: the model has no quantized weights (it applies to GGUF blocks and "
+                             "--quantization int8 / int4); use auto or float")
+        for m in linears:
+            m.act_bits = 0
+        return "float"
+    if any(m.native is None for m in linears):
+        if choice != "auto":
+            raise ValueError(f"--activations {choice}: the quantized linears run without radixserve's CPU kernels here "
+                             "(CUDA, or the kernels disabled), which take float activations only; use auto or float")
+        return "float"
+    for m in linears:
+        m.act_bits = bits
+    head = getattr(model, "lm_head", None)
+    if choice == "auto" and isinstance(head, QuantLinear):
+        # the head at 16 bits: its rounding lands on the logits directly, and it costs nothing
+        # measurable (it runs on the rows that sample only, and decode is bound by its bytes)
+        head.act_bits = 16
+        return "int8 (head int16)"
+    return f"int{bits}"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -146,6 +146,7 @@ async def server_info(request: web.Request) -> web.Response:
         "vocab_size": e.vocab_size,
         "dtype": str(e.dtype).removeprefix("torch."),
         "quantization": e.quantization,
+        "activations": e.activations,
         "weight_bytes": e.weight_bytes,
         "load": {"seconds": round(e.load_seconds, 3), "peak_rss_bytes": e.load_peak_rss},
         "cpu_kernels": e.cpu_kernels or None,

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         disagg,
         offline,
         prefix,
+        quality,
         reliability,
         route,
         serving,
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "page cache and from a cold disk"))
     disagg.add_args(bsub.add_parser("disagg", help="prefill/decode disaggregation vs colocated replicas: short chats' "
                                                    "TPOT p99 while long prompts arrive"))
+    quality.add_args(bsub.add_parser("quality", help="KL divergence of a configuration's next-token distributions from "
+                                                     "the exact model's over a text, as llama-perplexity measures it"))
     tp.add_args(bsub.add_parser("tp", help="tensor parallelism: one rank vs N on the same cores, step times, all-reduce share"))
     return p
 

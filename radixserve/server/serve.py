@@ -186,9 +186,10 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
         raise listen_error(cfg.host, cfg.port, e) from None
     host, port = runner.addresses[0][:2]
     kv = engine.snapshot().kv_total_slots
-    log.info("radixserve ready at http://%s:%d | model %s | weights %.0f MiB (%s) loaded in %.1f s, peak RSS %.0f MiB | "
-             "CPU kernels %s | KV cache %d tokens | auth %s | ready in %.1f s", host, port, state.model_name,
-             engine.weight_bytes / 2**20, engine.quantization, engine.load_seconds, engine.load_peak_rss / 2**20,
+    log.info("radixserve ready at http://%s:%d | model %s | weights %.0f MiB (%s, %s activations) loaded in %.1f s, "
+             "peak RSS %.0f MiB | CPU kernels %s | KV cache %d tokens | auth %s | ready in %.1f s", host, port,
+             state.model_name, engine.weight_bytes / 2**20, engine.quantization, engine.activations, engine.load_seconds,
+             engine.load_peak_rss / 2**20,
              engine.cpu_kernels or "none", kv, "off" if auth.open else f"{len(auth.tenants)} tenant(s)", time.monotonic() - t0)
     table = asyncio.create_task(state.build_token_table())  # after ready: logprob replies decode until it is built
     stop = asyncio.Event()
