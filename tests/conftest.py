@@ -86,43 +86,82 @@ def _slow(fn: object) -> bool:
     return any(sign in source for sign in _SLOW_SIGNS)
 
 
+# The suite runs on two pytest-xdist workers, a module to a worker (pyproject.toml: `-n 2 --dist
+# loadfile`), handed out in collection order: these modules, the longest (each 30-90 s of
+# servers, clusters and soaks, measured), go first, so the run does not end on one of them while
+# the other worker idles.
+LONGEST_FIRST = ("test_reliability.py", "test_ray.py", "test_autoscale.py", "test_tensor_parallel.py", "test_quant.py",
+                 "test_spec.py", "test_attention.py", "test_frontend.py", "test_reliability_hostile.py",
+                 "test_disaggregation.py", "test_data_parallel.py", "test_kernels.py", "test_server.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`slow` on every test that starts a process or loads the real model (`pytest -m "not slow"`:
-    the fast loop, every module's in-process tests)."""
+    the fast loop, every module's in-process tests); the longest modules first."""
     for item in items:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         fixtures = [d.func for ds in defs.values() for d in ds]
         if item.get_closest_marker("smollm2") or any(_slow(f) for f in [getattr(item, "function", None), *fixtures]):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order kept
 
 
-_MYPY = pytest.StashKey["subprocess.Popen[str]"]()
+_MYPY = pytest.StashKey["subprocess.Popen[bytes]"]()
 
 
-def _start_mypy() -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "mypy"], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: os.nice(19))
+def _mypy_files() -> tuple[Path, Path]:
+    """Where this run's type check writes its output and, once done, its exit status: one run
+    for every xdist worker (PYTEST_XDIST_TESTRUNUID is the same in each)."""
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    base = Path(tempfile.gettempdir()) / f"radixserve-mypy-{run}"
+    return base.with_suffix(".out"), base.with_suffix(".rc")
+
+
+def _start_mypy() -> subprocess.Popen[bytes]:
+    out, rc = _mypy_files()
+    script = f'"$0" -m mypy > "{out}" 2>&1; echo $? > "{rc}.part" && mv "{rc}.part" "{rc}"'
+    return subprocess.Popen(["sh", "-c", script, sys.executable], cwd=Path(__file__).parents[1],
+                            preexec_fn=lambda: os.nice(19))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The type check (tens of seconds of CPU) starts as the run does, at the lowest priority: it
     takes what the other tests leave idle (servers starting, streams waiting), and
-    `mypy_check` collects it."""
-    if any(item.name == "test_mypy_finds_no_type_error_in_radixserve" for item in session.items):
+    `mypy_check` collects it. With xdist, the first worker starts it for all."""
+    first = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if first and any(item.name == "test_mypy_finds_no_type_error_in_radixserve" for item in session.items):
         session.config.stash[_MYPY] = _start_mypy()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if (proc := config.stash.get(_MYPY, None)) is not None and proc.poll() is None:
+    """A run that ends without the check's test (interrupted, or alone) stops it; under xdist the
+    other worker may still wait for it, so it is left to finish."""
+    proc = config.stash.get(_MYPY, None)
+    if proc is not None and proc.poll() is None and "PYTEST_XDIST_WORKER" not in os.environ:
         proc.kill()
 
 
 @pytest.fixture
 def mypy_check(request: pytest.FixtureRequest) -> tuple[int, str]:
     """`python -m mypy`'s exit status and output (the run begun at collection, or a new one)."""
-    proc = request.config.stash.get(_MYPY, None) or _start_mypy()
-    out, _ = proc.communicate()
-    return proc.returncode, out
+    import time
+
+    out, rc = _mypy_files()
+    proc = request.config.stash.get(_MYPY, None)
+    if proc is None and "PYTEST_XDIST_WORKER" not in os.environ:
+        proc = _start_mypy()
+    if proc is not None:
+        proc.wait()
+    deadline = time.monotonic() + 900
+    while not rc.exists() and time.monotonic() < deadline:  # another worker's run
+        time.sleep(0.5)
+    code, text = int(rc.read_text()), out.read_text()
+    rc.unlink()
+    out.unlink()
+    return code, text
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
