@@ -377,6 +377,20 @@ def test_bench_compare_runs_every_workload_on_each_server_and_prints_ratios(serv
     assert "| workload | a | b | a / b |" in table and table.count("x |") == 4
 
 
+def test_bench_compare_roof_prints_the_first_servers_decode_step_against_the_machines_read_rate(server, tmp_path, capsys):
+    from radixserve.server.cli import main
+
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--url", server.url, "--name", "a", "--url", server.url, "--name", "b",
+                 "--workloads", "single", "--repeats", "1", "--scale", "0.05", "--roof", "--json", str(out)]) == 0
+    roof = json.loads(out.read_text())["memory_roof"]
+    _, info = server.get("/server_info")
+    assert roof["weight_bytes"] == info["weight_bytes"] and roof["step_ms"] > 0 and roof["read_roof_gb_s"] > 1
+    assert roof["weights_gb_s"] == pytest.approx(roof["weight_bytes"] / roof["step_ms"] * 1e3 / 1e9)
+    assert roof["share"] == pytest.approx(roof["weights_gb_s"] / roof["read_roof_gb_s"])
+    assert "memory roof: a's decode step at batch 1" in capsys.readouterr().out
+
+
 def test_bench_compare_counts_structured_outputs_that_do_not_parse_instead_of_dying(capsys):
     """A peer whose constrained output is cut off (llama-server at max_tokens) is a row with a
     count of failures, not a crash of the whole comparison."""

@@ -8,6 +8,14 @@ on every server back to back, and the ratio of the first server to each other on
     fork     16 questions off one shared ~2,000-token prefix, sent at once -> 64 each: wall s
     json     16 concurrent JSON-schema chats (response_format json_schema): output tok/s
 
+`--roof`: the first server's decode step against the machine's memory roof, as a weight-bound
+step at batch 1 should be judged: its weights' bytes (`/server_info` `weight_bytes`; every
+weight is read once a step where the embedding is tied to the head, as on SmolLM2 and
+Qwen2.5-1.5B) divided by its step time (the difference of a 2n- and an n-token completion of
+fresh prompts, so prefill and HTTP cancel out), beside the read rate of a STREAM-like sum over
+1 GiB in this process (torch's threads), both printed and kept in `--json` as `memory_roof`.
+Run it on a machine where the servers are the only load.
+
 Greedy, `ignore_eos` where the count must be exact. Caches start cold: every workload's text
 opens with a fresh random tag (no server can reuse an earlier workload's prefix), and servers
 that have `/flush_cache` (ours, SGLang) are flushed before each workload.
@@ -54,6 +62,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of the single and prefill workloads (the median is kept)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length (e.g. 0.05 for a smoke run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--roof", action="store_true", help="also: the first server's decode step as a share of the memory roof")
     p.add_argument("--json", default=None, help="write the figures to this file")
 
 
@@ -183,6 +192,43 @@ async def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return results
 
 
+def read_roof() -> float:
+    """The machine's read rate, GB/s: the best of 5 sums over 1 GiB of fp32 on torch's threads
+    (scripts/quant_roofs.py measures it the same way)."""
+    import torch
+
+    a = torch.ones(2**28)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+async def step_roof(url: str, key: str | None, model: str, seed: int, steps: int = 128) -> dict[str, float]:
+    """The server's decode step at batch 1 (see the module docstring) and its weights' read rate."""
+    import aiohttp
+
+    rng = random.Random(f"{seed}-roof")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        s = Server(session, url, "roof", key, model)
+        async with session.get(url + "/server_info", headers=bearer(key)) as r:
+            weight_bytes = int((await r.json(content_type=None))["weight_bytes"])
+        await s.complete("Hello", 2)
+        step = []
+        for _ in range(3):
+            t = time.perf_counter()
+            n1 = await s.complete(_text(rng, 32), steps)
+            t1 = time.perf_counter() - t
+            t = time.perf_counter()
+            n2 = await s.complete(_text(rng, 32), 2 * steps)
+            t2 = time.perf_counter() - t
+            step.append((t2 - t1) / max(1, n2 - n1))
+    step_s = statistics.median(step)
+    return {"weight_bytes": weight_bytes, "step_ms": step_s * 1e3, "weights_gb_s": weight_bytes / step_s / 1e9}
+
+
 def ratio(workload: str, ours: float, theirs: float) -> float:
     """How many times better the first server is (>1: it wins)."""
     return ours / theirs if HIGHER_IS_BETTER[workload] else theirs / ours
@@ -204,8 +250,17 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
 def run(args: argparse.Namespace) -> int:
     if len(args.url) < 2:
         raise SystemExit("--url: give at least two servers to compare")
-    results = asyncio.run(compare(args))
+    results: dict[str, Any] = asyncio.run(compare(args))
     print_table(results)
+    if args.roof:
+        key = args.api_key[0] if args.api_key else None
+        roof = asyncio.run(step_roof(args.url[0], key or None, args.model, args.seed))
+        roof["read_roof_gb_s"] = read_roof()
+        roof["share"] = roof["weights_gb_s"] / roof["read_roof_gb_s"]
+        print(f"\nmemory roof: {args.name[0] if args.name else 'server1'}'s decode step at batch 1 {roof['step_ms']:.1f} ms "
+              f"over {roof['weight_bytes'] / 2**20:,.0f} MiB of weights = {roof['weights_gb_s']:.1f} GB/s, "
+              f"{roof['share']:.0%} of this machine's read roof ({roof['read_roof_gb_s']:.1f} GB/s)")
+        results["memory_roof"] = roof
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
