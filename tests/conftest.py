@@ -124,7 +124,7 @@ def _start_mypy() -> subprocess.Popen[bytes]:
     out, rc = _mypy_files()
     script = f'"$0" -m mypy > "{out}" 2>&1; echo $? > "{rc}.part" && mv "{rc}.part" "{rc}"'
     return subprocess.Popen(["sh", "-c", script, sys.executable], cwd=Path(__file__).parents[1],
-                            preexec_fn=lambda: os.nice(19))
+                            preexec_fn=lambda: os.nice(19), start_new_session=True)  # (a group: killed whole)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -137,18 +137,30 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """A run that ends without the check's test (interrupted, or alone) stops it; under xdist the
-    other worker may still wait for it, so it is left to finish."""
+    """A run that ends without the check's test (interrupted, or alone) stops it and removes its
+    files; under xdist the other worker may still wait for it, so it is left to finish."""
+    import signal
+
     proc = config.stash.get(_MYPY, None)
-    if proc is not None and proc.poll() is None and "PYTEST_XDIST_WORKER" not in os.environ:
-        proc.kill()
+    if proc is not None and "PYTEST_XDIST_WORKER" not in os.environ:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for f in _mypy_files():
+            f.unlink(missing_ok=True)
+
+
+_MYPY_RESULT = pytest.StashKey[tuple[int, str]]()
 
 
 @pytest.fixture
 def mypy_check(request: pytest.FixtureRequest) -> tuple[int, str]:
-    """`python -m mypy`'s exit status and output (the run begun at collection, or a new one)."""
+    """`python -m mypy`'s exit status and output (the run begun at collection, or a new one;
+    read once, then kept for a rerun)."""
     import time
 
+    if (done := request.config.stash.get(_MYPY_RESULT, None)) is not None:
+        return done
     out, rc = _mypy_files()
     proc = request.config.stash.get(_MYPY, None)
     if proc is None and "PYTEST_XDIST_WORKER" not in os.environ:
@@ -158,10 +170,13 @@ def mypy_check(request: pytest.FixtureRequest) -> tuple[int, str]:
     deadline = time.monotonic() + 900
     while not rc.exists() and time.monotonic() < deadline:  # another worker's run
         time.sleep(0.5)
-    code, text = int(rc.read_text()), out.read_text()
+    if not rc.exists():
+        pytest.fail(f"the type check did not finish in 15 minutes ({out})")
+    result = int(rc.read_text()), out.read_text()
     rc.unlink()
     out.unlink()
-    return code, text
+    request.config.stash[_MYPY_RESULT] = result
+    return result
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

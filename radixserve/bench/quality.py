@@ -14,8 +14,8 @@ adds one) and cut into `--chunks` windows of `--ctx` consecutive tokens, each wi
 token replaced by BOS where the tokenizer adds one. Each window is run with teacher forcing
 (prefilled as `serve` prefills a prompt, in chunks of `--chunked-prefill-size`), and its second
 half is scored: the rows ctx/2 .. ctx-2, each predicting the next token. The reference runs first
-and its log-probabilities of the scored rows are kept in a temporary file (fp32, ~0.3 GB for
-8 windows of Qwen2.5's vocabulary); then the candidate runs and is compared row by row:
+and its log-probabilities of the scored rows are kept in a temporary file (fp32, ~1.2 GB for
+8 windows of 512 over Qwen2.5's vocabulary, in $TMPDIR); then the candidate runs and is compared row by row:
 
 - KLD: sum_v p_ref(v) (log p_ref(v) - log p_cand(v)), in float64;
 - same top token: argmax p_cand == argmax p_ref;
@@ -107,7 +107,7 @@ class Divergence:
         out.update({key: _percentile(kld, q) for key, q in PERCENTILES})
         out.update({
             "same_top": same,
-            "same_top_err": math.sqrt(same * (1 - same) / n),
+            "same_top_err": math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0,
             "mean_dp": float(dp.mean()),
             "rms_dp": float(math.sqrt(float((dp * dp).mean()))),
         })
@@ -154,8 +154,9 @@ class Scorer:
 
         if overrides.get("tensor_parallel", 1) != 1 or overrides.get("pipeline_parallel", 1) != 1:
             raise ValueError("bench quality runs one process: --tensor-parallel and --pipeline-parallel must be 1")
-        kw = {**overrides, "kv_cache_tokens": ctx, "kv_cache_memory_mb": None, "disable_hybrid_swa_memory": True,
-              "speculative": "none", "kv_disk_dir": None}
+        page = int(overrides.get("page_size") or 1)  # the pool rounds down to whole pages: room for ctx
+        kw = {**overrides, "kv_cache_tokens": -(-ctx // page) * page, "kv_cache_memory_mb": None, "max_total_tokens": None,
+              "disable_hybrid_swa_memory": True, "speculative": "none", "kv_disk_dir": None}
         self.engine = Engine(model, loop_thread=False, **kw)
 
     def close(self) -> None:

@@ -180,6 +180,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n)) if bias else None
         self.native = None  # the kernels, once `finish` found them for this device
         self.vnni = False  # their build sums with VNNI (then prefill runs on them too)
+        self.int_tiles = False  # their build has vector integer tiles (not the portable build)
         self.native_bias: torch.Tensor | None = None
         self.act_bits = 8  # the native kernel's activations: 8 or 16 bits per value; 0: dequantize, fp32 GEMM
 
@@ -187,6 +188,7 @@ class QuantLinear(nn.Module):
         """After the weights are in: pick the kernels and convert the bias once."""
         self.native = cpu.ops() if self.packed.device.type == "cpu" else None
         self.vnni = self.native is not None and "vnni" in self.native.isa()
+        self.int_tiles = self.native is not None and not self.native.isa().startswith("generic")
         if self.native is not None and self.bias is not None:
             self.native_bias = self.bias.detach().float().contiguous()
 
@@ -194,9 +196,9 @@ class QuantLinear(nn.Module):
     def native_prefill(self) -> bool:
         """Whether prefill (more rows than one call takes) runs the integer kernel, 64 rows a call:
         where it outruns dequantize + fp32 GEMM (MKL's ~55 GMAC/s here): with VNNI at either
-        width, and on AVX2 at 8 bits (85-125 GMAC/s at 32-64 rows; 16 bits there: 40-80).
-        `scripts/quant_roofs.py` measures it."""
-        return self.vnni or self.act_bits == 8
+        width, and on AVX2 at 8 bits (85-125 GMAC/s at 32-64 rows; 16 bits there: 40-80); never
+        on the portable build (scalar loops). `scripts/quant_roofs.py` measures it."""
+        return self.vnni or (self.int_tiles and self.act_bits == 8)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_packed(self.packed, self.out_features, self.in_features)
