@@ -55,9 +55,12 @@ class ReqStatus(enum.StrEnum):
 
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS): dividing by 1e-229 makes inf
+
+
 @dataclass
 class SamplingParams:
-    """SGLang's names. `temperature=0` is greedy."""
+    """SGLang's names. `temperature=0` (or below 1e-5) is greedy."""
 
     max_new_tokens: int | None = None  # None: the engine's default
     min_new_tokens: int = 0
@@ -107,7 +110,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def stop_strs(self) -> list[str]:

@@ -81,6 +81,9 @@ def test_penalties_and_filters_in_the_sampler():
     assert s.sample(logits, [_req(temperature=0)])[0] == [7]
     assert s.sample(logits, [_req(temperature=0, min_new_tokens=1)])[0] == [1]  # EOS held off
     assert s.sample(logits, [_req(temperature=0, repetition_penalty=2.0, min_new_tokens=1)])[0] == [2]
+    for t in (5.6e-229, 1e-6):  # a positive temperature below 1e-5 is greedy, never inf / nan (found by the fuzzer)
+        assert _req(temperature=t).params.greedy and s.sample(logits, [_req(temperature=t, seed=3)])[0] == [7]
+    assert not _req(temperature=1e-4).params.greedy and s.sample(logits, [_req(temperature=1e-4, seed=3)])[0] == [7]
     for seed in range(20):  # top_k=1 and a tiny top_p both leave one candidate
         assert s.sample(logits, [_req(temperature=1.0, top_k=2, top_p=0.01, seed=seed)])[0] == [7]
         assert s.sample(logits, [_req(temperature=1.0, min_p=0.9, seed=seed)])[0] == [7]
