@@ -319,22 +319,8 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
       scales16<F>(rec, sub, a0, a1, off);
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
-        const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-        __m512i s0 = _mm512_setzero_si512(), s1 = s0;
-        for (int c = 0; c < 4; ++c) {
-          s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(hi[c]));
-          s1 = _mm512_dpbusd_epi32(s1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
-        }
-        if constexpr (W) {
-          const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
-          __m512i l0 = _mm512_setzero_si512(), l1 = l0;
-          for (int c = 0; c < 4; ++c) {
-            l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
-            l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
-          }
-          s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), l0);
-          s1 = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), l1);
-        }
+        __m512i s0, s1;
+        dot_block_vnni<W>(w, xr, at, s0, s1);
         const __m512 dx = _mm512_set1_ps(xr.dx[at]);
         if constexpr (Z != 0) {
           const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));

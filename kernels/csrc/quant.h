@@ -40,6 +40,33 @@ struct QuantRows {
   }
 };
 
+#if defined(RS_AVX512) && defined(__AVX512VNNI__)
+// One block of 32 of row-block `at` against a panel's 8 weight vectors (w[c]: weights 4c..4c+3,
+// w[4 + c]: 16 + 4c..), by vpdpbusd: s0 the integer sums of the first 16 weights, s1 of the
+// last 16, per output; at 16 bits (W) the halves combine as 256*hi + lo. (Both quantized-linear
+// families' VNNI tiles.)
+template <bool W>
+inline void dot_block_vnni(const __m512i* w, const QuantRows& xr, int64_t at, __m512i& s0, __m512i& s1) {
+  const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * 32);
+  s0 = _mm512_setzero_si512();
+  s1 = s0;
+  for (int c = 0; c < 4; ++c) {  // independent chains, so the sums overlap
+    s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(hi[c]));
+    s1 = _mm512_dpbusd_epi32(s1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
+  }
+  if constexpr (W) {
+    const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * 32);
+    __m512i l0 = _mm512_setzero_si512(), l1 = l0;
+    for (int c = 0; c < 4; ++c) {
+      l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
+      l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
+    }
+    s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), l0);
+    s1 = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), l1);
+  }
+}
+#endif
+
 // One block of row r: xi, its halves, and the block's scale and sums (see QuantRows).
 inline void finish_block(QuantRows& out, int64_t at, float d, int32_t sq, int32_t sq0) {
   out.dx[at] = d;

@@ -316,22 +316,9 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
     }
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * kb + b;
-      const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-      __m512i h0 = _mm512_setzero_si512(), h1 = h0;
-      for (int c = 0; c < 4; ++c) {  // independent chains, so the sums overlap
-        h0 = _mm512_dpbusd_epi32(h0, w[c], _mm512_set1_epi32(hi[c]));
-        h1 = _mm512_dpbusd_epi32(h1, w[4 + c], _mm512_set1_epi32(hi[4 + c]));
-      }
+      __m512i h0, h1;
+      dot_block_vnni<W>(w, xr, at, h0, h1);
       __m512i s = _mm512_add_epi32(h0, h1);
-      if constexpr (W) {
-        const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
-        __m512i l0 = _mm512_setzero_si512(), l1 = l0;
-        for (int c = 0; c < 4; ++c) {
-          l0 = _mm512_dpbusd_epi32(l0, w[c], _mm512_set1_epi32(lo[c]));
-          l1 = _mm512_dpbusd_epi32(l1, w[4 + c], _mm512_set1_epi32(lo[4 + c]));
-        }
-        s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(l0, l1));
-      }
       if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xr.sq[at]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xr.dx[at])), acc[m]);
       if constexpr (BITS == 4) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xr.sx[at]), acc[m]);
