@@ -66,6 +66,7 @@ class CompilePool:
         self._launchers: list[threading.Thread] = []  # threads starting a worker (shutdown waits for them)
         self._start_failed = False  # no new workers until the next submit (a broken factory must not spin)
         self._closed = False
+        self._keep_warm = False  # one worker kept started once warm() has been called
         self._lock = threading.Lock()
         self._outbox: list[Callable[[], Any]] = []  # future resolutions, run outside the lock
         self._ids = itertools.count()
@@ -93,6 +94,7 @@ class CompilePool:
         """Start a worker in the background if none is started or starting (the first start,
         with this process's forkserver, takes seconds of CPU)."""
         with self._lock:
+            self._keep_warm = True
             if not self._closed and not self._workers and not self._launching:
                 self._launch()
 
@@ -184,12 +186,13 @@ class CompilePool:
                 pass  # it died: its sentinel reports it, failing the job as a crash
 
     def _grow(self) -> None:
-        """Start workers for compiles that could run but have none coming; keep one warm."""
+        """Start workers for compiles that could run but have none coming; keep one warm once
+        warmed (with warm=False, not before: a start's CPU would slow the first requests)."""
         if self._start_failed or self._closed:
             return
         coming = self._launching + sum(1 for w in self._workers if not w.ready or w.job is None)
         live = len(self._workers) + self._launching
-        want = max(self._queues.runnable() - coming, 1 if live == 0 else 0)
+        want = max(self._queues.runnable() - coming, 1 if live == 0 and self._keep_warm else 0)
         for _ in range(min(want, self.max_workers - live)):
             self._launch()
 

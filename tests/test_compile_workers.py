@@ -216,6 +216,22 @@ def test_shutdown_kills_running_compiles_and_leaves_no_process(tmp_path):
     assert pids and _gone(pids)
 
 
+def test_a_cold_cache_starts_no_worker_until_warmed_or_asked():
+    """warm=False (an engine's): no compile worker starts with the pool, whose start's seconds of
+    CPU would slow a server's first requests; warm() (the engine loop's idle hook) starts one."""
+    cache = CompileCache(fake, timeout_s=10.0, workers=2, warm=False)
+    try:
+        time.sleep(0.5)
+        assert cache.worker_pids() == [] and not cache._pool._launching  # none started, none starting
+        cache.warm()
+        deadline = time.monotonic() + 60
+        while not cache.worker_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(cache.worker_pids()) == 1
+    finally:
+        cache.shutdown()
+
+
 def test_workers_die_with_their_parent_process(tmp_path):
     """A server killed with SIGKILL leaves no compile worker (nor forkserver) running."""
     script = tmp_path / "parent.py"

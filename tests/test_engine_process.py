@@ -240,17 +240,18 @@ def test_a_request_that_breaks_the_forward_fails_alone_and_the_engine_goes_on(pr
 def test_the_engine_process_dies_with_a_killed_client(tiny_llama, tmp_path):
     script = tmp_path / "client.py"
     script.write_text(
-        "import sys, time\n"
+        "import asyncio, sys, time\n"
         "from radixserve.engine.process import EngineProcess\n"
+        "from radixserve.request import SamplingParams\n"
         f"e = EngineProcess({str(tiny_llama)!r}, kv_cache_tokens=1024)\n"
+        "asyncio.run(e.prepare_grammar(e.make_req([5, 6], SamplingParams(max_new_tokens=1, regex='[a-z]+'))))\n"
         "print(e.pid, flush=True)\n"
         "time.sleep(600)\n")
     client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(client.stdout.readline())
         assert _alive(pid)
-        time.sleep(1)  # its compile workers start in the background
-        children = _children(pid)
+        children = _children(pid)  # the compile worker that compiled the grammar, and its forkserver
         assert children, "the engine process started no compile workers"
         client.send_signal(signal.SIGKILL)
         client.wait(30)

@@ -589,6 +589,7 @@ def test_the_default_model_packs_once_and_maps_its_packed_weights_after(ops, tmp
     keep = tmp_path / "packed" / "layout.bin"
     monkeypatch.setattr(packed_cache, "cache_file", lambda gguf: keep)
     first = load_model(None, torch.float32, torch.device("cpu")).model
+    packed_cache.wait()  # written on a thread of its own
     assert keep.exists()
     monkeypatch.setattr(quant, "pack", lambda q: pytest.fail("packed again"))
     second = load_model(None, torch.float32, torch.device("cpu")).model
@@ -707,6 +708,89 @@ def test_a_llama3_gguf_file_loads_whole_as_llama_cpp_writes_it(tiny_llama, tmp_p
     text = "Hello, world! 123 <|im_end|>"
     assert loaded.tokenizer.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
     assert loaded.tokenizer.eos_token_id == hf.eos_token_id
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_gguf_files_config_and_tokenizer_are_what_transformers_reads_from_it(arch, tiny_llama, tiny_models, tmp_path):
+    """The meta folder a first start writes (config from our metadata walk, the tokenizer in the
+    class AutoTokenizer picks) holds the files transformers' own GGUF readers give, byte for
+    byte: its reader parses the whole vocabulary twice (27 s of a 35 s first start on Qwen2.5)."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from radixserve.models.gguf import _fix_tokenizer, _hf_config, _token_id, _write_meta, file_config
+
+    path = tmp_path / f"{arch}.gguf"
+    if arch == "llama":
+        _write_tiny_gguf(path, tiny_llama, {}, meta=lambda w: _llama_metadata(w, tiny_llama))
+    else:
+        folder = tiny_models["Gemma3ForCausalLM"]
+        _gemma_gguf(path, folder, json.loads((folder / "config.json").read_text())["vocab_size"])
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    made = _write_meta(path, ours)  # what the server then serves with, as its files load back:
+    back = AutoTokenizer.from_pretrained(str(ours))
+    chat = [{"role": "user", "content": "Hello, world! 123"}]
+    assert type(made) is type(back) and made.encode("Hello, world! 123 <|im_end|>") == back.encode("Hello, world! 123 <|im_end|>")
+    if back.chat_template:  # (the tiny Llama's file has none)
+        assert made.apply_chat_template(chat, tokenize=False) == back.apply_chat_template(chat, tokenize=False)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    cfg = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).to_dict()
+    cfg = _hf_config(cfg, lambda text: _token_id(tok, text))
+    _fix_tokenizer(cfg, tok)
+    cfg = json.loads(json.dumps(cfg))  # as config.json holds it
+    tok.save_pretrained(str(theirs))
+    written = json.loads((ours / "config.json").read_text())
+    assert {k: v for k, v in written.items() if k != "_name_or_path"} == {k: v for k, v in cfg.items() if k != "_name_or_path"}
+    assert json.loads(json.dumps(file_config(path))) == written  # what an engine builds the model from, meanwhile
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    assert (ours / "chat_template.jinja").exists() == (theirs / "chat_template.jinja").exists()
+
+
+def test_two_processes_starting_a_new_file_write_its_folder_once(tmp_path):
+    """The server writes a new GGUF's meta folder while its engine may ask for it: the second
+    waits on the file lock and finds it whole, and nobody writes it twice."""
+    import threading
+    import time
+
+    from radixserve.models import gguf as gg
+
+    made, started = [], threading.Event()
+
+    def make(path, out):
+        made.append(out)
+        started.set()
+        time.sleep(0.3)
+        (out / "config.json").write_text("{}")
+        return "the tokenizer"
+
+    out = tmp_path / "m-meta"
+    got = []
+    first = threading.Thread(target=lambda: got.append(gg._cached(tmp_path / "x.gguf", out, make, "making")))
+    first.start()
+    started.wait(5)
+    got.append(gg._cached(tmp_path / "x.gguf", out, make, "making"))  # blocks on the lock until the first is done
+    first.join()
+    assert len(made) == 1 and got == [out, out] and (out / "config.json").exists()
+    assert gg.made_tokenizer(out) == "the tokenizer" and gg.made_tokenizer(out) is None  # handed over once
+
+
+def test_bench_coldstart_forgets_a_files_folders_and_nothing_else(tmp_path, monkeypatch):
+    from radixserve.bench.coldstart import forget
+    from radixserve.models import packed_cache
+    from radixserve.models.gguf import meta_dir
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f, other = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    for g in (f, other):
+        g.write_bytes(b"GGUF")
+        for d in (meta_dir(g), packed_cache.cache_file(g).parent):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "x").write_text("x")
+    assert sorted(forget(f)) == sorted([meta_dir(f), packed_cache.cache_file(f).parent])
+    assert not meta_dir(f).exists() and meta_dir(other).exists() and packed_cache.cache_file(other).parent.exists()
 
 
 def _gemma_gguf(path, folder, vocab: int) -> None:

@@ -101,9 +101,10 @@ class DataParallelEngine(RequestFront):
         self._overrides = overrides if self._gpus else _split_memory(self.config, overrides, n)
         # NOTE: loaded here, once: the replicas start on threads, and transformers' lazy imports
         # are not thread-safe (two threads importing AutoTokenizer at once fail)
-        from radixserve.models.files import load_tokenizer, tokenizer_dir
+        from radixserve.models.files import load_tokenizer, tokenizer_dir, vocab_texts_soon
 
         self.tokenizer = load_tokenizer(tokenizer_dir(model))
+        self.vocab_texts = vocab_texts_soon(self.tokenizer)  # the server's logprob table, while the replicas load
         self._lock = threading.Lock()  # replicas and the router: the event loop, reader and restart threads
         self._closing = False
         self._restarts: list[threading.Thread] = []  # replicas starting again after a death

@@ -35,6 +35,7 @@ from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.protocol import EngineStats
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampler import Sampler
+from radixserve.models import packed_cache
 from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
 from radixserve.models.quant import set_activations, weight_bytes
@@ -455,6 +456,7 @@ class Engine(RequestFront):
             self.handoff.close()
         self.runner.close()
         self._grammar_cache.shutdown()  # kills its compile workers
+        packed_cache.wait()  # a first start's packed weights, still being written for the next
 
     def __enter__(self) -> Engine:
         return self

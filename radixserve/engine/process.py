@@ -78,12 +78,13 @@ class EngineProcess(RequestFront):
                  **overrides: Any) -> None:
         """`env`: variables set for the engine process only (a data-parallel replica's device,
         threads); `tokenizer`: the model's, already loaded (replicas share one)."""
-        from radixserve.models.files import load_tokenizer, tokenizer_dir, weight_files
+        from radixserve.models.files import gguf_file, load_tokenizer, tokenizer_dir, vocab_texts_soon, weight_files
 
         self.config = EngineConfig.build(model, **overrides)  # refuses unknown names here, before a process starts
-        # a bad path is a clean error here, before a process starts (and a GGUF's config and tokenizer
-        # are read once into a cached folder); no torch in this process: the engine starts at once
-        folder = tokenizer_dir(model)
+        # a bad path is a clean error here, before a process starts; no torch in this process: the
+        # engine starts at once. A GGUF's config and tokenizer are read into a cached folder (once)
+        # below, while the engine process builds the model from the file's metadata
+        folder = None if gguf_file(model) is not None else tokenizer_dir(model)
         ours, theirs = socket.socketpair()
         prefetch = [str(f) for f in weight_files(model)] if os.environ.get("RADIXSERVE_PREFETCH", "1") != "0" else []
         cmd = [sys.executable, "-m", "radixserve.engine.process", str(theirs.fileno()),
@@ -95,7 +96,11 @@ class EngineProcess(RequestFront):
         self._enc = encoder()
         self._dec = decoder(FromEngine)
         try:
-            self.tokenizer = tokenizer or load_tokenizer(folder)  # while the engine process loads the model
+            self.vocab_texts: Future[list[str]] | None = None  # a shared tokenizer's: its owner's
+            if tokenizer is None:  # while the engine process loads the model
+                tokenizer = load_tokenizer(tokenizer_dir(model) if folder is None else folder, save_fast=True)
+                self.vocab_texts = vocab_texts_soon(tokenizer)  # the server's logprob table, meanwhile too
+            self.tokenizer = tokenizer
             info = self._wait_ready()
         except BaseException:
             self._kill()

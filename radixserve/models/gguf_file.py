@@ -3,9 +3,11 @@ read-only memory map.
 
 gguf-py's `GGUFReader` parses every metadata value into numpy views first: on a model with a
 150k-entry vocabulary (Qwen2.5) that is ~14 s before the first tensor. The weights need only
-the tensor infos, so this walks the metadata by its lengths (skipping values), reads the infos,
-and maps the file. `release(t)` hands a tensor's pages back once it has been packed, so a load
-does not hold the whole file resident beside the packed weights.
+the tensor infos, and the config only the scalars, so this walks the metadata by its lengths,
+keeping scalars, strings and arrays of numbers in `metadata` (an array of strings, the
+vocabulary, as its length unless asked for), reads the infos, and maps the file. `release(t)`
+hands a tensor's pages back once it has been packed, so a load does not hold the whole file
+resident beside the packed weights.
 
 Layout (GGUF v2/v3, little-endian): magic, version u32, tensor count u64, metadata count u64;
 metadata (key string, value type u32, value); tensor infos (name string, n_dims u32, dims u64
@@ -25,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# metadata value type -> its size in bytes (8: string, 9: array, handled apart)
+# metadata value type -> its size in bytes (8: string, 9: array, handled apart), its struct code
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_CODE = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _MIN_SIZE = {**_SCALAR, _STRING: 8, _ARRAY: 12}  # the fewest bytes a value of each type takes
 MAX_DEPTH = 8  # metadata arrays of arrays (gguf-py and llama.cpp write one level)
@@ -49,10 +52,13 @@ class TensorInfo:
 class GGUFTensors:
     """The tensors of one GGUF file (see the module docstring). Use as a context manager."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, strings: tuple[str, ...] = ()) -> None:
+        """`strings`: the arrays of strings to keep in `metadata` whole (e.g. the vocabulary)."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = path
+        self.metadata: dict[str, Any] = {}  # scalars, strings, arrays of numbers; string arrays as their length
+        self._strings = strings
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
@@ -123,7 +129,9 @@ class GGUFTensors:
                 (vtype,) = struct.unpack_from("<I", m, pos)
                 if key == "general.alignment" and vtype == _UINT32:
                     (alignment,) = struct.unpack_from("<I", m, pos + 4)
-                pos = self._skip(vtype, pos + 4, key[:80], 0)
+                end = self._skip(vtype, pos + 4, key[:80], 0)
+                self.metadata[key] = self._value(vtype, pos + 4, end, key in self._strings)
+                pos = end
             infos = []
             for _ in range(n_tensors):
                 name, pos = self._string(pos, "a tensor name")
@@ -151,6 +159,26 @@ class GGUFTensors:
         (n,) = struct.unpack_from("<Q", self._map, pos)
         self._fits(n, 1, pos + 8, f"{what} at byte {pos:,}: its length")
         return self._map[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
+
+    def _value(self, vtype: int, pos: int, end: int, strings: bool) -> Any:
+        """The value `_skip` has checked from `pos` to `end` (an array of strings: its length, or
+        its strings if `strings`)."""
+        m = self._map
+        if vtype in _SCALAR:
+            return struct.unpack_from("<" + _CODE[vtype], m, pos)[0]
+        if vtype == _STRING:
+            return m[pos + 8 : end].decode("utf-8", "replace")
+        etype, count = struct.unpack_from("<IQ", m, pos)
+        if etype in _SCALAR:
+            return list(struct.unpack_from(f"<{count}{_CODE[etype]}", m, pos + 12))
+        if etype != _STRING or not strings:
+            return count
+        out, pos = [], pos + 12
+        for _ in range(count):
+            (n,) = struct.unpack_from("<Q", m, pos)
+            out.append(m[pos + 8 : pos + 8 + n].decode("utf-8", "replace"))
+            pos += 8 + n
+        return out
 
     def _skip(self, vtype: int, pos: int, key: str, depth: int) -> int:
         if vtype in _SCALAR:

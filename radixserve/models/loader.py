@@ -27,7 +27,7 @@ from kernels import cpu
 from radixserve.config import QUANTIZATIONS
 from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, packed_cache, quant
 from radixserve.models.files import gguf_file, load_tokenizer, resolve_model_dir
-from radixserve.models.gguf import ModelLoadError, ensure_meta, read_tensors
+from radixserve.models.gguf import ModelLoadError, ensure_meta, gguf_config_dict, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,13 @@ class LoadedModel:
 
 
 def read_arch(folder: Path) -> ArchConfig:
-    cfg = json.loads((folder / "config.json").read_text())
+    return arch_config(json.loads((folder / "config.json").read_text()), folder)
+
+
+def arch_config(cfg: dict[str, Any], where: Path) -> ArchConfig:
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {folder}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {where}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return ArchConfig.from_hf(cfg)
 
 
@@ -81,15 +84,18 @@ def quantized_weights(path: str | None, quantization: str) -> bool:
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "auto") -> LoadedModel:
     gguf = native_gguf(path, quantization)
     if gguf is not None:
-        folder = ensure_meta(gguf)
-        arch = read_arch(folder)
+        # the config from the file's metadata (a first start): the server writes the tokenizer
+        # into the meta folder meanwhile, which ensure_meta waits for once the weights are built
+        cfg = gguf_config_dict(gguf)
+        arch = arch_config(cfg, gguf)
         keep = packed_cache.cache_file(gguf) if packed_cache.enabled() and device.type == "cpu" else None
         prepacked = packed_cache.load(keep) if keep is not None else {}
-        model = _build(arch, dtype, device, read_tensors(gguf, json.loads((folder / "config.json").read_text())), prepacked)
+        model = _build(arch, dtype, device, read_tensors(gguf, cfg), prepacked)
         if keep is not None:
             packed = {n: b for n, b in model.named_buffers() if n.endswith(".packed")}
             if any(prepacked.get(n) is not b for n, b in packed.items()):  # packed now: kept for next time
-                packed_cache.save(keep, packed)
+                packed_cache.save_soon(keep, packed)
+        folder = ensure_meta(gguf)
     else:
         if quantization == "auto" and gguf_file(path) is not None:
             log.warning("radixserve's CPU kernels are not available: %s is dequantized to %s", path or "the default model", dtype)

@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_args(bsub.add_parser("tools", help="tool calls in auto mode against OpenAI-compatible servers: made, valid, text"))
     ramp.add_args(bsub.add_parser("autoscale", help="a load ramp on a local Ray cluster: the autoscaled "
                                                          "deployment scales 1 -> 2 -> 1, no request lost, cold start"))
-    coldstart.add_args(bsub.add_parser("coldstart", help="a new replica's start to its first token: weights in the "
-                                                         "page cache and from a cold disk"))
+    coldstart.add_args(bsub.add_parser("coldstart", help="a start to its first token: a new GGUF file, weights in the "
+                                                         "page cache and from a cold disk, beside llama-server"))
     disagg.add_args(bsub.add_parser("disagg", help="prefill/decode disaggregation vs colocated replicas: short chats' "
                                                    "TPOT p99 while long prompts arrive"))
     quality.add_args(bsub.add_parser("quality", help="KL divergence of a configuration's next-token distributions from "

@@ -171,6 +171,7 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
     from radixserve.server.state import ServerState
 
     state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name)
+    await state.build_token_table()  # before listening (decoded while the engine loaded): a first request's CPU is its own
     state.connections = ConnectionLimits(fit_fd_limit(cfg.max_connections), cfg.max_connections_per_client,
                                          on_refuse=state.metrics.rejected.labels("too_many_connections").inc,
                                          hold=cfg.keepalive_timeout)
@@ -191,7 +192,6 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
              state.model_name, engine.weight_bytes / 2**20, engine.quantization, engine.activations, engine.load_seconds,
              engine.load_peak_rss / 2**20,
              engine.cpu_kernels or "none", kv, "off" if auth.open else f"{len(auth.tenants)} tenant(s)", time.monotonic() - t0)
-    table = asyncio.create_task(state.build_token_table())  # after ready: logprob replies decode until it is built
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -199,7 +199,6 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
     if hasattr(engine, "on_death"):
         engine.on_death = lambda why: loop.call_soon_threadsafe(stop.set)
     await stop.wait()
-    table.cancel()
     await drain(state, cfg.drain_timeout)
     await runner.cleanup()
     state.executor.shutdown(wait=False, cancel_futures=True)

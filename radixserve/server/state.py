@@ -305,17 +305,15 @@ class ServerState:
                 task.cancel()
 
     async def build_token_table(self) -> None:
-        """Every token's text, decoded once off the loop, so logprob replies never decode on it
-        (until it is built, `token_text` decodes each one). A fast tokenizer decodes the whole
-        vocabulary in one batch (0.24 s for Qwen2.5's 151,936 tokens, 0.6 s one by one); one that
-        cleans up spaces around punctuation in `decode` is decoded one by one, as it would be."""
+        """Every token's text (models.files.vocab_texts), so logprob replies never decode on the
+        loop: an engine process decodes them while its engine loads (`vocab_texts`, a future),
+        else they are decoded here, off the loop (until built, `token_text` decodes each one)."""
+        from radixserve.models.files import vocab_texts
+
         tok, n = self.engine.tokenizer, self.engine.vocab_size
-        backend = getattr(tok, "backend_tokenizer", None)
-        if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", False):
-            build = lambda: backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)  # noqa: E731
-        else:
-            build = lambda: [tok.decode([i]) for i in range(n)]  # noqa: E731
-        self.token_texts = await self.off_loop(build)
+        ahead = getattr(self.engine, "vocab_texts", None)
+        texts = await (asyncio.wrap_future(ahead) if ahead is not None else self.off_loop(lambda: vocab_texts(tok, n)))
+        self.token_texts = texts[:n] if len(texts) >= n else await self.off_loop(lambda: vocab_texts(tok, n))
 
     def token_text(self, token_id: int) -> str:
         table = self.token_texts
