@@ -126,6 +126,35 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
         assert all(torch.equal(ys[0], y) for y in ys[1:]), m
 
 
+# the bytes of a GGUF block that hold its quants (every other byte: scales), per 5/6-bit kind
+_QUANT_BYTES = {"q5_0": (2, 22), "q5_1": (4, 24), "q4_k": (16, 144), "q5_k": (16, 176), "q6_k": (0, 192)}
+
+
+@pytest.mark.parametrize("kind", list(_QUANT_BYTES))
+def test_the_largest_quants_against_full_scale_activations_sum_without_overflow(kind):
+    """Every quant at its largest (15, 31 or 63) against activations all at +127 or all at
+    -127 (8 bits): the AVX2 tile adds vpmaddubsw's 16-bit pair sums before widening, four
+    chunks at a time (two for 6 bits); any wrap shows against the reference's exact sum."""
+    n, k, m = 16, 512, 4
+    raw, _ = gguf_blocks(kind, n, k, seed=3)
+    qt = KINDS[kind]
+    block, size = quants.GGML_QUANT_SIZES[qt]
+    lo, hi = _QUANT_BYTES[kind]
+    blocks = raw.numpy().reshape(n, k // block, size).copy()
+    blocks[..., lo:hi] = 0xFF
+    raw = torch.from_numpy(blocks.reshape(n, -1))
+    w = torch.from_numpy(quants.dequantize(raw.numpy(), qt).reshape(n, k).copy())
+    x = torch.ones(m, k) * torch.tensor([[1.0], [-1.0], [3.0], [-0.5]])
+    ref = reference_qlinear(x, w, 8)
+    from kernels import cpu
+
+    for isa in cpu.runnable_isas():  # every build this CPU runs (AVX2's tile on an AVX-512 machine too)
+        b = cpu.ops_for(isa)
+        for generic in (False, True):
+            y = b.qlinear(x, b.pack_quant(raw, kind, n, k), n, None, True, generic, 8)
+            assert (y.double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), (isa, generic)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("bits", [8, 16])
 def test_qlinear_takes_bf16_a_bias_and_returns_fp32_logits_when_asked(ops, kind, bits):

@@ -341,7 +341,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
 }
 constexpr bool HAS_VEC_KTILE = true;
 #elif defined(__AVX2__)
-constexpr int64_t KMR = 2;
+constexpr int64_t KMR = 4;
 
 // A chunk's e_j for nibble bytes 32h .. 32h + 31, one per byte (plane_e, 32 at a time).
 template <int HB>
@@ -384,61 +384,96 @@ inline void scales8(const uint8_t* rec, const uint8_t* sub, int h, __m256& a0, _
   off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f16(rec + 32), u8(sc + 16)));
 }
 
+// A sub-block's integer sums for one row at 8 bits: vpmaddubsw's pair sums added in 16 bits
+// before one vpmaddwd, four chunks at a time for values of at most 5 bits (4 * 2 * 31 * 127 =
+// 31496) and two for q6_k's 6 (2 * 2 * 63 * 127 = 32004): the same integers as one vpmaddwd
+// per chunk, in half the instructions.
+template <int HB>
+inline void dot_sub8(const __m256i* w, const int32_t* x, __m256i ones, __m256i& s0, __m256i& s1) {
+  auto p = [&](int c) { return _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(x[c])); };
+  if constexpr (HB < 2) {
+    s0 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3))), ones);
+    s1 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7))), ones);
+  } else {
+    s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), ones),
+                          _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), ones));
+    s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p(4), p(5)), ones),
+                          _mm256_madd_epi16(_mm256_add_epi16(p(6), p(7)), ones));
+  }
+}
+
+// The 8 weight vectors of outputs 8h .. 8h + 7 in one sub-block.
+template <int F>
+inline void weights8(const uint8_t* sub, int h, __m256i* w) {
+  constexpr Fmt fm = FMTS[F];
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(sub + 64 * c + 32 * h));
+    w[c] = _mm256_and_si256(v, low);
+    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (fm.hbits > 0) {
+      const __m256i e = plane32<fm.hbits>(plane_at(sub, fm.hbits, c), h);
+      constexpr int lo_mask = (1 << fm.hbits) - 1;
+      w[c] = _mm256_or_si256(w[c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask)), 4));
+      w[4 + c] = _mm256_or_si256(w[4 + c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask << fm.hbits)), 4 - fm.hbits));
+    }
+  }
+}
+
+// One row's sub-block `at` against the half's weights: acc += its scaled sums.
+template <int F, bool W>
+inline void ksub8(const __m256i* w, const QuantRows& xr, int64_t at, __m256 a0, __m256 a1, __m256 off, __m256& acc) {
+  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+  const __m256i x1 = _mm256_set1_epi16(1);
+  const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+  if constexpr (W) {
+    const __m256i x256 = _mm256_set1_epi16(256);
+    const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
+    for (int c = 0; c < 4; ++c) {
+      s0 = _mm256_add_epi32(s0, _mm256_add_epi32(dot_q(w[c], hi[c], x256), dot_q(w[c], lo[c], x1)));
+      s1 = _mm256_add_epi32(s1, _mm256_add_epi32(dot_q(w[4 + c], hi[4 + c], x256), dot_q(w[4 + c], lo[4 + c], x1)));
+    }
+  } else {
+    dot_sub8<FMTS[F].hbits>(w, hi, x1, s0, s1);
+  }
+  const __m256 dx = _mm256_set1_ps(xr.dx[at]);
+  if constexpr (Z != 0) {
+    const __m256i z0 = _mm256_set1_epi32(Z * xr.sq0[at]), z1 = _mm256_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s0, z0)), _mm256_mul_ps(a0, dx), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1, z1)), _mm256_mul_ps(a1, dx), acc);
+  } else {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(a0, dx), acc);
+    acc = _mm256_fmadd_ps(off, _mm256_set1_ps(xr.sx[at]), acc);
+  }
+}
+
+// MR rows by the panel's 16 outputs. Up to 2 rows (decode) both halves of each sub-block go
+// together, so the weights stream through once; 3 or 4 rows (prefill) take one half of the
+// panel at a time over the whole K, so the rows' accumulators, the half's eight weight vectors
+// and its scales fit the 16 registers (a half is 32 bytes of each 64-byte line: the second
+// pass finds the panel in cache).
 template <int F, int MR, bool W, typename O>
 void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
   constexpr Fmt fm = FMTS[F];
-  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
   const int64_t kb = nb * fm.subs();
   __m256 acc[2][MR];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f), x1 = _mm256_set1_epi16(1), x256 = _mm256_set1_epi16(256);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* rec = panel + b * fm.rec();
-    for (int64_t i = 0; i < fm.subs(); ++i) {
-      const uint8_t* sub = rec + fm.header + i * fm.sub();
-      prefetch_row(sub + 4 * fm.sub(), fm.sub());
-      for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7
-        __m256i w[8];
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(sub + 64 * c + 32 * h));
-          w[c] = _mm256_and_si256(v, low);
-          w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (fm.hbits > 0) {
-            const __m256i e = plane32<fm.hbits>(plane_at(sub, fm.hbits, c), h);
-            constexpr int lo_mask = (1 << fm.hbits) - 1;
-            w[c] = _mm256_or_si256(w[c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask)), 4));
-            w[4 + c] = _mm256_or_si256(w[4 + c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask << fm.hbits)), 4 - fm.hbits));
-          }
-        }
-        __m256 a0, a1, off;
-        scales8<F>(rec, sub, h, a0, a1, off);
-        for (int m = 0; m < MR; ++m) {
-          const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
-          const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
-          __m256i s0 = _mm256_setzero_si256(), s1 = s0;
-          if constexpr (W) {
-            const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
-            for (int c = 0; c < 4; ++c) {
-              s0 = _mm256_add_epi32(s0, _mm256_add_epi32(dot_q(w[c], hi[c], x256), dot_q(w[c], lo[c], x1)));
-              s1 = _mm256_add_epi32(s1, _mm256_add_epi32(dot_q(w[4 + c], hi[4 + c], x256), dot_q(w[4 + c], lo[4 + c], x1)));
-            }
-          } else {
-            for (int c = 0; c < 4; ++c) {
-              s0 = _mm256_add_epi32(s0, dot_q(w[c], hi[c], x1));
-              s1 = _mm256_add_epi32(s1, dot_q(w[4 + c], hi[4 + c], x1));
-            }
-          }
-          const __m256 dx = _mm256_set1_ps(xr.dx[at]);
-          if constexpr (Z != 0) {
-            const __m256i z0 = _mm256_set1_epi32(Z * xr.sq0[at]), z1 = _mm256_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
-            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s0, z0)), _mm256_mul_ps(a0, dx), acc[h][m]);
-            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1, z1)), _mm256_mul_ps(a1, dx), acc[h][m]);
-          } else {
-            acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(a0, dx), acc[h][m]);
-            acc[h][m] = _mm256_fmadd_ps(off, _mm256_set1_ps(xr.sx[at]), acc[h][m]);
-          }
+  constexpr int passes = MR <= 2 ? 1 : 2;
+  for (int pass = 0; pass < passes; ++pass) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = panel + b * fm.rec();
+      for (int64_t i = 0; i < fm.subs(); ++i) {
+        const uint8_t* sub = rec + fm.header + i * fm.sub();
+        prefetch_row(sub + 4 * fm.sub(), fm.sub());
+        for (int h = passes == 1 ? 0 : pass; h < (passes == 1 ? 2 : pass + 1); ++h) {
+          __m256i w[8];
+          weights8<F>(sub, h, w);
+          __m256 a0, a1, off;
+          scales8<F>(rec, sub, h, a0, a1, off);
+          for (int m = 0; m < MR; ++m) ksub8<F, W>(w, xr, (m0 + m) * kb + b * fm.subs() + i, a0, a1, off, acc[h][m]);
         }
       }
     }
