@@ -11,13 +11,13 @@ from typing import Any
 from frontend_lang import choices
 from frontend_lang.global_config import global_config
 from frontend_lang.ir import Gen, Select
+from frontend_lang.loop import OPEN, submit
 
 Chunk = tuple[str, dict[str, Any]]  # (new text, meta so far)
 SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
                  "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "regex", "json_schema")
 LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 _MARK = "\x00radixserve-role\x00"
-_OPEN: set[RuntimeEndpoint] = set()  # endpoints with a live session, closed at exit
 
 
 class FrontendError(RuntimeError):
@@ -51,9 +51,7 @@ class RuntimeEndpoint:
 
     # -- SGLang's synchronous calls ----------------------------------------------------------
     def _sync(self, coro: Any) -> Any:
-        from frontend_lang.runtime import _submit
-
-        return _submit(coro).result()
+        return submit(coro).result()
 
     def get_model_info(self) -> dict[str, Any]:
         if self._model_info is None:
@@ -79,7 +77,7 @@ class RuntimeEndpoint:
         import aiohttp
 
         if self._session is None or self._session.closed:
-            _OPEN.add(self)
+            OPEN.add(self)
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
                                                   headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {},
                                                   connector=aiohttp.TCPConnector(ssl=_ssl(self.verify)))

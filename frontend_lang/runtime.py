@@ -6,12 +6,11 @@ user's program is ordinary synchronous code: `s += gen(...)` returns at once, re
 from __future__ import annotations
 
 import asyncio
-import atexit
 import inspect
 import os
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,33 +36,7 @@ from frontend_lang.ir import (
     VarScopeBegin,
     VarScopeEnd,
 )
-
-_LOOP: dict[str, Any] = {}
-_LOCK = threading.Lock()
-
-
-def _loop() -> asyncio.AbstractEventLoop:
-    with _LOCK:
-        if "loop" not in _LOOP:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="frontend-lang", daemon=True).start()
-            _LOOP["loop"] = loop
-            atexit.register(_close_sessions)
-        return _LOOP["loop"]
-
-
-def _close_sessions() -> None:
-    from frontend_lang.backend import _OPEN
-
-    for ep in list(_OPEN):
-        try:
-            _submit(ep.close()).result(2)
-        except Exception:
-            pass
-
-
-def _submit(coro: Coroutine[Any, Any, Any]) -> Future[Any]:
-    return asyncio.run_coroutine_threadsafe(coro, _loop())
+from frontend_lang.loop import submit
 
 
 def set_default_backend(backend: Any) -> None:
@@ -237,7 +210,7 @@ class ProgramState:
                 warnings.warn(f"program stopped: {e}", stacklevel=1)
                 raise
 
-        self._tail = _submit(step())
+        self._tail = submit(step())
         return self
 
     async def _exec(self, e: Any) -> None:
@@ -396,7 +369,7 @@ class ProgramState:
         return_meta_data (and a var_name), it yields (text, meta_info): the gen's meta as of that
         chunk, its output_token_logprobs those of this chunk's tokens."""
         if self._stream is None:
-            await asyncio.wrap_future(_submit(self._drained()))
+            await asyncio.wrap_future(submit(self._drained()))
             if var_name is None:
                 yield self._text
             else:
@@ -436,7 +409,7 @@ class ProgramState:
             finally:
                 stream.finish(err)
 
-        _submit(end())
+        submit(end())
 
     def var_scope(self, name: str) -> _VarScope:
         """`with s.var_scope("x"): s += ...`: variable x is the text the block appends."""
@@ -674,7 +647,7 @@ class SglFunction:
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
         """Run the program without a server: what it appends, with placeholders for the
         arguments not given (SGLang's tracer). See frontend_lang.tracer."""
-        from frontend_lang.tracer import trace_program
+        from frontend_lang.tracer import trace_program  # (lazily: tracing is the rare path)
 
         return trace_program(self, kwargs, backend)
 

@@ -42,7 +42,7 @@ def server_command(kwargs: dict[str, Any], log_level: str) -> list[str]:
     """`radixserve serve` flags for keyword arguments (`kv_cache_tokens=4096` -> `--kv-cache-tokens 4096`,
     `disable_radix_cache=True` -> `--disable-radix-cache`); `radixserve serve` itself refuses a
     name it does not know."""
-    argv = [sys.executable, "-m", "radixserve.server.cli", "--log-level", log_level, "serve"]
+    argv = [sys.executable, "-m", "radixserve.cli", "--log-level", log_level, "serve"]
     for key, value in kwargs.items():
         if key in _REFUSED:
             raise TypeError(f"Runtime: {key} is not supported: {_REFUSED[key]}")
@@ -148,9 +148,9 @@ class Runtime:
     async def get_server_info(self) -> dict[str, Any]:
         import asyncio
 
-        from frontend_lang.runtime import _submit
+        from frontend_lang.loop import submit
 
-        return await asyncio.wrap_future(_submit(self.endpoint.server_info()))
+        return await asyncio.wrap_future(submit(self.endpoint.server_info()))
 
     def __del__(self) -> None:
         try:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from frontend_lang.ir import Argument, ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
+from frontend_lang.loop import submit
 
 
 class StopTracing(Exception):
@@ -99,14 +100,12 @@ def extract_prefix(program: Any, backend: Any) -> str:
         program.func(state, **args)
     except Exception:  # noqa: BLE001  where the program first needs what tracing cannot give (StopTracing, a
         pass  # placeholder used as a value, ...): the prefix is what it appended before; tracing never fails a batch
-    from frontend_lang.runtime import _submit
-
     prefix = ""
     for node in state.nodes:
         if isinstance(node, str):
             prefix += node
         elif isinstance(node, RoleBegin | RoleEnd):
-            begin, end = _submit(backend.role(node.role)).result()
+            begin, end = submit(backend.role(node.role)).result()
             prefix += begin if isinstance(node, RoleBegin) else end
         else:  # a gen, select, argument, ...: the programs differ from here
             break

@@ -10,6 +10,7 @@ from typing import Any
 from radixserve.config import CacheConfig, EngineConfig, ModelConfig, SchedConfig, SpecConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 _NOT_FLAGS = {"path"}  # --model
 
 
@@ -63,3 +64,21 @@ def add_flags(p: argparse.ArgumentParser, flags: dict[str, Flag]) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in _ENGINE_FLAGS}
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity (default: info)")
+
+
+def run_command(fn: Any, args: argparse.Namespace) -> int:
+    """A command's exit status: a bad option or model (ValueError, ModelLoadError among them) is
+    one line on stderr and status 2, ^C is 130."""
+    import sys
+
+    try:
+        return int(fn(args))
+    except ValueError as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -201,7 +201,7 @@ def model_benches(out: Path) -> dict:
     for name, argv in runs.items():
         path = out / f"{name}.json"
         t = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", *argv, "--json", str(path)], cwd=ROOT, timeout=200,
+        r = subprocess.run([sys.executable, "-m", "radixserve.cli", *argv, "--json", str(path)], cwd=ROOT, timeout=200,
                            capture_output=True, text=True)
         print(r.stdout[-3000:], r.stderr[-2000:] if r.returncode else "", flush=True)
         results[name] = json.loads(path.read_text()) if r.returncode == 0 and path.exists() else {"error": r.returncode}

@@ -33,7 +33,7 @@ class ServerProcess:
     def __init__(self, model: Path, *args: str, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", str(model), "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(model), "--port", str(self.port), *args]
         self.log = log
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ})
         deadline = time.monotonic() + scaled(120)

@@ -174,7 +174,7 @@ def test_a_load_ramp_scales_one_to_two_and_back_losing_nothing(tiny_llama, tmp_p
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_TMPDIR": ray_tmp}
     out, log = tmp_path / "ramp.json", tmp_path / "ramp.log"
-    cmd = [sys.executable, "-m", "radixserve.server.cli", "bench", "autoscale", "--model", str(tiny_llama),
+    cmd = [sys.executable, "-m", "radixserve.cli", "bench", "autoscale", "--model", str(tiny_llama),
            "--kv-cache-tokens", "4096", "--grammar-compile-workers", "1", "--max-running-requests", "1", "--high", "6",
            "--phase-s", "8", "--max-tokens", "48", "--downscale-delay-s", "6", "--settle-s", "90", "--json", str(out)]
     try:

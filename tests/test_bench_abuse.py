@@ -28,7 +28,7 @@ def test_bench_abuse_reports_tenant_b_beside_every_shape_of_tenant_a(tiny_llama,
                            "--keepalive-timeout", "2", log=tmp_path / "server.log")
     out = tmp_path / "abuse.json"
     try:
-        cmd = [sys.executable, "-m", "radixserve.server.cli", "bench", "abuse", "--url", server.url, "--keys", "key-alice,key-bob",
+        cmd = [sys.executable, "-m", "radixserve.cli", "bench", "abuse", "--url", server.url, "--keys", "key-alice,key-bob",
                "--admin-key", "key-ops", *TINY, "--json", str(out)]
         bench = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(240))
         assert bench.returncode == 0, bench.stdout + bench.stderr

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.bench import quality
-from radixserve.server.cli import main
+from radixserve.cli import main
 
 TEXT = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"  # English prose, in every checkout
 

@@ -89,7 +89,7 @@ def test_round_robin_computes_the_same_forks_on_both_replicas(dp):
 
 def test_bench_route_counts_less_prefill_under_prefix_affinity_than_round_robin(dp):
     from radixserve.bench import route
-    from radixserve.server.cli import build_parser
+    from radixserve.cli import build_parser
 
     args = build_parser().parse_args(["bench", "route", "--agents", "2", "--branches", "4", "--system-tokens", "400",
                                       "--conversations", "3", "--turns", "3", "--output-len", "4"])

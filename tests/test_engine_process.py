@@ -337,7 +337,7 @@ def test_an_engine_that_cannot_start_is_a_clean_error_and_leaves_nothing_behind(
                        (["--activations", "int8"], "--activations int8: the model has no quantized weights"),
                        (["--model", str(tmp_path / "missing")], "does not exist")):
         model = [] if args[0] == "--model" else ["--model", str(tiny_llama)]
-        r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", "serve", *model, *args, "--port", "1"],
+        r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", *model, *args, "--port", "1"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "radixserve: error: " in r.stderr and says in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -12,6 +12,7 @@ import pytest
 from server_helpers import ServerProcess
 
 import frontend_lang as sgl
+from frontend_lang.loop import submit
 
 
 @pytest.fixture(scope="module")
@@ -393,8 +394,8 @@ def test_tracing_finds_the_shared_prefix_run_batch_computes_once(backend):
         s += sgl.user("Q: " + question)
         s += sgl.assistant(sgl.gen("a", max_tokens=2))
 
-    system_begin, system_end = sgl.runtime._submit(ep.role("system")).result()
-    user_begin, _ = sgl.runtime._submit(ep.role("user")).result()
+    system_begin, system_end = submit(ep.role("system")).result()
+    user_begin, _ = submit(ep.role("user")).result()
     assert extract_prefix(brief, ep) == system_begin + "Shared rules. " * 40 + system_end + user_begin + "Q: "
     traced = brief.trace(backend=ep)
     assert [type(n).__name__ for n in traced.nodes][-5:] == ["Argument", "RoleEnd", "RoleBegin", "Gen", "RoleEnd"]

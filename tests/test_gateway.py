@@ -201,7 +201,7 @@ def _check_epp_references(pool: dict[str, Any]) -> None:
 
 
 def test_the_container_command_is_a_radixserve_command_line_that_drains_within_the_grace_period():
-    from radixserve.server.cli import build_parser
+    from radixserve.cli import build_parser
 
     pod = _get("Deployment", "radixserve")["spec"]["template"]["spec"]
     container = pod["containers"][0]

@@ -94,7 +94,7 @@ def test_radixserve_serve_ray_serves_on_a_local_cluster_and_stops(tiny_llama: Pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # the command makes its own choices
     env.update(RAY_TMPDIR=ray_tmp, RADIXSERVE_API_KEY=CLI_KEY)
     port, log = free_port(), tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--ray", "--replicas", "1", "--model", str(tiny_llama),
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--ray", "--replicas", "1", "--model", str(tiny_llama),
            "--port", str(port), "--kv-cache-tokens", "4096", "--grammar-compile-workers", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:

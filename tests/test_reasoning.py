@@ -164,6 +164,6 @@ def test_served_template_kwargs_reach_the_template_and_thinking_off_constrains_a
 
 
 def test_an_unknown_reasoning_parser_is_refused_at_the_command_line(tiny_llama):
-    r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", "serve", "--model", str(tiny_llama),
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "--model", str(tiny_llama),
                         "--reasoning-parser", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr

@@ -269,7 +269,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tiny_llama
 
 
 def test_bench_serving_sweeps_rates_and_clients_and_plots(server, tmp_path):
-    from radixserve.server.cli import main
+    from radixserve.cli import main
 
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
     rc = main(["bench", "serving", "--url", server.url, "--rates", "4", "--concurrency", "2", "--requests", "3",
@@ -364,7 +364,7 @@ def test_a_slow_grammar_times_out_with_a_400_while_other_requests_complete(tiny_
 
 
 def test_bench_compare_runs_every_workload_on_each_server_and_prints_ratios(server, tmp_path, capsys):
-    from radixserve.server.cli import main
+    from radixserve.cli import main
 
     out = tmp_path / "compare.json"
     rc = main(["bench", "compare", "--url", server.url, "--name", "a", "--url", server.url, "--name", "b",
@@ -378,7 +378,7 @@ def test_bench_compare_runs_every_workload_on_each_server_and_prints_ratios(serv
 
 
 def test_bench_compare_roof_prints_the_first_servers_decode_step_against_the_machines_read_rate(server, tmp_path, capsys):
-    from radixserve.server.cli import main
+    from radixserve.cli import main
 
     out = tmp_path / "compare.json"
     assert main(["bench", "compare", "--url", server.url, "--name", "a", "--url", server.url, "--name", "b",

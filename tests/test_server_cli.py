@@ -25,7 +25,7 @@ from radixserve.server.app import build_app
 from radixserve.server.auth import Auth
 from radixserve.server.openapi import DOCUMENT
 
-CLI = [sys.executable, "-m", "radixserve.server.cli"]
+CLI = [sys.executable, "-m", "radixserve.cli"]
 
 
 # -- --help --------------------------------------------------------------------------------------

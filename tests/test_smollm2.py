@@ -41,7 +41,7 @@ def test_streamed_deltas_concatenate_to_the_full_text(smollm2_engine):
 
 def test_cli_generate_streams_the_answer(smollm2_dir):
     r = subprocess.run(
-        [sys.executable, "-m", "radixserve.server.cli", "generate", "--model", str(smollm2_dir),
+        [sys.executable, "-m", "radixserve.cli", "generate", "--model", str(smollm2_dir),
          "--kv-cache-tokens", "2048", "--max-new-tokens", "24", "What is the capital of France?"],
         capture_output=True, text=True, timeout=300,
     )
@@ -57,7 +57,7 @@ def test_clear_errors_for_bad_model_paths(tmp_path):
 
     with pytest.raises(ModelLoadError, match="supported: LlamaForCausalLM"):
         read_arch(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "radixserve.server.cli", "generate", "--model", str(tmp_path / "x"), "hi"],
+    r = subprocess.run([sys.executable, "-m", "radixserve.cli", "generate", "--model", str(tmp_path / "x"), "hi"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 

@@ -75,7 +75,7 @@ def test_smollm2_in_fp32_on_two_ranks_gives_one_ranks_greedy_tokens(smollm2_dir)
 def test_bench_tp_times_one_rank_and_two_and_the_all_reduce_share(tiny_llama, tmp_path, capsys):
     import json
 
-    from radixserve.server.cli import main
+    from radixserve.cli import main
 
     out = tmp_path / "tp.json"
     assert main(["bench", "tp", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-tokens", "1024",

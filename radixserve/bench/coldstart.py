@@ -109,7 +109,7 @@ def _healthy(url: str, proc: subprocess.Popen[Any], what: str) -> None:
 
 def start_once(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, float]:
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--port", str(args.port),
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port),
            "--kv-cache-tokens", str(args.context), *args.serve_arg]
     if args.model:
         cmd += ["--model", args.model]

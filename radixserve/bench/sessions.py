@@ -54,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 class Server:
     def __init__(self, args: argparse.Namespace, disk: str, pool_tokens: int | None) -> None:
-        cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--port", str(args.port), "--kv-disk-dir", disk,
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port), "--kv-disk-dir", disk,
                *(["--model", args.model] if args.model else []),
                *(["--kv-cache-tokens", str(pool_tokens)] if pool_tokens else []), *args.serve_arg]
         self.url = f"http://127.0.0.1:{args.port}"

@@ -84,7 +84,7 @@ class LocalServer:
         self._keeper.join(5.0)  # it reads the server's last output, then ends
 
     def _keep(self) -> None:
-        cmd = [sys.executable, "-m", "radixserve.ray.child", str(os.getpid()), "--log-level", "info", "serve", *self.argv,
+        cmd = [sys.executable, "-m", "radixserve.ray.child", str(os.getpid()), "--log-level", "info", *self.argv,
                "--host", "127.0.0.1", "--port", "0"]
         read, write = os.pipe() if self._tenants is not None else (-1, -1)
         if self._tenants is not None:

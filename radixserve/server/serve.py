@@ -15,7 +15,7 @@ import socket
 import time
 from typing import Any
 
-from radixserve.cli_args import add_engine_args, add_flags, engine_kwargs, scalar_fields
+from radixserve.cli_args import add_engine_args, add_flags, add_log_level, engine_kwargs, run_command, scalar_fields
 from radixserve.config import RouterConfig, ServerConfig
 
 log = logging.getLogger("radixserve.server")
@@ -124,12 +124,20 @@ def listen_error(host: str, port: int, e: OSError) -> ValueError:
     return ValueError(f"cannot listen on port {port} on {host}: {e.strerror or e}")
 
 
-def run(args: argparse.Namespace) -> int:
-    resolve_secrets(args)
-    if args.ray:
-        from radixserve.ray.serve import run_ray
+def main(argv: list[str]) -> int:
+    """`radixserve serve ARGS` on its own, with `--log-level` (a Ray replica's server process,
+    radixserve.ray.child)."""
+    p = argparse.ArgumentParser(prog="radixserve serve")
+    add_log_level(p)
+    add_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command(run, args)
 
-        return run_ray(args)
+
+def run(args: argparse.Namespace) -> int:
+    """`radixserve serve` in this process (`--ray` is the CLI's: radixserve.ray.serve.run_ray)."""
+    resolve_secrets(args)
     from radixserve.engine.process import EngineProcess
     from radixserve.engine.protocol import EngineClient
     from radixserve.server.auth import Auth

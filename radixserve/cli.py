@@ -1,4 +1,6 @@
-"""`radixserve` command line: generate (stream one answer), bench (benchmarks)."""
+"""`radixserve` command line (`python -m radixserve`): serve (one process's server, or `--ray`: Ray
+Serve replicas), generate (stream one answer), bench (benchmarks). Above every serving mode:
+server/ and ray/ never import it, and server/ never imports ray/."""
 
 from __future__ import annotations
 
@@ -8,13 +10,12 @@ import logging
 import sys
 from typing import Any
 
-from radixserve.cli_args import add_engine_args, engine_kwargs
+from radixserve.cli_args import add_engine_args, add_log_level, engine_kwargs, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve", description="LLM serving engine for agents")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log verbosity (default: info)")
+    add_log_level(p)
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream the answer to one chat-templated prompt")
     add_engine_args(g)
@@ -95,25 +96,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from radixserve.models.gguf import ModelLoadError
+    return run_command(_dispatch, args)
 
-    try:
-        if args.cmd == "generate":
-            return cmd_generate(args)
-        if args.cmd == "serve":
-            from radixserve.server import serve
 
-            return serve.run(args)
-        import importlib
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "generate":
+        return cmd_generate(args)
+    if args.cmd == "serve":
+        from radixserve.server import serve
 
-        module = "radixserve.ray.ramp" if args.bench == "autoscale" else f"radixserve.bench.{args.bench}"
-        return importlib.import_module(module).run(args)  # each bench module has run(args)
-    except (ModelLoadError, ValueError) as e:
-        print(f"radixserve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        if args.ray:  # the serving modes meet here, above server/ and ray/ (ray/ uses server/'s options)
+            from radixserve.ray.serve import run_ray
 
+            serve.resolve_secrets(args)
+            return run_ray(args)
+        return serve.run(args)
+    import importlib
+
+    module = "radixserve.ray.ramp" if args.bench == "autoscale" else f"radixserve.bench.{args.bench}"
+    return int(importlib.import_module(module).run(args))  # each bench module has run(args)
 
 if __name__ == "__main__":
     sys.exit(main())
