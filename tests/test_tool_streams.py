@@ -165,3 +165,24 @@ def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
     starts = [e.index for e in events if e.type == "content_block_start"]
     stops = [e.index for e in events if e.type == "content_block_stop"]
     assert starts == stops == [0, 1, 2]  # one block at a time, in order
+
+
+def test_every_tool_call_and_reasoning_parser_the_cli_offers_is_in_its_one_table():
+    """--tool-call-parser's choices (config.py, below server/ in the layers) name the formats of
+    server.tool_parsers.FORMATS, the one table every format is keyed in (mistral_v11 is chosen
+    from a chat template, never by name)."""
+    import dataclasses
+
+    from radixserve.config import ServerConfig
+    from radixserve.server import tool_parsers
+
+    field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
+    offered = set(field.metadata["choices"]) - {"auto"}
+    assert offered == set(tool_parsers.FORMATS) - {"mistral_v11"}
+    from radixserve.server import reasoning
+
+    reasoning_field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "reasoning_parser")
+    assert set(reasoning_field.metadata["choices"]) == set(reasoning.PARSERS)  # the reasoning parsers' one table
+    for template, fmt in (("<function=x><parameter=y>", "qwen3_coder"), ("<tool_call>", "hermes"),
+                          ("[TOOL_CALLS][ARGS]", "mistral_v11"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json")):
+        assert tool_parsers.for_template(template) == fmt and fmt in tool_parsers.FORMATS

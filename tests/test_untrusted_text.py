@@ -237,10 +237,10 @@ def _released_then(fmt: str, text: str) -> tuple[int, list[str]]:
     if fmt == "llama3_json" and (not head or head[0] == "{" or head.startswith("<|python_tag|>")
                                  or "<|python_tag|>".startswith(head)):
         return 0, calls
-    if fmt in tool_parsers.MISTRAL and head[:1] == "[":
+    if tool_parsers.FORMATS[fmt].special_tokens and head[:1] == "[":
         return 0, calls
     cut = len(text)
-    for marker in tool_parsers.CallStream._MARKERS[fmt]:
+    for marker in tool_parsers.FORMATS[fmt].markers:
         at = text.find(marker) if marker != "```" else _fence_hold(text)
         cut = min(cut, at if at >= 0 else len(text) - partial_tail(text, marker))
     return len(text[:cut].rstrip()), calls

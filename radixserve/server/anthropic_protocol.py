@@ -12,16 +12,9 @@ import msgspec
 from msgspec import Meta
 
 from radixserve.limits import MAX_MESSAGES, MAX_RID_CHARS, MAX_STOPS, MAX_TOOLS
+from radixserve.server.protocol import _In, _Out  # the wire types' bases, declared once
 
 CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": "5m" | "1h"}: server/anthropic_cache.py
-
-
-class _In(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    """A request body part: unknown fields are rejected."""
-
-
-class _Out(msgspec.Struct, omit_defaults=False):
-    """A response body part."""
 
 
 # -- request blocks --------------------------------------------------------------------------

@@ -16,6 +16,9 @@ not offered, or one that does not parse, stays content.
     qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>,
                  each VALUE read by its parameter's schema type (a string as written)
 
+`FORMATS` is the one table of them: each format's parser, the markers a stream watches for, how
+its calls close, and what the auto-mode constraint (server.tools) and decoding need to know.
+
 The text is the model's, which a client can steer (its own regex, logit_bias): every reading is
 linear in its length (server.text_scan), on a whole answer and on a stream (CallStream) alike.
 An answer cut short by max_tokens while writing a call: see server.cut_calls."""
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.server.protocol import FunctionCall, ToolCall
@@ -64,7 +68,7 @@ def for_template(template: str | None) -> str:
 def parse(name: str, text: str, tools: list[Any]) -> Parsed:
     """(content left or None, calls) of `text` in parser `name`'s format; `tools` the offered
     ones (`server.tools.Tool`: name and parameters)."""
-    return _BY_NAME[name](text, {t.name: t for t in tools})
+    return FORMATS[name].parse(text, {t.name: t for t in tools})
 
 
 def new_call(name: str, arguments: Any) -> ToolCall:
@@ -195,17 +199,15 @@ class CallStream:
     NOTE: each delta costs work in proportion to itself: every search resumes where the last
     one stopped (the `_from` positions), and what may still be a call is read once it closes."""
 
-    _MARKERS = {"hermes": (TOOL_OPEN, FENCE), "qwen3_coder": (TOOL_OPEN,), "mistral": ("[TOOL_CALLS]",),
-                "mistral_v11": ("[TOOL_CALLS]",), "llama3_json": ("<|python_tag|>",)}
-
     def __init__(self, fmt: str, tools: list[Any], one_call: bool) -> None:
         self.fmt, self.tools, self.one_call = fmt, {t.name: t for t in tools}, one_call
+        self.format = FORMATS[fmt]
         self.text = Text()
         self.released = 0  # chars of `text` given out as content
         self.calls: list[ToolCall] = []  # given out
-        self._ends = _CallEnds(self.text, fmt) if fmt in ("hermes", "qwen3_coder") else None
-        self._first = {m: _First(self.text, m) for m in self._MARKERS[fmt] if m != FENCE}
-        self._fences = _Fences(self.text, self.tools) if fmt == "hermes" else None
+        self._ends = _CallEnds(self.text, self.format.closes == "xml") if self.format.closes else None
+        self._first = {m: _First(self.text, m) for m in self.format.markers if m != FENCE}
+        self._fences = _Fences(self.text, self.tools) if FENCE in self.format.markers else None
         self._lead = 0  # where the answer's first non-space character is (or where to look for it)
         self._seen = self._kept = 0  # text[:_seen] read for trailing spaces: its last other character ends at _kept
 
@@ -225,7 +227,7 @@ class CallStream:
         """The tagged calls closed since the last feed."""
         found: list[ToolCall] = []
         while self._ends is not None and (span := self._ends.next()) is not None:
-            found += _BY_NAME[self.fmt](self.text.slice(*span), self.tools)[1]
+            found += self.format.parse(self.text.slice(*span), self.tools)[1]
         return found
 
     def _safe(self) -> int:
@@ -234,18 +236,18 @@ class CallStream:
         if self._may_be_all_calls():
             return 0
         cut = len(t)
-        for marker in self._MARKERS[self.fmt]:
+        for marker in self.format.markers:
             at = self._fences.hold() if self._fences is not None and marker == FENCE else self._first[marker].at()
             cut = min(cut, at if at >= 0 else len(t) - partial_tail(t.slice(len(t) - len(marker) + 1), marker))
         return self._before_spaces(cut)
 
     def _may_be_all_calls(self) -> bool:
         """A Llama 3 answer that starts like a call, or a Mistral one that starts with a list."""
-        if self.fmt != "llama3_json" and self.fmt not in MISTRAL:
+        if not self.format.whole_answer:
             return False
         self._lead = self.text.skip_ws(self._lead)
         head = self.text.slice(self._lead, self._lead + 15)
-        if self.fmt in MISTRAL:
+        if self.format.special_tokens:  # Mistral: a list of calls
             return head[:1] == "["
         return not head or head[0] == "{" or _opens(head, "<|python_tag|>")
 
@@ -281,8 +283,8 @@ class _CallEnds:
     """The tagged calls of a growing text as each closes: what `tagged` (hermes) or `xml_calls`
     (qwen3_coder) finds in the whole text, found one delta at a time."""
 
-    def __init__(self, text: Text, fmt: str) -> None:
-        self.text, self.xml = text, fmt == "qwen3_coder"
+    def __init__(self, text: Text, xml: bool) -> None:
+        self.text, self.xml = text, xml
         self._open = -1  # where the call being read opens (-1: none yet)
         self._from = 0  # where reading resumes
         self._step = 0  # xml: 0 spaces then <function=, 1 looking for </function>, 2 spaces then </tool_call>
@@ -393,6 +395,22 @@ def _opens(text: str, marker: str) -> bool:
     return text.startswith(marker) or marker.startswith(text)
 
 
-MISTRAL = ("mistral", "mistral_v11")
-_BY_NAME: dict[str, Callable[[str, dict[str, Any]], Parsed]] = {
-    "hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "mistral_v11": _mistral, "qwen3_coder": _qwen3_coder}
+@dataclass(frozen=True)
+class ToolFormat:
+    """One tool-call format: everything keyed by its name, in one place."""
+
+    parse: Callable[[str, dict[str, Any]], Parsed]  # a whole answer: (content left, calls)
+    markers: tuple[str, ...]  # where a call may start: a stream holds the text from there
+    closes: str | None = None  # a call closes with a tag, released as it closes: read "tagged" or "xml"
+    whole_answer: bool = False  # an answer may be only calls, known at its end (a stream holds it from the start)
+    special_tokens: bool = False  # its markers are special tokens: decoded with them (auto mode)
+    xgrammar_tag: str | None = None  # xgrammar's builtin structural tag for it (tools.auto_tag), if any
+
+
+FORMATS: dict[str, ToolFormat] = {
+    "hermes": ToolFormat(_hermes, (TOOL_OPEN, FENCE), closes="tagged"),
+    "qwen3_coder": ToolFormat(_qwen3_coder, (TOOL_OPEN,), closes="xml", xgrammar_tag="qwen_3_coder"),
+    "llama3_json": ToolFormat(_llama3_json, ("<|python_tag|>",), whole_answer=True, xgrammar_tag="llama"),
+    "mistral": ToolFormat(_mistral, ("[TOOL_CALLS]",), whole_answer=True, special_tokens=True),
+    "mistral_v11": ToolFormat(_mistral, ("[TOOL_CALLS]",), whole_answer=True, special_tokens=True),
+}

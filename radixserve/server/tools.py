@@ -131,15 +131,16 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
     None where this xgrammar has no builtin tag for the format."""
     if not offered:
         return None
-    if fmt in tool_parsers.MISTRAL:
+    form = tool_parsers.FORMATS[fmt]
+    if form.special_tokens:  # Mistral's
         return json.dumps({"type": "structural_tag", "format": _mistral_tags(offered, fmt, one_call)})
-    if fmt in _BUILTIN_TAGS:
+    if form.xgrammar_tag is not None:
         try:
             from xgrammar.builtin_structural_tag import get_model_structural_tag
         except ImportError:  # an xgrammar without builtin tags: the calls are parsed, not constrained
             return None
         specs: list[Any] = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in offered]
-        tag = get_model_structural_tag(_BUILTIN_TAGS[fmt], tools=specs, tool_choice="auto", reasoning="disabled",
+        tag = get_model_structural_tag(form.xgrammar_tag, tools=specs, tool_choice="auto", reasoning="disabled",
                                        max_whitespace_cnt=2, parallel_tool_calls=not one_call)
         return json.dumps(tag.model_dump(mode="json"))
     if fmt != "hermes":
@@ -177,10 +178,9 @@ def keeps_markers(mode: str, fmt: str) -> bool:
     """Whether an answer must be decoded with its special tokens: tool calls in auto mode whose
     format marks them with special tokens (Mistral's [TOOL_CALLS], [ARGS]), which the parser
     and the call stream read."""
-    return mode == "auto" and fmt in tool_parsers.MISTRAL
+    return mode == "auto" and tool_parsers.FORMATS[fmt].special_tokens
 
 
-_BUILTIN_TAGS = {"llama3_json": "llama", "qwen3_coder": "qwen_3_coder"}  # our format -> xgrammar's model key
 _FENCE = '```json\n{\n  "name": "'  # how Qwen2.5-Coder opens a call
 
 
