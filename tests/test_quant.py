@@ -610,6 +610,28 @@ def test_packed_weights_kept_on_disk_load_as_packed_and_a_bad_file_is_a_miss(ops
     assert packed_cache.load(tmp_path / "missing.bin") == {}
 
 
+def test_a_packed_write_cut_short_is_cleaned_up_by_the_next_one(tmp_path):
+    """A write whose process died (an engine that failed to start, a SIGKILL) leaves its
+    temporary file; the next write removes it (its writer's pid is gone), not a live writer's."""
+    import os
+    import subprocess
+    import sys
+
+    from radixserve.models import packed_cache
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    orphan, live = folder / f".packed-{dead.pid}-abc", folder / f".packed-{os.getpid()}-def"
+    orphan.write_bytes(b"x" * 10)
+    live.write_bytes(b"y")
+    packed_cache.save_soon(folder / "layout.bin", {"a.packed": torch.arange(8, dtype=torch.uint8)})
+    packed_cache.wait()
+    assert packed_cache.load(folder / "layout.bin")["a.packed"].tolist() == list(range(8))
+    assert not orphan.exists() and live.exists()
+
+
 @pytest.mark.smollm2
 def test_the_default_model_packs_once_and_maps_its_packed_weights_after(ops, tmp_path, monkeypatch):
     from radixserve.models import packed_cache

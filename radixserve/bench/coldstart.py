@@ -62,6 +62,22 @@ def evict(paths: list[Path]) -> int:
     return total
 
 
+def _read(path: Path) -> None:
+    """Read a file through once (into the page cache), 64 MiB at a time."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def forget(gguf: Path) -> list[Path]:
     """Remove what a first start of this GGUF file writes (its config and tokenizer folder, its
     packed weights), so the next start is a new file's; returns what was removed."""
@@ -133,8 +149,7 @@ def start_once(args: argparse.Namespace, env: dict[str, str] | None = None) -> d
             info = json.loads(r.read())
         row["engine_load_s"] = info["load"]["seconds"]
     finally:
-        proc.terminate()
-        proc.wait(60)
+        _stop(proc)
     return row
 
 
@@ -151,8 +166,7 @@ def peer_once(args: argparse.Namespace) -> dict[str, float]:
         first_token(url)
         row["first_token_s"] = time.monotonic() - t0
     finally:
-        proc.terminate()
-        proc.wait(60)
+        _stop(proc)
     return row
 
 
@@ -187,11 +201,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 for f in _model_files(args.model) if gguf is None or condition != "new-file" else [gguf]:
                     for p in [f] if f.is_file() else [p for p in f.rglob("*") if p.is_file()]:
-                        p.read_bytes()  # read once: in the page cache
+                        _read(p)  # read once: in the page cache
             results.setdefault(condition, []).append(start_once(args, envs.get(condition)))
         if args.llama_server:
             assert gguf is not None
-            gguf.read_bytes()  # the peer's file in the page cache too (a cold-disk condition may have evicted it)
+            _read(gguf)  # the peer's file in the page cache too (a cold-disk condition may have evicted it)
             results.setdefault("llama-server", []).append(peer_once(args))
             results.setdefault("kernel import", []).append(kernel_import())
     print(f"{'condition':>22} | {'listening':>9} | {'healthy':>8} | {'first token':>11} | {'engine load':>11}")

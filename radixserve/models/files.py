@@ -103,7 +103,7 @@ def load_tokenizer(folder: Path, fast: bool = False, save_fast: bool = False) ->
     server does, while its engine process packs a new file's weights)."""
     if not any((folder / f).exists() for f in _TOKENIZER_FILES):
         raise ModelLoadError(f"model folder {folder} has no tokenizer (looked for {', '.join(_TOKENIZER_FILES)})")
-    made = made_tokenizer(folder) if not fast else None  # a GGUF's, just written by this process
+    made = made_tokenizer(folder)  # a GGUF's, just written by this process
     if made is not None:
         _remember_class(_class_key(folder), f"{type(made).__module__}:{type(made).__qualname__}")
     if not fast and not save_fast:
@@ -117,10 +117,10 @@ def load_tokenizer(folder: Path, fast: bool = False, save_fast: bool = False) ->
             with contextlib.suppress(OSError):  # a read-only cache: the engine builds its own
                 ft.save_fast(full, path)
         return full
-    tok = ft.load_fast(path, lambda: _load_full(folder))
+    tok = ft.load_fast(path, lambda: _load_full(folder)) if made is None else None
     if tok is not None:
         return tok
-    full = _load_full(folder)
+    full = made if made is not None else _load_full(folder)
     if not hasattr(full, "backend_tokenizer"):  # a slow (Python) tokenizer: nothing to save
         return full
     try:

