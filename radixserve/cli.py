@@ -6,11 +6,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 from typing import Any
 
 from radixserve.cli_args import add_engine_args, add_log_level, engine_kwargs, run_command
+
+# `radixserve bench NAME`: its module (add_args, run) and its one-line help
+BENCHES = {
+    "compare": ("radixserve.bench.compare", "five workloads against OpenAI-compatible servers (llama.cpp, ...)"),
+    "agents": ("radixserve.bench.agents", "agent programs in frontend_lang vs sequential openai-client calls"),
+    "offline": ("radixserve.bench.offline", "offline throughput vs Hugging Face generate"),
+    "prefix": ("radixserve.bench.prefix", "16 calls forked off a long system prompt; multi-turn history reuse"),
+    "route": ("radixserve.bench.route", "data-parallel replicas: prefix-affinity vs round-robin vs random routing"),
+    "serving": ("radixserve.bench.serving", "a running server under open- and closed-loop load, over HTTP"),
+    "reliability": ("radixserve.bench.reliability", "a running server: overload rejections, tenant isolation timing "
+                                                    "(--abuse: the abuse bench)"),
+    "abuse": ("radixserve.bench.abuse", "a running server: tenant B's chat latency alone and beside each of tenant A's "
+                                        "abusive shapes (bombs, floods, idle connections), RSS, 5xx, restarts"),
+    "structured": ("radixserve.bench.structured", "JSON-schema coverage, compile time, compliance, constrained speed"),
+    "sessions": ("radixserve.bench.sessions", "an agent session's time to first token: pool, disk tier, restart, cold"),
+    "spec": ("radixserve.bench.spec", "speculative decoding from context copies, on vs off: rewrite, JSON, chat"),
+    "tools": ("radixserve.bench.tools", "tool calls in auto mode against OpenAI-compatible servers: made, valid, text"),
+    # a bench on Ray: above the bench layer, as ray/ is; imports ray when it runs
+    "autoscale": ("radixserve.ray.ramp", "a load ramp on a local Ray cluster: the autoscaled deployment scales "
+                                         "1 -> 2 -> 1, no request lost, cold start"),
+    "coldstart": ("radixserve.bench.coldstart", "a start to its first token: a new GGUF file, weights in the page cache "
+                                                "and from a cold disk, beside llama-server"),
+    "disagg": ("radixserve.bench.disagg", "prefill/decode disaggregation vs colocated replicas: short chats' TPOT p99 "
+                                          "while long prompts arrive"),
+    "quality": ("radixserve.bench.quality", "KL divergence of a configuration's next-token distributions from the exact "
+                                            "model's over a text, as llama-perplexity measures it"),
+    "tp": ("radixserve.bench.tp", "tensor parallelism: one rank vs N on the same cores, step times, all-reduce share"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,49 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_args(sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs"))
     b = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import (
-        abuse,
-        agents,
-        coldstart,
-        compare,
-        disagg,
-        offline,
-        prefix,
-        quality,
-        reliability,
-        route,
-        serving,
-        sessions,
-        spec,
-        structured,
-        tools,
-        tp,
-    )
-    from radixserve.ray import ramp  # (a bench on Ray: above the bench layer, as ray/ is; imports ray when it runs)
-
-    compare.add_args(bsub.add_parser("compare", help="five workloads against OpenAI-compatible servers (llama.cpp, ...)"))
-    agents.add_args(bsub.add_parser("agents", help="agent programs in frontend_lang vs sequential openai-client calls"))
-    offline.add_args(bsub.add_parser("offline", help="offline throughput vs Hugging Face generate"))
-    prefix.add_args(bsub.add_parser("prefix", help="16 calls forked off a long system prompt; multi-turn history reuse"))
-    route.add_args(bsub.add_parser("route", help="data-parallel replicas: prefix-affinity vs round-robin vs random routing"))
-    serving.add_args(bsub.add_parser("serving", help="a running server under open- and closed-loop load, over HTTP"))
-    reliability.add_args(bsub.add_parser("reliability", help="a running server: overload rejections, tenant isolation timing "
-                                                             "(--abuse: the abuse bench)"))
-    abuse.add_args(bsub.add_parser("abuse", help="a running server: tenant B's chat latency alone and beside each of tenant "
-                                                 "A's abusive shapes (bombs, floods, idle connections), RSS, 5xx, restarts"))
-    structured.add_args(bsub.add_parser("structured", help="JSON-schema coverage, compile time, compliance, constrained speed"))
-    sessions.add_args(bsub.add_parser("sessions", help="an agent session's time to first token: pool, disk tier, restart, cold"))
-    spec.add_args(bsub.add_parser("spec", help="speculative decoding from context copies, on vs off: rewrite, JSON, chat"))
-    tools.add_args(bsub.add_parser("tools", help="tool calls in auto mode against OpenAI-compatible servers: made, valid, text"))
-    ramp.add_args(bsub.add_parser("autoscale", help="a load ramp on a local Ray cluster: the autoscaled "
-                                                         "deployment scales 1 -> 2 -> 1, no request lost, cold start"))
-    coldstart.add_args(bsub.add_parser("coldstart", help="a start to its first token: a new GGUF file, weights in the "
-                                                         "page cache and from a cold disk, beside llama-server"))
-    disagg.add_args(bsub.add_parser("disagg", help="prefill/decode disaggregation vs colocated replicas: short chats' "
-                                                   "TPOT p99 while long prompts arrive"))
-    quality.add_args(bsub.add_parser("quality", help="KL divergence of a configuration's next-token distributions from "
-                                                     "the exact model's over a text, as llama-perplexity measures it"))
-    tp.add_args(bsub.add_parser("tp", help="tensor parallelism: one rank vs N on the same cores, step times, all-reduce share"))
+    for name, (module, words) in BENCHES.items():
+        importlib.import_module(module).add_args(bsub.add_parser(name, help=words))
     return p
 
 
@@ -111,10 +99,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             serve.resolve_secrets(args)
             return run_ray(args)
         return serve.run(args)
-    import importlib
-
-    module = "radixserve.ray.ramp" if args.bench == "autoscale" else f"radixserve.bench.{args.bench}"
-    return int(importlib.import_module(module).run(args))  # each bench module has run(args)
+    return int(importlib.import_module(BENCHES[args.bench][0]).run(args))  # each bench module has run(args)
 
 if __name__ == "__main__":
     sys.exit(main())

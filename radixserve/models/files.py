@@ -11,7 +11,6 @@ seconds of importing torch first.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -111,23 +110,19 @@ def load_tokenizer(folder: Path, fast: bool = False, save_fast: bool = False) ->
     from radixserve.models import fast_tokenizer as ft
 
     path = ft.cache_path(cache_root(), f"{_class_key(folder)}|{_versions()}")
-    if save_fast:
-        full = made if made is not None else _load_full(folder)
-        if hasattr(full, "backend_tokenizer") and not path.exists():
-            with contextlib.suppress(OSError):  # a read-only cache: the engine builds its own
-                ft.save_fast(full, path)
-        return full
-    tok = ft.load_fast(path, lambda: _load_full(folder)) if made is None else None
-    if tok is not None:
-        return tok
+    if fast and made is None:
+        tok = ft.load_fast(path, lambda: _load_full(folder))
+        if tok is not None:
+            return tok
     full = made if made is not None else _load_full(folder)
     if not hasattr(full, "backend_tokenizer"):  # a slow (Python) tokenizer: nothing to save
         return full
     try:
-        ft.save_fast(full, path)
+        if not (save_fast and path.exists()):  # (a server saves it once, for its engine)
+            ft.save_fast(full, path)
     except OSError:  # a read-only cache: transformers each time
         return full
-    return ft.load_fast(path, lambda: full) or full
+    return full if save_fast else ft.load_fast(path, lambda: full) or full
 
 
 def vocab_texts(tok: Any, n: int) -> list[str]:
