@@ -58,7 +58,7 @@ class SeqView:
 
 @dataclass
 class NativeDecode:
-    """What a fused CPU decode step (`kernels.cpu` decode_layers) needs of the KV side: the
+    """What a fused CPU decode step (`radixserve_kernels.cpu` decode_layers) needs of the KV side: the
     pools, where each row's new K/V goes, and each row's slot table (rows read their whole
     table: no shared-prefix pass)."""
 

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from kernels import cpu
 from radixserve import Engine
 from radixserve.batch import ForwardBatch, SeqView
+from radixserve_kernels import cpu
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
-from kernels.extend_attention import extend_attention_ref, extend_attention_triton  # noqa: E402
-from kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
+from radixserve_kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
+from radixserve_kernels.extend_attention import extend_attention_ref, extend_attention_triton  # noqa: E402
+from radixserve_kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 SCALE = 64 if SMOKE else 1  # lengths are divided by this
@@ -126,10 +126,10 @@ def check_store(shape: str, dtype: torch.dtype, tokens: int, bench: bool) -> dic
 
 
 def check_quant(kind: str, dtype: torch.dtype, m: int, n: int, k: int, bench: bool) -> dict:
-    """kernels/quant_matmul.py (QuantLinear's CUDA path) against its torch reference; the blocks
+    """kernels/radixserve_kernels/quant_matmul.py (QuantLinear's CUDA path) against its torch reference; the blocks
     are random bytes with sane fp16 scales, packed by the CPU kernels as the loader packs them."""
-    from kernels import cpu
-    from kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton
+    from radixserve_kernels import cpu
+    from radixserve_kernels.quant_matmul import quant_matmul_ref, quant_matmul_triton
 
     g = torch.Generator().manual_seed(m + n + k)
     block = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[kind]

@@ -1,6 +1,6 @@
 """Time SmolLM2-shaped linears (30 layers of qkv, o, gate_up, down, and the 49,152-row head
 on one row; each weight distinct, so it streams from memory) per kernel, dtype and row count
-(native: radixserve's bf16 kernel, kernels/cpu.py): the table in radixserve/models/linear.py.
+(native: radixserve's bf16 kernel, kernels/radixserve_kernels/cpu.py): the table in radixserve/models/linear.py.
 
     .venv/bin/python scripts/linear_roofs.py
 """
@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
+from radixserve_kernels import cpu
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2-135M's linears
 LAYERS = 30

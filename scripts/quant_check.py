@@ -76,9 +76,9 @@ def weight_rss(model: str | None, quantization: str) -> tuple[float, float, floa
 
     import torch
 
-    from kernels import cpu
     from radixserve.models.files import load_tokenizer, tokenizer_dir
     from radixserve.models.loader import load_model
+    from radixserve_kernels import cpu
 
     cpu.ops()
     toks = [load_tokenizer(tokenizer_dir(model), fast=True) for _ in range(2)]

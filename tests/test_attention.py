@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from kernels import cpu
 from radixserve.attention import create_backend
 from radixserve.batch import ForwardBatch, SeqView
 from radixserve.cache.pool import KVPool
+from radixserve_kernels import cpu
 
 
 def _batch(spec: list[tuple[list[int], int]], backend, heads: int, kv_heads: int, dim: int, seed: int):

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu.py) against their torch references: fresh random
+"""The native CPU kernels (kernels/radixserve_kernels/cpu.py) against their torch references: fresh random
 inputs, outputs poisoned first, fp32 and bf16 (and int8 / fp8 KV pools), head dims on the vector path (64, 128) and off
 it (80), GQA ratios 1/3/8 and 16 (off the vector path), lengths not a multiple of 16, scattered
 slot tables, strided views. They must build here: CI has the compiler that users have."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
-from kernels.decode_attention import decode_attention_cpu, decode_attention_ref
-from kernels.store_kv import store_kv, store_kv_quant, store_kv_quant_ref, store_kv_ref
 from radixserve.models.layers import RMSNorm, apply_rope, rope_qk
+from radixserve_kernels import cpu
+from radixserve_kernels.decode_attention import decode_attention_cpu, decode_attention_ref
+from radixserve_kernels.store_kv import store_kv, store_kv_quant, store_kv_quant_ref, store_kv_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -243,7 +243,7 @@ def test_a_failed_build_falls_back_to_torch_ops_with_a_warning(tmp_path):
     import subprocess
     import sys
 
-    code = ("import logging, torch; logging.basicConfig(); from kernels import cpu; "
+    code = ("import logging, torch; logging.basicConfig(); from radixserve_kernels import cpu; "
             "from radixserve.models.layers import RMSNorm; assert cpu.ops() is None; "
             "print(RMSNorm(8, 1e-6)(torch.ones(2, 8)).shape)")
     env = {**os.environ, "CXX": "false", "RADIXSERVE_KERNEL_CACHE": str(tmp_path)}

@@ -20,8 +20,8 @@ from grammars import GrammarError, GrammarSpec, create_backend
 from grammars.base import bitmask_words
 from grammars.cache import CompileCache
 from grammars.schema_check import unenforced
-from kernels.bitmask import apply_bitmask_ref, apply_bitmask_triton
 from radixserve import Engine, SamplingParams
+from radixserve_kernels.bitmask import apply_bitmask_ref, apply_bitmask_triton
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_a_compile_cache_hit_never_times_out_however_old(monkeypatch, tmp_path):
 @pytest.mark.parametrize("vocab", [31, 32, 257, 1000])
 def test_bitmask_kernel_matches_its_reference(vocab, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import kernels.bitmask as kb
+    import radixserve_kernels.bitmask as kb
 
     monkeypatch.setattr(kb, "_KERNEL", None)  # build it under the interpreter
     g = torch.Generator().manual_seed(vocab)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.extend_attention import extend_attention_ref, extend_attention_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from radixserve_kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from radixserve_kernels.extend_attention import extend_attention_ref, extend_attention_triton
+from radixserve_kernels.store_kv import store_kv_ref, store_kv_triton
 
 TOL = 1e-3
 

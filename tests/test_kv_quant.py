@@ -12,10 +12,10 @@ import torch
 from helpers import assert_no_leak
 from server_helpers import ServerProcess
 
-from kernels.kv_quant import dequantize, quantize
 from radixserve import Engine, SamplingParams
 from radixserve.cache.pool import KV_CACHE_DTYPES, kv_bytes_per_token
 from radixserve.config import KV_CACHE_DTYPES as KV_CACHE_DTYPE_NAMES
+from radixserve_kernels.kv_quant import dequantize, quantize
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 

@@ -88,8 +88,8 @@ def test_the_native_cpu_kernels_generate_what_torch_ops_do(ops, tiny_llama, page
     """fp32 greedy, token for token, with radixserve's CPU kernels and with torch's ops; the two
     branches off the cached prompt decode as a fork group (its shared-prefix pass); slots
     handed out one by one or in pages of 4."""
-    from kernels import cpu
     from radixserve import Engine
+    from radixserve_kernels import cpu
 
     prompt = [(7 * i) % 250 + 3 for i in range(60)]
     prompts = [prompt + [11], prompt + [12], [5, 6, 7]]

@@ -1,4 +1,4 @@
-"""Quantized weights (models/quant.py; kernels/csrc/quant_linear.cpp and kquant_linear.cpp:
+"""Quantized weights (models/quant.py; kernels/radixserve_kernels/csrc/quant_linear.cpp and kquant_linear.cpp:
 pack_quant / dequant_quant / qlinear): every kernel of every kind on every build this CPU runs
 against a torch reference on fresh random inputs, the GGUF reader against gguf-py, and the
 served models against their dequantized selves."""
@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
 
-QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}  # also on CUDA (kernels/quant_matmul.py)
+QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}  # also on CUDA (kernels/radixserve_kernels/quant_matmul.py)
 KINDS = {**QTYPES, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
 SHAPES = [(1, 32), (37, 64), (100, 96), (16, 576), (33, 160)]  # odd output counts: partial panels
 K_SHAPES = [(1, 256), (37, 512), (16, 768), (33, 256)]  # super-blocks of 256
@@ -111,7 +111,7 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
     """The AVX-512 VNNI tile (vpdpbusd) and the AVX2 one (vpmaddubsw + vpmaddwd) sum the same
     integers and combine them in the same order: the same output bit for bit (and for the 5/6-bit
     and K-quant kinds, the portable path too: it does the same fused multiply-adds)."""
-    from kernels import cpu
+    from radixserve_kernels import cpu
 
     builds = [cpu.ops_for(isa) for isa in cpu.runnable_isas() if isa != "generic"]
     if len(builds) < 2:
@@ -146,7 +146,7 @@ def test_the_largest_quants_against_full_scale_activations_sum_without_overflow(
     w = torch.from_numpy(quants.dequantize(raw.numpy(), qt).reshape(n, k).copy())
     x = torch.ones(m, k) * torch.tensor([[1.0], [-1.0], [3.0], [-0.5]])
     ref = reference_qlinear(x, w, 8)
-    from kernels import cpu
+    from radixserve_kernels import cpu
 
     for isa in cpu.runnable_isas():  # every build this CPU runs (AVX2's tile on an AVX-512 machine too)
         b = cpu.ops_for(isa)
@@ -482,8 +482,8 @@ def test_the_default_model_stays_within_its_measured_divergence_from_the_exact_m
 @pytest.mark.parametrize("kind", list(QTYPES))
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 37, 64), (20, 50, 96)])
 def test_the_triton_kernel_computes_its_torch_reference(ops, monkeypatch, kind, m, n, k):
-    """The CUDA path of QuantLinear (kernels/quant_matmul.py), in Triton's interpreter."""
-    from kernels import quant_matmul
+    """The CUDA path of QuantLinear (kernels/radixserve_kernels/quant_matmul.py), in Triton's interpreter."""
+    from radixserve_kernels import quant_matmul
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     raw, w = gguf_blocks(kind, n, k, seed=m * 7 + n)

@@ -3,7 +3,7 @@ can be read in parts and the parts merged exactly (softmax over the union):
 
     decode  | shared prefix of a fork group | own rest                |
               read once per group, in place   read in place by the native CPU kernel
-                                              (kernels/cpu.py), else gathered per request
+                                              (kernels/radixserve_kernels/cpu.py), else gathered per request
     extend  | cached prefix                 | the chunk's own k/v    |
               read in place when contiguous   causal, straight from the inputs
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu
-from kernels.decode_attention import decode_attention_cpu
 from radixserve.attention.base import AttnBackend
 from radixserve.batch import ForwardBatch, NativeDecode, SeqView
 from radixserve.cache.prefix import common_prefix_len
+from radixserve_kernels import cpu
+from radixserve_kernels.decode_attention import decode_attention_cpu
 
 MIN_SHARED = 32  # shortest shared prefix worth a separate pass
 

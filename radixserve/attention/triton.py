@@ -18,14 +18,14 @@ import dataclasses
 
 import torch
 
-from kernels._triton import interpreting
-from kernels.decode_attention import decode_attention_triton
-from kernels.extend_attention import extend_attention_triton
-from kernels.store_kv import store_kv_triton
 from radixserve.attention.base import AttnBackend
 from radixserve.attention.torch_flash import band_bias, plain_attention_lse
 from radixserve.batch import ForwardBatch, SeqView
 from radixserve.cache.pool import KVPool
+from radixserve_kernels._triton import interpreting
+from radixserve_kernels.decode_attention import decode_attention_triton
+from radixserve_kernels.extend_attention import extend_attention_triton
+from radixserve_kernels.store_kv import store_kv_triton
 
 
 class TritonBackend(AttnBackend):

@@ -173,7 +173,7 @@ def peer_once(args: argparse.Namespace) -> dict[str, float]:
 def kernel_import() -> dict[str, float]:
     """A fresh interpreter importing the CPU kernels (torch, and the prebuilt extension)."""
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import kernels.cpu as k; k.ops()"], check=True)
+    subprocess.run([sys.executable, "-c", "import radixserve_kernels.cpu as k; k.ops()"], check=True)
     return {"first_token_s": time.monotonic() - t0}
 
 

@@ -2,7 +2,7 @@
 
 The pool stores K/V in the activations' dtype, or in the one `--kv-cache-dtype` names: bf16,
 or int8 / fp8 e4m3 with an fp32 scale per (slot, KV head) in `k_scale[layer]` and
-`v_scale[layer]` (kernels/kv_quant.py). Writing quantizes; backends read either in place
+`v_scale[layer]` (kernels/radixserve_kernels/kv_quant.py). Writing quantizes; backends read either in place
 (the native CPU decode kernels take the pool and its scales) or through `read`, which
 returns the rows in the activations' dtype.
 
@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from kernels.kv_quant import SCALE_DTYPE, dequantize, is_quantized
-from kernels.store_kv import store_kv, store_kv_quant
+from radixserve_kernels.kv_quant import SCALE_DTYPE, dequantize, is_quantized
+from radixserve_kernels.store_kv import store_kv, store_kv_quant
 
 log = logging.getLogger(__name__)
 

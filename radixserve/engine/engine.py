@@ -16,8 +16,6 @@ from typing import Any
 import torch
 
 from grammars.spec import GrammarSpec
-from kernels import cpu as cpu_kernels
-from kernels.kv_quant import is_quantized
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator, WindowedAllocator
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
@@ -43,6 +41,8 @@ from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.spec import NgramProposer
+from radixserve_kernels import cpu as cpu_kernels
+from radixserve_kernels.kv_quant import is_quantized
 
 log = logging.getLogger(__name__)
 

@@ -191,7 +191,7 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     kv_bytes_per_token: int
     load_seconds: float = 0.0  # the model's load (weights read and packed), and the process's peak RSS then
     load_peak_rss: int = 0
-    cpu_kernels: str = ""  # the native CPU kernels' build (kernels.cpu: avx512+vnni+bf16, avx2, ...), or ""
+    cpu_kernels: str = ""  # the native CPU kernels' build (radixserve_kernels.cpu: avx512+vnni+bf16, avx2, ...), or ""
     kv_location: str = ""  # its KV connector's address (--kv-connector; engine/kv_connector.py), or ""
     activations: str = "float"  # what quantized linears multiply: int8, int16 or float (models.quant.set_activations)
 
@@ -267,7 +267,7 @@ class EngineClient(Protocol):
     weight_bytes: int
     load_seconds: float  # the model's load, and the engine process's peak RSS by its end
     load_peak_rss: int
-    cpu_kernels: str  # kernels.cpu's build in use ("" on a GPU or without them)
+    cpu_kernels: str  # radixserve_kernels.cpu's build in use ("" on a GPU or without them)
     quantization: str  # what the weights are ("none", or the kinds held, e.g. "q4_k+q6_k")
     activations: str  # what their linears multiply: int8, int16 or float
     dtype: Any  # the activations' torch.dtype, and the device they are on

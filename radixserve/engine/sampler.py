@@ -144,7 +144,7 @@ class Sampler:
                 continue
             mask = torch.zeros(1, self.mask_words, dtype=torch.int32)
             m.fill_bitmask(mask, 0)
-            from kernels.bitmask import apply_bitmask
+            from radixserve_kernels.bitmask import apply_bitmask
 
             apply_bitmask(logits, mask.to(logits.device), torch.tensor([row], device=logits.device))
             tokens[row] = logits[row].argmax()
@@ -155,7 +155,7 @@ class Sampler:
         rows, mask = masks if masks is not None else self.grammar_masks(reqs, drafts)
         if not rows:
             return
-        from kernels.bitmask import apply_bitmask
+        from radixserve_kernels.bitmask import apply_bitmask
 
         apply_bitmask(logits, mask.to(logits.device), torch.tensor(rows, device=logits.device))
 

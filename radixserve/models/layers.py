@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu
+from radixserve_kernels import cpu
 
 
 class RMSNorm(nn.Module):
     """Fused: one kernel (fp32 accumulation) instead of five ops. With a residual,
     `norm(x, residual)` returns (norm(x + residual), x + residual): the add that precedes
-    every norm in a decoder layer rides along, in the same kernel on CPU (kernels/cpu.py;
+    every norm in a decoder layer rides along, in the same kernel on CPU (kernels/radixserve_kernels/cpu.py;
     `F.rms_norm` where that is not built)."""
 
     def __init__(self, dim: int, eps: float) -> None:

@@ -9,7 +9,7 @@ linears and its head on one row, each weight distinct so it streams from memory;
     32   |    64.6    |        56.8        |    56.4     |    63.4    |        52.6        |    52.0
     1024 |   1358.6   |      1309.1        |      -      |   759.4    |       782.6        |      -
 
-"native" is radixserve's own kernel (kernels/cpu.py `linear`: weights packed once into panels
+"native" is radixserve's own kernel (kernels/radixserve_kernels/cpu.py `linear`: weights packed once into panels
 of 64 outputs, `vdpbf16ps` for bf16, FMA for fp32, the weight stream prefetched). At one row
 it streams the weights near the memory's rate (270 MB in 13.2 ms bf16, 540 MB in 20.6 ms
 fp32: ~20 and ~26 GB/s; this machine's timings vary by 10-20 % from run to run); at 32 rows
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu
+from radixserve_kernels import cpu
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kernels import cpu
 from radixserve.batch import ForwardBatch, NativeDecode
 from radixserve.models.config import ArchConfig
 from radixserve.models.gguf import ROPE_FREQS
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
 from radixserve.models.quant import QuantLinear, SplitQuantLinear
+from radixserve_kernels import cpu
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's (cos, sin), see RotaryEmbedding.tables
 
@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
 
 
 class FusedDecode:
-    """Every decoder layer's weights as `kernels.cpu` decode_layers takes them, handed to the
+    """Every decoder layer's weights as `radixserve_kernels.cpu` decode_layers takes them, handed to the
     kernels once: a decode-only step (one token per row, no shared-prefix group, few rows) then
     runs all layers in one native call, with the same kernels the per-layer path calls, minus its
     Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms and linears split by GGUF kind."""

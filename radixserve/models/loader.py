@@ -23,11 +23,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kernels import cpu
 from radixserve.config import QUANTIZATIONS
 from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, packed_cache, quant
 from radixserve.models.files import gguf_file, load_tokenizer, resolve_model_dir
 from radixserve.models.gguf import ModelLoadError, ensure_meta, gguf_config_dict, read_tensors
+from radixserve_kernels import cpu
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
                 log.warning("quantization %s: %s is quantized again from its dequantized weights (rounded twice); "
                             "--quantization auto serves the file's own blocks", quantization, path or "the default model")
             if cpu.ops() is None:
-                raise ModelLoadError(f"quantization {quantization}: needs radixserve's CPU kernels (kernels/cpu.py), "
+                raise ModelLoadError(f"quantization {quantization}: needs radixserve's CPU kernels (radixserve_kernels.cpu), "
                                      "which are not available here")
             quant.quantize_model(model, quantization)
     tokenizer = load_tokenizer(folder, fast=True)

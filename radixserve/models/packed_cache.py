@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"RSPACK01"
 ALIGN = 64
-# the sources that define the packed layout (kernels/csrc): their content is the layout's key
+# the sources that define the packed layout (kernels/radixserve_kernels/csrc): their content is the layout's key
 _LAYOUT_SOURCES = ("quant.h", "quant_linear.cpp", "kquant_linear.cpp", "common.h", "vec.h")
 
 
@@ -42,7 +42,7 @@ def enabled() -> bool:
 
 
 def layout_key() -> str:
-    from kernels.cpu import CSRC
+    from radixserve_kernels.cpu import CSRC
 
     h = hashlib.sha256()
     for name in _LAYOUT_SOURCES:

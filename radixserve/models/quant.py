@@ -1,7 +1,7 @@
 """Quantized weights: GGUF's quantized blocks served as they are (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K), and int8 / int4 quantization of float checkpoints at load time.
 
-A weight stays in its file's blocks, repacked once by `kernels.cpu` pack_quant into panels of
+A weight stays in its file's blocks, repacked once by `radixserve_kernels.cpu` pack_quant into panels of
 16 outputs (one record per panel and GGUF block, at the file's size or within 3 % of it):
 
     q4_1   w = d*q + m, q in 0..15          GGUF Q4_1; `--quantization int4` (min/max per block)
@@ -32,7 +32,7 @@ bit (tests/test_quant.py, every kind). How a `QuantLinear` computes, by the rows
                               dequantized once per call and multiplied in fp32, exactly the
                               dequantized model's numbers. NATIVE_PREFILL (or
                               RADIXSERVE_QUANT_PREFILL=native|dequant) overrides the choice
-    on CUDA                   kernels/quant_matmul.py: a Triton kernel dequantizing in registers
+    on CUDA                   kernels/radixserve_kernels/quant_matmul.py: a Triton kernel dequantizing in registers
                               (Q4_0 / Q4_1 / Q8_0; the other kinds load dequantized on a GPU)
     no kernels at all         (RADIXSERVE_CPU_KERNELS=0) dequantized in torch (`dequant_ref`)
                               per call: correct, not fast
@@ -55,9 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu
-from kernels._triton import use_triton
-from kernels.quant_matmul import dequant_ref, quant_matmul_triton
+from radixserve_kernels import cpu
+from radixserve_kernels._triton import use_triton
+from radixserve_kernels.quant_matmul import dequant_ref, quant_matmul_triton
 
 BLOCK = 32
 PANEL = 16
@@ -69,7 +69,7 @@ NATIVE_PREFILL: bool | None = {"native": True, "dequant": False}.get(os.environ.
 # kind -> (weights per GGUF block, bytes per packed record: one panel of 16 outputs x one block)
 FORMATS = {"q4_0": (32, 320), "q4_1": (32, 320), "q8_0": (32, 544), "q5_0": (32, 352), "q5_1": (32, 384),
            "q4_k": (256, 2368), "q5_k": (256, 2880), "q6_k": (256, 3360)}
-TRITON_KINDS = ("q4_0", "q4_1", "q8_0")  # what kernels/quant_matmul.py runs on a GPU
+TRITON_KINDS = ("q4_0", "q4_1", "q8_0")  # what kernels/radixserve_kernels/quant_matmul.py runs on a GPU
 
 
 @dataclass
@@ -122,7 +122,7 @@ def packed_shape(kind: str, n: int, k: int) -> tuple[int, int, int]:
 def pack(q: QuantTensor) -> torch.Tensor:
     ops = cpu.ops()
     if ops is None:
-        raise RuntimeError("packing quantized weights needs radixserve's CPU kernels (kernels/cpu.py)")
+        raise RuntimeError("packing quantized weights needs radixserve's CPU kernels (kernels/radixserve_kernels/cpu.py)")
     return ops.pack_quant(q.raw, q.kind, q.n, q.k)
 
 
@@ -218,7 +218,7 @@ class QuantLinear(nn.Module):
                 y = torch.cat([self.native.qlinear(x2[i:i + MAX_NATIVE_ROWS], self.packed, self.out_features, self.native_bias,
                                                    self.float_out, False, self.act_bits)
                                for i in range(0, rows, MAX_NATIVE_ROWS)])
-        elif self.native is None and use_triton(x2):  # CUDA: kernels/quant_matmul.py
+        elif self.native is None and use_triton(x2):  # CUDA: kernels/radixserve_kernels/quant_matmul.py
             y = quant_matmul_triton(x2, self.packed, self.out_features, self.bias)
             y = y if self.float_out else y.to(x.dtype)
         else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import interpreting, next_pow2, precise, use_triton
+from radixserve_kernels._triton import interpreting, next_pow2, precise, use_triton
 
 
 def extend_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_starts: torch.Tensor,
@@ -55,7 +55,7 @@ def extend_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     group = heads // k_pool.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and table.stride(1) == 1
     block = 32 if interpreting() or dim > 128 else 64
-    from kernels import _paged_jit as jit  # imports triton: only once a kernel runs
+    from radixserve_kernels import _paged_jit as jit  # imports triton: only once a kernel runs
 
     grid = (table.shape[0], heads, -(-max_q_len // block))
     jit.extend_kernel[grid](q, k_pool, v_pool, out, q_starts, q_lens, prefix_lens, table,

@@ -1,6 +1,6 @@
 // Paged decode attention, reading the KV pool in place (no per-layer gather): float pools
 // (fp32 / bf16) and quantized ones (int8 / fp8 e4m3 rows with an fp32 scale per slot and KV
-// head). Torch reference: kernels.decode_attention.decode_attention_ref.
+// head). Torch reference: radixserve_kernels.decode_attention.decode_attention_ref.
 #include "common.h"
 
 #include <type_traits>

@@ -2,7 +2,7 @@
 
 k/v are (T, kv_heads, head_dim), any strides (they are often views of a fused qkv
 projection); the pools are (num_slots, kv_heads, head_dim) with contiguous rows. A quantized
-pool (int8 or fp8 e4m3, kernels/kv_quant.py) also takes each row's scale into its scale
+pool (int8 or fp8 e4m3, kernels/radixserve_kernels/kv_quant.py) also takes each row's scale into its scale
 tensors (num_slots, kv_heads) fp32: `store_kv_quant`.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu
-from kernels._triton import built, next_pow2, use_triton
-from kernels.kv_quant import quantize
+from radixserve_kernels import cpu
+from radixserve_kernels._triton import built, next_pow2, use_triton
+from radixserve_kernels.kv_quant import quantize
 
 
 def store_kv_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

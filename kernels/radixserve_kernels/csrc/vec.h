@@ -5,7 +5,7 @@
 // (W = 4, plain C++ the compiler vectorizes as it can). A NEON or SVE port is one more block
 // here, not a rewrite of the kernels.
 //
-// kernels/cpu.py builds the sources once per instruction set it can run (`-mavx2 -mfma -mf16c`
+// kernels/radixserve_kernels/cpu.py builds the sources once per instruction set it can run (`-mavx2 -mfma -mf16c`
 // for AVX2; the CPU's own AVX-512 extensions for AVX-512) and loads the best; `isa()` names it.
 #pragma once
 

@@ -3,11 +3,11 @@ run time.
 
 The sources are one file per op family over one vector layer (csrc/vec.h):
 
-    attention.cpp      decode_attention, decode_attention_quant      kernels.decode_attention.decode_attention_ref
-    kv_store.cpp       store_kv, store_kv_quant                      kernels.store_kv.store_kv_ref / store_kv_quant_ref
+    attention.cpp      decode_attention, decode_attention_quant      radixserve_kernels.decode_attention.decode_attention_ref
+    kv_store.cpp       store_kv, store_kv_quant                      radixserve_kernels.store_kv.store_kv_ref / store_kv_quant_ref
     norm_rope_act.cpp  rms_norm, rope_, silu_and_mul                 F.rms_norm, models.layers.apply_rope, F.silu * up
     linear.cpp         pack_linear, linear, linear_supports          F.linear
-    quant_linear.cpp   pack_quant, dequant_quant, qlinear            gguf-py, kernels.quant_matmul.dequant_ref
+    quant_linear.cpp   pack_quant, dequant_quant, qlinear            gguf-py, radixserve_kernels.quant_matmul.dequant_ref
     kquant_linear.cpp  (the same, for Q5_0/Q5_1/Q4_K/Q5_K/Q6_K)     gguf-py, tests/test_quant.py reference_qlinear
     decode_step.cpp    decode_layers                                 the same ops layer by layer (models.llama.FusedDecode)
     ops.cpp            the module (and `isa()`, the build's name)
@@ -18,7 +18,7 @@ CPU has them), `avx2` (AVX2 + FMA + F16C: every x86-64 CPU of the last decade), 
 RADIXSERVE_CPU_ISA (`avx2` on an AVX-512 machine measures the AVX2 kernels there); a log line
 names it. `ops_for(isa)` loads any other one this CPU runs (the tests compare them).
 
-Builds are made by `python -m kernels.cpu` at install time (scripts/setup.sh builds every
+Builds are made by `python -m radixserve_kernels.cpu` at install time (scripts/setup.sh builds every
 variant this CPU runs, about a minute each on two cores) into ~/.cache/radixserve/kernels or
 $RADIXSERVE_KERNEL_CACHE, keyed by the sources, the flags, torch and Python; a missing build is
 made at first use instead (with a log line saying so). A finished build (its `complete` marker is
@@ -182,7 +182,7 @@ def _build(isa: str) -> ModuleType | None:
         if (Path(scripts) / "ninja").exists() and not os.environ.get("PATH", "").startswith(scripts + os.pathsep):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
         where.mkdir(parents=True, exist_ok=True)
-        log.info("building radixserve's %s CPU kernels into %s (once; `python -m kernels.cpu` does it at install)", isa, where)
+        log.info("building radixserve's %s CPU kernels into %s (once; `python -m radixserve_kernels.cpu` at install)", isa, where)
         t0 = time.perf_counter()
         mod = cpp_extension.load(name=name, sources=[str(s) for s in sources()],
                                  extra_cflags=BASE_FLAGS + isa_flags(isa), extra_include_paths=[str(CSRC)],
@@ -215,11 +215,11 @@ def _announce(mod: ModuleType, isa: str, how: str) -> ModuleType:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kernels.cpu [ISA ...]`: build the kernels (by default every variant this CPU
+    """`python -m radixserve_kernels.cpu [ISA ...]`: build the kernels (by default every variant this CPU
     runs, best first) so that no server start pays for it."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m kernels.cpu", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m radixserve_kernels.cpu", description=main.__doc__)
     p.add_argument("isas", nargs="*", help=f"which builds (default: every one this CPU runs; of {', '.join(ISAS)})")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

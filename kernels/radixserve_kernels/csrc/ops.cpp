@@ -1,4 +1,4 @@
-// The module: every op of the other files, registered once. kernels/cpu.py builds these sources
+// The module: every op of the other files, registered once. kernels/radixserve_kernels/cpu.py builds these sources
 // once per instruction set (vec.h) and loads the best this CPU runs; `isa()` names the build.
 #include <torch/extension.h>
 

@@ -1,5 +1,5 @@
 // Writing new K/V rows into the pool: as they are (fp32 / bf16), or quantized to int8 or fp8
-// e4m3 with an fp32 scale per (token, KV head). Torch references: kernels.store_kv.store_kv_ref
+// e4m3 with an fp32 scale per (token, KV head). Torch references: radixserve_kernels.store_kv.store_kv_ref
 // and store_kv_quant_ref (bit for bit).
 #include "common.h"
 
@@ -50,7 +50,7 @@ void store_kv(at::Tensor k_pool, at::Tensor v_pool, at::Tensor slots, at::Tensor
 namespace {
 
 // --- quantized KV store: int8 or fp8 e4m3 values and an fp32 scale per (token, KV head) ----
-// As kernels/kv_quant.py's quantize, bit for bit: scale = max(absmax / QMAX, FLT_MIN), each
+// As kernels/radixserve_kernels/kv_quant.py's quantize, bit for bit: scale = max(absmax / QMAX, FLT_MIN), each
 // value x / scale clamped to +-QMAX, then rounded to nearest even (int8; fp8: to its 3-bit
 // mantissa, subnormals below 2^-6).
 inline float qmax(const int8_t*) { return 127.f; }

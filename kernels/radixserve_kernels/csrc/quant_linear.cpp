@@ -1,6 +1,6 @@
 // Quantized linears: GGUF Q4_0 / Q4_1 / Q8_0 (and radixserve's own int4 / int8) weights kept
 // in their blocks, repacked once into panels of 16 outputs. Torch references:
-// kernels.quant_matmul.dequant_ref (the packed layout), gguf-py's dequantize (the values), and
+// radixserve_kernels.quant_matmul.dequant_ref (the packed layout), gguf-py's dequantize (the values), and
 // tests/test_quant.py's reference_qlinear (the 16-bit-activation dot product).
 #include "quant.h"
 

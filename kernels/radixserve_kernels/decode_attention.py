@@ -9,10 +9,10 @@ its row of the slot table lists (GQA: `heads` a multiple of `kv_heads`).
 The Triton kernel splits each request's KV into `num_splits` parts (so a few long requests
 still fill the GPU), computes each part's output and log-sum-exp for all the query heads of
 one KV head at once (K/V read once per group), and a second pass merges the parts. On CPU
-the native kernel (kernels/cpu.py) does the same per (request, KV head), single-pass over
+the native kernel (kernels/radixserve_kernels/cpu.py) does the same per (request, KV head), single-pass over
 the slots, reading the pool in place; it can also return each row's log-sum-exp (lse, (B,
 heads) fp32), so a caller can merge it with attention over other keys. Given the scales of a
-quantized pool (int8 or fp8 e4m3 values, k/v_scale (slots, kv_heads) fp32, kernels/kv_quant.py)
+quantized pool (int8 or fp8 e4m3 values, k/v_scale (slots, kv_heads) fp32, kernels/radixserve_kernels/kv_quant.py)
 the reference dequantizes the rows it reads and the native kernel reads the quantized rows in
 place: each K row's scale multiplies its score, each V row's scale its softmax weight.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu
-from kernels._triton import interpreting, next_pow2, precise, use_triton
-from kernels.kv_quant import dequantize
+from radixserve_kernels import cpu
+from radixserve_kernels._triton import interpreting, next_pow2, precise, use_triton
+from radixserve_kernels.kv_quant import dequantize
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor, q_rows: torch.Tensor,
@@ -73,7 +73,7 @@ def decode_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     pool. Raises if it is not built."""
     ops = cpu.native_for(q)
     if ops is None:
-        raise RuntimeError("radixserve's CPU kernels are not built here (see kernels/cpu.py)")
+        raise RuntimeError("radixserve's CPU kernels are not built here (see kernels/radixserve_kernels/cpu.py)")
     scale = q.shape[2] ** -0.5 if sm_scale is None else sm_scale
     rows, table, lens = q_rows.long(), table.long(), seq_lens.long()
     if k_scale is None or v_scale is None:
@@ -100,7 +100,7 @@ def decode_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     mid_o = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     scale = dim**-0.5 if sm_scale is None else sm_scale
-    from kernels import _paged_jit as jit  # imports triton: only once a kernel runs
+    from radixserve_kernels import _paged_jit as jit  # imports triton: only once a kernel runs
 
     jit.decode_partial[(batch, kv_heads, splits)](
         q, k_pool, v_pool, table, seq_lens, q_rows, mid_o, mid_lse,

@@ -8,7 +8,7 @@ the GPU path of `QuantLinear`, with its torch reference.
 
 Each program dequantizes one panel's blocks in registers (weights stay 4.5 or 8.5 bits in
 memory: the whole point) and multiplies a tile of up to BLOCK_M rows with `tl.dot`, fp32
-accumulation. The CPU runs its own native kernel instead (kernels/cpu.py `qlinear`); here the
+accumulation. The CPU runs its own native kernel instead (kernels/radixserve_kernels/cpu.py `qlinear`); here the
 Triton kernel runs on CUDA, and on CPU only under TRITON_INTERPRET=1 (how CI tests it). It has
 not been timed on a GPU (none was lent while it was written): one 16-output panel per program
 is simple, not tuned.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import built, interpreting, next_pow2
+from radixserve_kernels._triton import built, interpreting, next_pow2
 
 
 def dequant_ref(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ int8 is symmetric (QMAX 127; -128 is never stored), fp8 e4m3 uses its largest fi
 64-128 bytes of its values (3-6% of an int8 row at head_dim 128-64), for scales that are exact
 in the kernels' fp32 arithmetic and that no row's range can underflow or overflow (fp16 would
 flush a row of values below ~1e-3 to subnormal scales). These are the references the native
-store and read (kernels/csrc/kv_store.cpp, attention.cpp) are tested against, bit for bit on the store.
+store and read (kernels/radixserve_kernels/csrc/kv_store.cpp, attention.cpp) are tested against, bit for bit on the store.
 """
 
 from __future__ import annotations
