@@ -214,10 +214,10 @@ class ServerConfig:
     log_requests: bool = option(False, "also write each request's prompt text to the access log (never its API key)")
     reasoning_parser: str | None = option(None, "chat: return <think>...</think> reasoning as reasoning_content, apart "
                                                 "from content; a JSON or tool-call constraint starts after it "
-                                                "(server/reasoning.py)", ("qwen3", "deepseek_r1"))
+                                                "(server/chat/reasoning.py)", ("qwen3", "deepseek_r1"))
     tool_call_parser: str = option("auto", "how the model writes tool calls (tool_choice auto): auto (from its chat "
                                            "template), hermes, llama3_json, mistral (its v11 form where the template "
-                                           "writes [ARGS]) or qwen3_coder (server/tool_parsers.py)",
+                                           "writes [ARGS]) or qwen3_coder (server/chat/tool_parsers.py)",
                                    ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder"))
 
 

@@ -7,8 +7,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from radixserve.request import SamplingParams
-from radixserve.server import anthropic_convert, chat_core, openai, responses_input
-from radixserve.server.chat_core import Call, Plan, Rendered, Sampling, Turn
+from radixserve.server.anthropic import convert as anthropic_convert
+from radixserve.server.chat import core as chat_core
+from radixserve.server.chat.core import Call, Plan, Rendered, Sampling, Turn
+from radixserve.server.openai import chat as openai
+from radixserve.server.responses import translate as responses_input
 from radixserve.server.state import RequestOptions
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import CORPUS
 from server_helpers import MAX_BODY, ServerProcess
 
-from radixserve.server.anthropic_protocol import MessagesRequest
+from radixserve.server.anthropic.protocol import MessagesRequest
 
 GREEDY = {"temperature": 0}  # this SDK's messages.create has no temperature argument: sent as an extra body field
 USER = [{"role": "user", "content": "Agents call tools and read JSON."}]
@@ -201,8 +201,8 @@ def test_bad_input_is_a_400_in_anthropics_shape_naming_the_field(client, model, 
 
 
 def test_tool_history_and_results_become_the_chat_paths_messages():
-    from radixserve.server import chat_core
-    from radixserve.server.anthropic_convert import conversation
+    from radixserve.server.anthropic.convert import conversation
+    from radixserve.server.chat import core as chat_core
 
     call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo", "unit": "C"}}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True, "content": [{"type": "text", "text": "timeout"}]}
@@ -221,7 +221,7 @@ def test_tool_history_and_results_become_the_chat_paths_messages():
 
 
 def test_the_routes_wire_types_make_a_json_schema():
-    from radixserve.server.anthropic import OPENAPI_ROUTES
+    from radixserve.server.anthropic.routes import OPENAPI_ROUTES
 
     types = [t for route in OPENAPI_ROUTES for t in route[2:4] if t is not None]
     assert len(types) == 4 and msgspec.json.schema_components(types)[1]["MessagesRequest"]["required"]

@@ -65,7 +65,7 @@ def test_inputs_the_real_apis_refuse_name_the_field(server):
 
 
 def test_auto_tool_calls_are_constrained_so_a_broken_schema_names_the_tool(server):
-    """tool_choice auto constrains the calls (server.tools.auto_tag): a tool schema the grammar
+    """tool_choice auto constrains the calls (server.chat.tools.auto_tag): a tool schema the grammar
     cannot compile is a 400 naming that tool in each API's shape, as for a required call; a
     schema it compiles only in part (a remote $ref, not strict) still serves."""
     status, body = server.post("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "tool_choice": "auto",

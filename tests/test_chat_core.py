@@ -1,4 +1,4 @@
-"""The chat core the three chat APIs share (server/chat_core.py): the tool constraint a plan
+"""The chat core the three chat APIs share (server/chat/core.py): the tool constraint a plan
 derives, the sampling parameters it makes, the renderer through the engine's chat_ids (a stored
 turn's ids reused), and admission naming the tool behind a call schema's compile error."""
 
@@ -13,8 +13,9 @@ import pytest
 
 from radixserve.engine.front import RequestFront
 from radixserve.request import SamplingParams
-from radixserve.server import chat_core, tools
-from radixserve.server.chat_core import Plan, Sampling
+from radixserve.server.chat import core as chat_core
+from radixserve.server.chat import tools
+from radixserve.server.chat.core import Plan, Sampling
 from radixserve.server.errors import ApiError
 from radixserve.server.state import RequestOptions
 

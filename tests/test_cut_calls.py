@@ -19,13 +19,17 @@ from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
 from server_helpers import USER
 from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
-from radixserve.server import anthropic_stream, reasoning, responses, responses_stream, sse
-from radixserve.server import openai as chat
-from radixserve.server.anthropic_cache import Breakpoints
+from radixserve.server import sse
+from radixserve.server.anthropic import stream as anthropic_stream
+from radixserve.server.anthropic.cache import Breakpoints
+from radixserve.server.chat import reasoning
+from radixserve.server.chat.tools import Tool
 from radixserve.server.errors import decode_body
+from radixserve.server.openai import chat
 from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.responses import routes as responses
+from radixserve.server.responses import stream as responses_stream
 from radixserve.server.text_scan import cut_json
-from radixserve.server.tools import Tool
 
 FN = {"type": "object", "properties": {"x": {"type": "integer"}, "s": {"type": "string"}}}
 TOOLS = [Tool("f", "", FN), Tool("g", "", FN)]

@@ -295,7 +295,7 @@ def test_the_fingerprint_covers_every_byte_and_is_hashed_once_per_file_version(t
 
 # -- 9: the Responses store ----------------------------------------------------------------------
 def test_the_responses_store_and_its_wal_are_private(tmp_path):
-    from radixserve.server.responses_store import ResponseStore, StoredResponse
+    from radixserve.server.responses.store import ResponseStore, StoredResponse
 
     path = tmp_path / "new" / "responses.sqlite3"
     store = ResponseStore(lambda: path, lambda: 10)

@@ -362,11 +362,11 @@ def test_structural_tags_constrain_only_the_tagged_regions(tok):
 
 
 def test_an_auto_tool_call_is_free_text_until_the_call_opens_then_a_valid_call(tok):
-    """tool_choice auto's constraint (server.tools.auto_tag): text, code and JSON that is no call
+    """tool_choice auto's constraint (server.chat.tools.auto_tag): text, code and JSON that is no call
     pass; once a call opens in the model's format, only a call of an offered tool whose arguments
     follow its schema does: hermes tags (compact or on lines of their own, one or several, one
     only with parallel_tool_calls false), Qwen2.5-Coder's fenced call, Llama 3 JSON, Qwen3-Coder XML."""
-    from radixserve.server.tools import Tool, auto_tag
+    from radixserve.server.chat.tools import Tool, auto_tag
 
     weather = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                                        "additionalProperties": False})

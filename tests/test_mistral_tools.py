@@ -49,7 +49,7 @@ def test_the_auto_constraint_engages_at_the_marker_token_and_holds_the_form(tiny
 
     from grammars import create_backend
     from radixserve.request import SamplingParams
-    from radixserve.server.tools import Tool, auto_tag
+    from radixserve.server.chat.tools import Tool, auto_tag
 
     tok = AutoTokenizer.from_pretrained(str(mistral_tokenizer(tiny_tokenizer, tmp_path / "tok", TEMPLATES[fmt])[0]))
     calls, args = tok.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
@@ -149,10 +149,10 @@ def test_responses_and_messages_ask_for_the_markers_and_the_token_triggered_call
     parse it as chat's does: tests/test_server_units.py)."""
     from chat_plans import messages_plan, responses_plan
 
-    from radixserve.server.anthropic_protocol import MessagesRequest
+    from radixserve.server.anthropic.protocol import MessagesRequest
+    from radixserve.server.chat.tools import keeps_markers
     from radixserve.server.errors import decode_body
-    from radixserve.server.responses_protocol import CreateResponseRequest
-    from radixserve.server.tools import keeps_markers
+    from radixserve.server.responses.protocol import CreateResponseRequest
 
     tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
     for choice, auto in (({"type": "auto"}, True), ({"type": "none"}, False), ({"type": "any"}, False)):

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 from server_helpers import USER
 
-from radixserve.server.tools import Tool, call_schema
+from radixserve.server.chat.tools import Tool, call_schema
 
 
 class Address(BaseModel):  # bounded everywhere, so a random model's answer fits max_tokens

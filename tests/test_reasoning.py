@@ -17,8 +17,8 @@ from server_helpers import USER, ServerProcess
 
 from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Output
-from radixserve.server import reasoning
-from radixserve.server.openai import chat_choice
+from radixserve.server.chat import reasoning
+from radixserve.server.openai.chat import chat_choice
 from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 

@@ -20,13 +20,16 @@ from helpers import Sink
 from server_helpers import USER, ServerProcess
 
 from radixserve.engine.outputs import Delta, Output
-from radixserve.server import anthropic_cache, anthropic_stream, responses, responses_stream
-from radixserve.server import anthropic_convert as convert
-from radixserve.server.anthropic_cache import Breakpoints
-from radixserve.server.anthropic_protocol import Message, MessagesRequest
+from radixserve.server.anthropic import cache as anthropic_cache
+from radixserve.server.anthropic import convert
+from radixserve.server.anthropic import stream as anthropic_stream
+from radixserve.server.anthropic.cache import Breakpoints
+from radixserve.server.anthropic.protocol import Message, MessagesRequest
 from radixserve.server.errors import ApiError, decode_body
-from radixserve.server.responses_input import listed_items, new_response, to_messages
-from radixserve.server.responses_protocol import CreateResponseRequest
+from radixserve.server.responses import routes as responses
+from radixserve.server.responses import stream as responses_stream
+from radixserve.server.responses.protocol import CreateResponseRequest
+from radixserve.server.responses.translate import listed_items, new_response, to_messages
 
 ONE_TAG = ["<think>", "\n", "plan", " it", "</think>", "\n\n", "The", " answer"]  # </think> is one token
 CUT_TAG = ["<think>", "\n", "plan", " it", "</", "think", ">", "\n\n", "The", " answer"]  # ... or three

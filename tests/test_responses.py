@@ -278,8 +278,8 @@ def test_a_failed_stream_ends_with_error_and_response_failed_events() -> None:
     from helpers import Sink
     from openai.types.responses import ResponseStreamEvent
 
-    from radixserve.server.responses_protocol import ResponseObject
-    from radixserve.server.responses_stream import EventWriter
+    from radixserve.server.responses.protocol import ResponseObject
+    from radixserve.server.responses.stream import EventWriter
 
     resp = ResponseObject("resp_x", 0, "m", "in_progress", [], None, [], "auto", {"format": {"type": "text"}}, 1.0, 1.0,
                           None, None, {}, True, True)
@@ -297,7 +297,7 @@ def test_a_failed_stream_ends_with_error_and_response_failed_events() -> None:
 
 
 def test_the_store_keeps_at_most_the_cap_per_tenant_dropping_the_oldest(tmp_path: Path) -> None:
-    from radixserve.server.responses_store import ResponseStore, StoredResponse
+    from radixserve.server.responses.store import ResponseStore, StoredResponse
 
     store = ResponseStore(lambda: tmp_path / "r.sqlite3", lambda: 2)
     for i, tenant in enumerate(["a", "a", "b", "a"]):

@@ -78,7 +78,7 @@ def test_decoding_errors_name_the_field():
 
 
 def test_tool_calls_the_model_emits_are_parsed_out_of_its_text():
-    from radixserve.server.tools import Tool, parse_calls
+    from radixserve.server.chat.tools import Tool, parse_calls
 
     tools = [Tool("get_time", "", {"type": "object"})]
     text = 'Let me check.\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
@@ -93,7 +93,7 @@ def test_a_fenced_json_call_is_a_tool_call_only_when_it_holds_nothing_but_offere
     """Qwen2.5-Coder-1.5B asked for the weather in Paris with a get_weather tool answered with
     the call in a ```json fence (seen with the real Q4_K_M file): that is a call; a fenced
     block that is code, data, or a call of a tool not offered stays content."""
-    from radixserve.server.tools import Tool, parse_calls
+    from radixserve.server.chat.tools import Tool, parse_calls
 
     tools = [Tool("get_weather", "", {"type": "object"}), Tool("get_time", "", {"type": "object"})]
     text = 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n```'
@@ -112,18 +112,18 @@ def test_a_fenced_json_call_is_a_tool_call_only_when_it_holds_nothing_but_offere
 
 
 def test_calls_from_json_reads_only_whole_calls_a_cut_one_is_cut_calls_job():
-    from radixserve.server.tools import calls_from_json
+    from radixserve.server.chat.tools import calls_from_json
 
     assert calls_from_json('{"name": "get_weather", "arguments": {"city": "Par') == []
     assert calls_from_json('{"name": "f", "arguments": {}}')[0].function.name == "f"
 
 
 def test_each_models_tool_call_format_is_parsed_and_chosen_from_its_chat_template():
-    """The formats of server.tool_parsers, each as its models write it, with several calls in one
+    """The formats of server.chat.tool_parsers, each as its models write it, with several calls in one
     answer; what is not a call of an offered tool stays content; the parser follows the chat
     template (a template that takes no tools gets radixserve's tagged prompt: hermes)."""
-    from radixserve.server import tool_parsers as tp
-    from radixserve.server.tools import Tool
+    from radixserve.server.chat import tool_parsers as tp
+    from radixserve.server.chat.tools import Tool
 
     weather = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                                        "metric": {"type": "boolean"}}})
@@ -164,8 +164,8 @@ def test_each_models_tool_call_format_is_parsed_and_chosen_from_its_chat_templat
 def test_parallel_tool_calls_false_keeps_the_first_call():
     """parallel_tool_calls false (Anthropic: disable_parallel_tool_use) returns the model's first
     call only; the default returns every call it wrote."""
-    from radixserve.server import reasoning
-    from radixserve.server.tools import Tool
+    from radixserve.server.chat import reasoning
+    from radixserve.server.chat.tools import Tool
 
     tools = [Tool("a", "", {"type": "object"}), Tool("b", "", {"type": "object"})]
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'

@@ -21,8 +21,8 @@ from server_helpers import USER, ServerProcess, final_outputs, scaled
 
 from radixserve.cache.prefix import salt_key
 from radixserve.request import SamplingParams
-from radixserve.server import anthropic_cache
-from radixserve.server.anthropic_protocol import MessagesRequest
+from radixserve.server.anthropic import cache as anthropic_cache
+from radixserve.server.anthropic.protocol import MessagesRequest
 from radixserve.server.auth import Auth, Tenant, load_tenants
 from radixserve.server.errors import ApiError
 from radixserve.server.rate_limit import MAX_PACE_S, RateLimiter, units

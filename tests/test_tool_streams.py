@@ -16,13 +16,16 @@ import pytest
 from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
 from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
-from radixserve.server import anthropic_stream, responses, responses_stream, sse
-from radixserve.server import openai as chat
-from radixserve.server.anthropic_cache import Breakpoints
+from radixserve.server import sse
+from radixserve.server.anthropic import stream as anthropic_stream
+from radixserve.server.anthropic.cache import Breakpoints
+from radixserve.server.chat.tool_parsers import CallStream
+from radixserve.server.chat.tools import Tool
 from radixserve.server.errors import decode_body
+from radixserve.server.openai import chat
 from radixserve.server.protocol import ChatCompletionRequest
-from radixserve.server.tool_parsers import CallStream
-from radixserve.server.tools import Tool
+from radixserve.server.responses import routes as responses
+from radixserve.server.responses import stream as responses_stream
 
 FN = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 TOOLS = [Tool("f", "", FN), Tool("g", "", FN)]
@@ -169,17 +172,17 @@ def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
 
 def test_every_tool_call_and_reasoning_parser_the_cli_offers_is_in_its_one_table():
     """--tool-call-parser's choices (config.py, below server/ in the layers) name the formats of
-    server.tool_parsers.FORMATS, the one table every format is keyed in (mistral_v11 is chosen
+    server.chat.tool_parsers.FORMATS, the one table every format is keyed in (mistral_v11 is chosen
     from a chat template, never by name)."""
     import dataclasses
 
     from radixserve.config import ServerConfig
-    from radixserve.server import tool_parsers
+    from radixserve.server.chat import tool_parsers
 
     field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
     offered = set(field.metadata["choices"]) - {"auto"}
     assert offered == set(tool_parsers.FORMATS) - {"mistral_v11"}
-    from radixserve.server import reasoning
+    from radixserve.server.chat import reasoning
 
     reasoning_field = next(f for f in dataclasses.fields(ServerConfig) if f.name == "reasoning_parser")
     assert set(reasoning_field.metadata["choices"]) == set(reasoning.PARSERS)  # the reasoning parsers' one table

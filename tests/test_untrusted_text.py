@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from radixserve.server import reasoning, tool_parsers
-from radixserve.server.tools import Tool
+from radixserve.server.chat import reasoning, tool_parsers
+from radixserve.server.chat.tools import Tool
 
 N = 100_000
 LIMIT = 0.25  # seconds for one whole 100k-character text: they take milliseconds (a loaded 2-core machine: tens)
@@ -215,7 +215,7 @@ def test_each_scanner_reads_what_the_regex_it_replaced_matched():
         f = REGEX["function"].search(t)
         assert xml_function(t) == (f.groups() if f else None), t
         assert xml_params(t) == REGEX["params"].findall(t), t
-    from radixserve.server.tools import _args_at
+    from radixserve.server.chat.tools import _args_at
 
     pieces = ["#/", "anyOf/", "1", "12", "/", "properties/arguments", "x", "#", "properties/", "\u0663"]
     for _ in range(4000):

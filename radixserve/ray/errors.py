@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixserve.server import anthropic_protocol
+from radixserve.server.anthropic import protocol as anthropic_protocol
 from radixserve.server.errors import ERROR_TYPES
 from radixserve.server.protocol import ErrorDetail, ErrorResponse
 

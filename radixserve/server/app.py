@@ -20,13 +20,19 @@ from aiohttp import web
 from radixserve.engine.front import ON_STALL
 from radixserve.engine.protocol import EngineStats
 from radixserve.request import SamplingParams
-from radixserve.server import access_log, anthropic, completions, native, openai, rate_limit, responses
+from radixserve.server import access_log, rate_limit
+from radixserve.server.anthropic import routes as anthropic
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
+from radixserve.server.chat.core import tool_format
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import kv_cache_usage
+from radixserve.server.openai import chat as openai
+from radixserve.server.openai import completions
 from radixserve.server.openapi import DOCUMENT, openapi_document
 from radixserve.server.protocol import AbortRequest, ModelInfo
+from radixserve.server.responses import routes as responses
+from radixserve.server.sglang import generate as native
 from radixserve.server.state import ServerState, engine_rids
 
 log = logging.getLogger(__name__)
@@ -142,7 +148,7 @@ async def server_info(request: web.Request) -> web.Response:
         "model_path": str(e.model_path),
         "max_context_len": e.context_len,
         "chat_template": getattr(e.tokenizer, "chat_template", None),
-        "tool_call_parser": state.tool_format,
+        "tool_call_parser": tool_format(state),
         "vocab_size": e.vocab_size,
         "dtype": str(e.dtype).removeprefix("torch."),
         "quantization": e.quantization,

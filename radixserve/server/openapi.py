@@ -50,7 +50,8 @@ _ERRORS = {400: "bad input", 401: "missing or invalid API key", 403: "not allowe
 
 def described_routes() -> list[Route]:
     """This module's table, with the Struct types from protocol.py, then each route module's own."""
-    from radixserve.server import anthropic, responses
+    from radixserve.server.anthropic import routes as anthropic
+    from radixserve.server.responses import routes as responses
 
     out = [(m, p, REQUEST_TYPES.get(p) if m == "POST" else req, resp if resp is not None else RESPONSE_TYPES.get(p), s)
            for m, p, req, resp, s in ROUTES]

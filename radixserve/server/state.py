@@ -5,7 +5,6 @@ path (finish, error, disconnect) release its admission ticket and record its met
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import defaultdict
@@ -19,7 +18,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.protocol import EngineClient, EngineDied
 from radixserve.request import Req, Retention, SamplingParams, TokenLogprob, distinct_prompts
-from radixserve.server import access_log, tool_parsers
+from radixserve.server import access_log
 from radixserve.server.admission import Admission, Ticket, request_priority
 from radixserve.server.auth import DEFAULT_RETENTION, Auth, Tenant
 from radixserve.server.errors import ApiError, value_error
@@ -128,19 +127,6 @@ class ServerState:
         self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3,
                                lambda: self.connections.open if self.connections is not None else 0,
                                replicas=self.engine.replica_snapshots, vllm_names=c.metrics_vllm_names)
-
-    @functools.cached_property
-    def tool_format(self) -> str:
-        """How the model writes tool calls: --tool-call-parser, else its chat template's own format
-        where the template takes tools (else the tagged form radixserve's tool prompt teaches).
-        Mistral's parser takes the v11 form where the template writes it."""
-        template = getattr(self.engine.tokenizer, "chat_template", None)
-        template = template if isinstance(template, str) and "tools" in template else None
-        found = tool_parsers.for_template(template)
-        chosen = self.config.tool_call_parser
-        if chosen == "auto" or (chosen == "mistral" and found == "mistral_v11"):
-            return found
-        return chosen
 
     def engine_down(self) -> str | None:
         """Why the engine core is gone (its process died), or None while it serves."""

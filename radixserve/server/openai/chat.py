@@ -13,9 +13,10 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.limits import MAX_N
 from radixserve.request import Retention, SamplingParams, TokenLogprob
-from radixserve.server import chat_core, reasoning, tools
 from radixserve.server.auth import Tenant
-from radixserve.server.chat_core import Api, Call, Plan, Turn
+from radixserve.server.chat import core as chat_core
+from radixserve.server.chat import reasoning, tools
+from radixserve.server.chat.core import Api, Call, Plan, Turn
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     AssistantMessage,
@@ -189,7 +190,7 @@ def chat_sampling(b: ChatCompletionRequest) -> chat_core.Sampling:
 async def _translate(call: Call) -> Turn:
     b: ChatCompletionRequest = call.body
     check_common(b)
-    plan = chat_plan(b, call.state.tool_format)
+    plan = chat_plan(b, chat_core.tool_format(call.state))
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}

@@ -5,7 +5,7 @@
 - `tool_choice` "required" or a named function: the output is constrained to one call, a JSON
   object whose `name` is a tool's and whose `arguments` follow that tool's parameter schema.
 - "auto": the model may answer or call; calls it emits are parsed out in the format of its chat
-  template (server.tool_parsers: hermes tags, and the fenced JSON Qwen2.5-Coder writes, Llama 3
+  template (server.chat.tool_parsers: hermes tags, and the fenced JSON Qwen2.5-Coder writes, Llama 3
   JSON, Mistral, Qwen3-Coder XML; `--tool-call-parser` overrides); a stream sends each call as
   it completes (`call_stream`).
 - "none": tools are not offered.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from radixserve.limits import TooDeep, loads
-from radixserve.server import tool_parsers
+from radixserve.server.chat import tool_parsers
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 
@@ -329,7 +329,7 @@ def calls_from_json(text: str) -> list[ToolCall]:
 
 
 def parse_calls(text: str, tools: list[Tool], fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
-    """Tool calls the model emitted in format `fmt` (server.tool_parsers); the rest stays content."""
+    """Tool calls the model emitted in format `fmt` (server.chat.tool_parsers); the rest stays content."""
     return tool_parsers.parse(fmt, text, tools)
 
 

@@ -17,7 +17,7 @@ not offered, or one that does not parse, stays content.
                  each VALUE read by its parameter's schema type (a string as written)
 
 `FORMATS` is the one table of them: each format's parser, the markers a stream watches for, how
-its calls close, and what the auto-mode constraint (server.tools) and decoding need to know.
+its calls close, and what the auto-mode constraint (server.chat.tools) and decoding need to know.
 
 The text is the model's, which a client can steer (its own regex, logit_bias): every reading is
 linear in its length (server.text_scan), on a whole answer and on a stream (CallStream) alike.
@@ -25,6 +25,7 @@ An answer cut short by max_tokens while writing a call: see server.cut_calls."""
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable
@@ -65,9 +66,18 @@ def for_template(template: str | None) -> str:
     return "hermes"
 
 
+@functools.lru_cache(maxsize=8)
+def for_server(template: str | None, chosen: str) -> str:
+    """How the model writes tool calls: `chosen` (--tool-call-parser), else (auto) its chat
+    template's own format where the template takes tools (else the tagged form radixserve's tool
+    prompt teaches). Mistral's parser takes the v11 form where the template writes it."""
+    found = for_template(template if template and "tools" in template else None)
+    return found if chosen == "auto" or (chosen == "mistral" and found == "mistral_v11") else chosen
+
+
 def parse(name: str, text: str, tools: list[Any]) -> Parsed:
     """(content left or None, calls) of `text` in parser `name`'s format; `tools` the offered
-    ones (`server.tools.Tool`: name and parameters)."""
+    ones (`server.chat.tools.Tool`: name and parameters)."""
     return FORMATS[name].parse(text, {t.name: t for t in tools})
 
 

@@ -1,5 +1,5 @@
 """A Responses request in chat terms (`translate`: the chat core's Turn): its input items as
-chat messages, its flat function tools and tool_choice as the chat path's (server/tools.py),
+chat messages, its flat function tools and tool_choice as the chat path's (server/chat/tools.py),
 text.format as a JSON schema, a continuation's stored conversation; and the input items as
 /input_items lists them. Every error names the Responses field.
 
@@ -18,11 +18,11 @@ from typing import Any
 import msgspec
 
 from radixserve.request import Retention
-from radixserve.server import tools
-from radixserve.server.chat_core import Call, Plan, Rendered, Sampling, Turn
+from radixserve.server.chat import tools
+from radixserve.server.chat.core import Call, Plan, Rendered, Sampling, Turn, tool_format
 from radixserve.server.errors import ApiError
-from radixserve.server.responses_protocol import CreateResponseRequest, InputItem, InputPart, ResponseObject, TextConfig
-from radixserve.server.responses_stored import STORE, db, not_found
+from radixserve.server.responses.protocol import CreateResponseRequest, InputItem, InputPart, ResponseObject, TextConfig
+from radixserve.server.responses.stored import STORE, db, not_found
 from radixserve.server.state import RequestOptions
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -47,7 +47,7 @@ async def translate(call: Call) -> Turn:
     on from its stored context: its conversation after the instructions, its prompt and output
     tokens reused as the rendering's prefix where the new text starts with them."""
     b: CreateResponseRequest = call.body
-    plan, sampling = plan_of(b, call.state.tool_format)
+    plan, sampling = plan_of(b, tool_format(call.state))
     prev = None
     if b.previous_response_id is not None:
         row = await db(call.request, call.request.app[STORE].get, call.tenant.owner, b.previous_response_id)

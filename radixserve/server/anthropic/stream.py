@@ -20,9 +20,8 @@ import msgspec
 from aiohttp import web
 
 from radixserve.engine.outputs import Output
-from radixserve.server import anthropic_convert as convert
-from radixserve.server import reasoning, tools
-from radixserve.server.anthropic_protocol import (
+from radixserve.server.anthropic import convert
+from radixserve.server.anthropic.protocol import (
     ContentBlock,
     ContentBlockDelta,
     ContentBlockStart,
@@ -45,7 +44,8 @@ from radixserve.server.anthropic_protocol import (
     Usage,
     error_body,
 )
-from radixserve.server.chat_core import Plan
+from radixserve.server.chat import reasoning, tools
+from radixserve.server.chat.core import Plan
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.sse import SSEWriter

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.engine.outputs import Output
-from radixserve.server import cut_calls, tools
+from radixserve.server.chat import cut_calls, tools
+from radixserve.server.chat.tool_parsers import CallStream
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.text_scan import partial_tail
-from radixserve.server.tool_parsers import CallStream
 
 if TYPE_CHECKING:
-    from radixserve.server.chat_core import Plan
+    from radixserve.server.chat.core import Plan
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = {"qwen3": False, "deepseek_r1": True}  # parser -> the output starts inside the reasoning
@@ -242,7 +242,7 @@ def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none"
            offered: list[tools.Tool] | None = None, tool_format: str = "hermes", one_call: bool = False,
            streamed: list[ToolCall] | None = None) -> Answer:
     """Tool calls (mode required: the constrained JSON; auto: calls in `tool_format`, see
-    server.tool_parsers) are read from the content only: a call written inside the reasoning is
+    server.chat.tool_parsers) are read from the content only: a call written inside the reasoning is
     not one. `one_call` (parallel_tool_calls false): the first call only. An output cut off by
     max_tokens keeps the calls it completed, as a stream sent them, and the call it was writing
     is a call cut short (server.cut_calls), not text; `streamed`: the calls a stream sent, whose

@@ -1,4 +1,4 @@
-"""Anthropic requests as a chat_core Plan and sampling parameters; engine outputs as Anthropic
+"""Anthropic requests as a chat.core Plan and sampling parameters; engine outputs as Anthropic
 content blocks, stop reasons and usage.
 
 - tool_use blocks (an assistant's earlier calls) become the tool-call history text the chat
@@ -8,7 +8,7 @@ content blocks, stop reasons and usage.
 - tool_choice any/tool constrain the output to one call (chat_core.constrain); auto parses calls
   out of free text; none offers no tools. output_config.format constrains it to a JSON schema.
 - With --reasoning-parser the output's `<think>` part is a leading thinking block and the text
-  and tool_use blocks come from the rest (server/reasoning.py, as chat's reasoning_content); a
+  and tool_use blocks come from the rest (server/chat/reasoning.py, as chat's reasoning_content); a
   constraint applies after the reasoning. `thinking` disabled sets enable_thinking=false in the
   template (no split); enabled (budget_tokens checked as Anthropic does, then only a hint) or
   adaptive keep the model's thinking. Thinking blocks sent back are left out of the prompt.
@@ -20,8 +20,7 @@ import json
 from typing import Any
 
 from radixserve.engine.outputs import Output
-from radixserve.server import chat_core, reasoning, tools
-from radixserve.server.anthropic_protocol import (
+from radixserve.server.anthropic.protocol import (
     Block,
     ContentBlock,
     CountTokensRequest,
@@ -41,7 +40,9 @@ from radixserve.server.anthropic_protocol import (
     ToolUseBlock,
     ToolUseBlockParam,
 )
-from radixserve.server.chat_core import Plan
+from radixserve.server.chat import core as chat_core
+from radixserve.server.chat import reasoning, tools
+from radixserve.server.chat.core import Plan
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.state import RequestOptions

@@ -10,8 +10,9 @@ from aiohttp import web
 
 from radixserve.engine.outputs import Output
 from radixserve.request import TokenLogprob
+from radixserve.server.chat.reasoning import ended_early, finish_reason
 from radixserve.server.errors import ApiError, prompt_batch
-from radixserve.server.openai import (
+from radixserve.server.openai.chat import (
     MAX_TOP_LOGPROBS,
     RENAME,
     begin,
@@ -21,7 +22,6 @@ from radixserve.server.openai import (
     usage,
 )
 from radixserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from radixserve.server.reasoning import ended_early, finish_reason
 from radixserve.server.sse import SSEWriter
 from radixserve.server.state import Flight, ServerState
 

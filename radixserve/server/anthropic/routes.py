@@ -1,6 +1,6 @@
 """Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens, so the `anthropic`
 SDK works unchanged (`anthropic.Anthropic(base_url=..., api_key=...)`; the key may come as
-`x-api-key`). Requests run through the chat core (anthropic_convert); errors keep the app's
+`x-api-key`). Requests run through the chat core (convert); errors keep the app's
 middleware (metrics, Retry-After) but render in Anthropic's shape:
 
     {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: ..."}}
@@ -16,19 +16,20 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from radixserve.server import anthropic_cache as caching
-from radixserve.server import anthropic_convert as convert
-from radixserve.server import chat_core, reasoning
-from radixserve.server.anthropic_protocol import (
+from radixserve.server.anthropic import cache as caching
+from radixserve.server.anthropic import convert
+from radixserve.server.anthropic.protocol import (
     CountTokensRequest,
     Message,
     MessagesRequest,
     TokenCount,
     error_body,
 )
-from radixserve.server.anthropic_stream import stream_message
+from radixserve.server.anthropic.stream import stream_message
 from radixserve.server.body import too_large
-from radixserve.server.chat_core import Api, Call, Turn
+from radixserve.server.chat import core as chat_core
+from radixserve.server.chat import reasoning
+from radixserve.server.chat.core import Api, Call, Turn
 from radixserve.server.errors import ApiError
 from radixserve.server.state import Flight
 
@@ -80,7 +81,7 @@ def _json(obj: object) -> web.Response:
 
 async def _translate(call: Call) -> Turn:
     b: MessagesRequest = call.body
-    parser, fmt = call.state.config.reasoning_parser, call.state.tool_format
+    parser, fmt = call.state.config.reasoning_parser, chat_core.tool_format(call.state)
     plan = convert.conversation(b, parser, fmt)
     sampling, opts = convert.engine_request(b, plan)
     marks = caching.find(b, call.tenant.retention_cap)

@@ -2,7 +2,7 @@
 GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items.
 
 A request runs through the chat core (chat_core.serve): translated into a Turn by
-responses_input (its input items as chat messages, its tools), rendered by the model's chat
+translate (its input items as chat messages, its tools), rendered by the model's chat
 template and admitted there, then collected or streamed here (`reply`). A stored response
 keeps its Context: a continuation (previous_response_id) renders the whole conversation and,
 when that text starts with the stored one, reuses its tokens (prompt and output, as the engine
@@ -10,7 +10,7 @@ ran them) as its first tokens, so the prefix cache holds the whole earlier turn.
 
 With --reasoning-parser the output's `<think>` part is a leading reasoning item (counted in
 usage.output_tokens_details.reasoning_tokens) and the message or calls come from the rest, as
-chat splits reasoning_content (server/reasoning.py); `reasoning: {"effort": "none"}` turns
+chat splits reasoning_content (server/chat/reasoning.py); `reasoning: {"effort": "none"}` turns
 thinking off in the template, as chat's chat_template_kwargs {"enable_thinking": false}. A
 stored turn keeps the output as the model wrote it, reasoning included: the template decides
 what a continuation shows of it."""
@@ -24,12 +24,13 @@ import msgspec
 from aiohttp import web
 
 from radixserve.engine.outputs import Output
-from radixserve.server import chat_core, reasoning, responses_stored, tools
-from radixserve.server.chat_core import Api, Call, Plan, Rendered, Turn
+from radixserve.server.chat import core as chat_core
+from radixserve.server.chat import reasoning, tools
+from radixserve.server.chat.core import Api, Call, Plan, Rendered, Turn
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
-from radixserve.server.responses_input import RENAME, Pending, translate
-from radixserve.server.responses_protocol import (
+from radixserve.server.responses import stored
+from radixserve.server.responses.protocol import (
     Context,
     CreateResponseRequest,
     DeletedResponse,
@@ -45,15 +46,16 @@ from radixserve.server.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from radixserve.server.responses_store import StoredResponse, pack_context
-from radixserve.server.responses_stored import STORE, db
-from radixserve.server.responses_stream import EventWriter, LiveItems, function_item
+from radixserve.server.responses.store import StoredResponse, pack_context
+from radixserve.server.responses.stored import STORE, db
+from radixserve.server.responses.stream import EventWriter, LiveItems, function_item
+from radixserve.server.responses.translate import RENAME, Pending, translate
 from radixserve.server.state import Flight
 
 
 # -- create ----------------------------------------------------------------------------------
 async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
-    """The response, whole or as typed events (responses_input.translate began it)."""
+    """The response, whole or as typed events (translate.translate began it)."""
     b: CreateResponseRequest = call.body
     if b.stream:
         return await _stream(call, turn, flight)
@@ -172,4 +174,4 @@ OPENAPI_ROUTES: list[tuple[str, str, type | None, type | None, str]] = [
 def add_routes(app: web.Application) -> None:
     """Register this module's routes on the app."""
     app.router.add_post("/v1/responses", chat_core.route(RESPONSES))
-    responses_stored.add_routes(app)
+    stored.add_routes(app)

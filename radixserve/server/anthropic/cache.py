@@ -31,8 +31,8 @@ from msgspec import structs
 from radixserve.cache.prefix import common_prefix_len
 from radixserve.engine.outputs import Output
 from radixserve.request import Retention
-from radixserve.server import chat_core
-from radixserve.server.anthropic_protocol import CacheCreation, MessageParam, MessagesRequest, ToolChoice, Usage
+from radixserve.server.anthropic.protocol import CacheCreation, MessageParam, MessagesRequest, ToolChoice, Usage
+from radixserve.server.chat import core as chat_core
 from radixserve.server.errors import ApiError
 from radixserve.server.state import RequestOptions
 

@@ -22,9 +22,10 @@ from typing import Any
 
 import msgspec
 
-from radixserve.server import reasoning
+from radixserve.server.chat import reasoning
+from radixserve.server.chat.tool_parsers import CallStream
 from radixserve.server.protocol import ToolCall
-from radixserve.server.responses_protocol import (
+from radixserve.server.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ErrorEvent,
@@ -45,7 +46,6 @@ from radixserve.server.responses_protocol import (
     TextDoneEvent,
 )
 from radixserve.server.sse import SSEWriter
-from radixserve.server.tool_parsers import CallStream
 
 
 class EventWriter(SSEWriter):

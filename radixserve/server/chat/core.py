@@ -24,9 +24,9 @@ from aiohttp import web
 
 from radixserve.engine.protocol import EngineClient
 from radixserve.request import SamplingParams
-from radixserve.server import reasoning, tools
 from radixserve.server.auth import Tenant
 from radixserve.server.body import read_body
+from radixserve.server.chat import reasoning, tool_parsers, tools
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.state import Flight, RequestOptions, ServerState
 
@@ -45,7 +45,7 @@ class Plan:
     tag: str | None = None  # a structural tag (JSON text)
     call_tag: bool = False  # tool_choice auto, its calls constrained by `tag` (tools.auto_tag)
     parser: str | None = None  # the reasoning parser, when the output is split
-    tool_format: str = "hermes"  # how the model writes tool calls (server.tool_parsers)
+    tool_format: str = "hermes"  # how the model writes tool calls (server.chat.tool_parsers)
     one_call: bool = False  # parallel calls off: the first call only
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more variables for the chat template
     prefill: str = ""  # the start of the answer (Anthropic's final assistant turn), which the model continues
@@ -168,6 +168,12 @@ def renderer(engine: EngineClient, plan: Plan, rename: dict[str, str], prefix: t
         return ids
 
     return render
+
+
+def tool_format(state: ServerState) -> str:
+    """The server's tool-call format (tool_parsers.for_server over its model's chat template)."""
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+    return tool_parsers.for_server(template if isinstance(template, str) else None, state.config.tool_call_parser)
 
 
 @asynccontextmanager

@@ -14,7 +14,7 @@ from msgspec import Meta
 from radixserve.limits import MAX_MESSAGES, MAX_RID_CHARS, MAX_STOPS, MAX_TOOLS
 from radixserve.server.protocol import _In, _Out  # the wire types' bases, declared once
 
-CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": "5m" | "1h"}: server/anthropic_cache.py
+CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": "5m" | "1h"}: server/anthropic/cache.py
 
 
 # -- request blocks --------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class CacheCreation(_Out):
 
 class Usage(_Out):
     """input_tokens + cache_read_input_tokens + cache_creation_input_tokens = the prompt's tokens
-    (server/anthropic_cache.py says how cache_control splits them)."""
+    (server/anthropic/cache.py says how cache_control splits them)."""
 
     input_tokens: int
     output_tokens: int

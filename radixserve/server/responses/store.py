@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from radixserve.server.responses_protocol import Context
+from radixserve.server.responses.protocol import Context
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (

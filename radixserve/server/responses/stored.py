@@ -15,8 +15,8 @@ import msgspec
 from aiohttp import web
 
 from radixserve.server.errors import ApiError
-from radixserve.server.responses_protocol import DeletedResponse, InputItemList
-from radixserve.server.responses_store import ResponseStore, StoredResponse
+from radixserve.server.responses.protocol import DeletedResponse, InputItemList
+from radixserve.server.responses.store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 STORE = web.AppKey("responses_store", ResponseStore)
