@@ -23,13 +23,13 @@ from radixserve.server import sse
 from radixserve.server.anthropic import stream as anthropic_stream
 from radixserve.server.anthropic.cache import Breakpoints
 from radixserve.server.chat import reasoning
+from radixserve.server.chat.text_scan import cut_json
 from radixserve.server.chat.tools import Tool
 from radixserve.server.errors import decode_body
 from radixserve.server.openai import chat
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.responses import routes as responses
 from radixserve.server.responses import stream as responses_stream
-from radixserve.server.text_scan import cut_json
 
 FN = {"type": "object", "properties": {"x": {"type": "integer"}, "s": {"type": "string"}}}
 TOOLS = [Tool("f", "", FN), Tool("g", "", FN)]

@@ -103,20 +103,24 @@ def _out(text: str, reason: str = "stop") -> Output:
     return Output("r", text, [], reason, 3, 5, 0)
 
 
+def _choice(o: Output, plan):
+    return chat_choice(None, 0, o, reasoning.read(o, plan))
+
+
 def test_tool_calls_and_json_are_read_from_the_content_only():
     b, plan, params = _plan("qwen3", tools=[TOOL], tool_choice="required")
-    c = chat_choice(None, 0, _out('<think>call f with {"x": 2}</think>\n{"name": "f", "arguments": {"x": 1}}'), plan)
+    c = _choice(_out('<think>call f with {"x": 2}</think>\n{"name": "f", "arguments": {"x": 1}}'), plan)
     assert c.finish_reason == "tool_calls" and c.message.content is None
     assert c.message.reasoning_content == 'call f with {"x": 2}'
     assert json.loads(c.message.tool_calls[0].function.arguments) == {"x": 1}
     b, plan, params = _plan("qwen3", tools=[TOOL])  # auto: a tagged call inside the reasoning is not a call
-    c = chat_choice(None, 0, _out('<think><tool_call>{"name": "f", "arguments": {}}</tool_call></think>Hi'), plan)
+    c = _choice(_out('<think><tool_call>{"name": "f", "arguments": {}}</tool_call></think>Hi'), plan)
     assert c.finish_reason == "stop" and c.message.tool_calls is None and c.message.content == "Hi"
     b, plan, params = _plan("deepseek_r1", response_format={"type": "json_object"})
-    c = chat_choice(None, 0, _out("still thinking", "length"), plan)
+    c = _choice(_out("still thinking", "length"), plan)
     assert (c.message.reasoning_content, c.message.content, c.finish_reason) == ("still thinking", None, "length")
     b, plan, params = _plan(None, tools=[TOOL])  # no parser: the tags are content
-    c = chat_choice(None, 0, _out("<think>x</think>y"), plan)
+    c = _choice(_out("<think>x</think>y"), plan)
     assert c.message.content == "<think>x</think>y" and c.message.reasoning_content is None
 
 

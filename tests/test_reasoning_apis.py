@@ -25,6 +25,7 @@ from radixserve.server.anthropic import convert
 from radixserve.server.anthropic import stream as anthropic_stream
 from radixserve.server.anthropic.cache import Breakpoints
 from radixserve.server.anthropic.protocol import Message, MessagesRequest
+from radixserve.server.chat import reasoning
 from radixserve.server.errors import ApiError, decode_body
 from radixserve.server.responses import routes as responses
 from radixserve.server.responses import stream as responses_stream
@@ -102,7 +103,8 @@ def _respond(pieces: list[str], parser: str | None, reason: str = "stop", **body
     b = _request(**body)
     plan, _ = responses_plan(b, parser)
     resp = new_response("m", b)
-    responses.finish(resp, _out(pieces, reason), plan, ("rs_1", "msg_1"), Tok(pieces))
+    out = _out(pieces, reason)
+    responses.finish(resp, out, reasoning.read(out, plan), ("rs_1", "msg_1"), Tok(pieces))
     return openai.types.responses.Response.model_validate_json(msgspec.json.encode(resp))
 
 
@@ -241,7 +243,8 @@ def test_thinking_needs_a_parser_and_its_budget_is_checked_as_anthropic_checks_i
 def _message(pieces: list[str], parser: str | None, reason: str = "stop", **body) -> anthropic.types.Message:
     b = _msg(**body)
     conv, _ = messages_plan(b, parser)
-    blocks, stop, seq = convert.answer(_out(pieces, reason), conv, b)
+    out = _out(pieces, reason)
+    blocks, stop, seq = convert.answer(out, reasoning.read(out, conv), b)
     use = anthropic_cache.Breakpoints([]).usage(_out(pieces))
     wire = msgspec.json.encode(Message("msg_1", "assistant", "m", blocks, stop, seq, use))
     return anthropic.types.Message.model_validate_json(wire)

@@ -1,5 +1,5 @@
 """Tool calls streamed as they complete, in chat, Responses and Messages alike (tool_choice auto):
-the split of a streamed answer into text and calls (tool_parsers.CallStream), then each API's
+the split of a streamed answer into text and calls (call_stream.CallStream), then each API's
 stream on a fake engine that writes a known answer token by token, checked against the openai
 and anthropic SDKs' own types and accumulators, and for *when* each call reaches the client."""
 
@@ -19,7 +19,7 @@ from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _op
 from radixserve.server import sse
 from radixserve.server.anthropic import stream as anthropic_stream
 from radixserve.server.anthropic.cache import Breakpoints
-from radixserve.server.chat.tool_parsers import CallStream
+from radixserve.server.chat.call_stream import CallStream
 from radixserve.server.chat.tools import Tool
 from radixserve.server.errors import decode_body
 from radixserve.server.openai import chat

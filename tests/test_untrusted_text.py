@@ -17,8 +17,10 @@ import time
 
 import pytest
 
-from radixserve.server.chat import reasoning, tool_parsers
-from radixserve.server.chat.tools import Tool
+from radixserve.engine.outputs import Output
+from radixserve.server.chat import call_stream, reasoning, tool_parsers
+from radixserve.server.chat.core import Plan
+from radixserve.server.chat.tools import CHAT_PARAMS, Tool
 
 N = 100_000
 LIMIT = 0.25  # seconds for one whole 100k-character text: they take milliseconds (a loaded 2-core machine: tens)
@@ -114,7 +116,7 @@ def _pieces(text: str, seed: int = 0) -> list[str]:
 @pytest.mark.parametrize(("fmt", "name"), [(f, n) for f, names in STREAMED.items() for n in names])
 def test_a_streamed_answer_costs_each_delta_its_own_length(fmt, name):
     pieces = _pieces(HOSTILE[name])
-    stream = tool_parsers.CallStream(fmt, TOOLS, False)
+    stream = call_stream.CallStream(fmt, TOOLS, False)
     with bounded(STREAM_LIMIT):
         for p in pieces:
             stream.feed(p)
@@ -131,7 +133,7 @@ def test_a_streamed_reasoning_split_costs_each_delta_its_own_length(text):
 
 
 def test_a_stream_that_sends_a_long_answer_keeps_what_it_sent_in_linear_time():
-    parts = reasoning.LiveParts("qwen3", True, tool_parsers.CallStream("hermes", TOOLS, False))
+    parts = reasoning.LiveParts("qwen3", True, call_stream.CallStream("hermes", TOOLS, False))
     pieces = _pieces("word " * (N // 5))
 
     async def run() -> None:
@@ -151,7 +153,9 @@ def test_a_long_answer_is_read_off_the_event_loop():
     where = []
 
     async def run(size: int) -> None:
-        await reasoning.read_long(size, lambda: where.append(threading.current_thread()))
+        out = Output("r", "x" * size, [], "stop", 3, 5, 0)
+        a = await reasoning.read_long([out], Plan([], CHAT_PARAMS), lambda a: where.append(threading.current_thread()) or a)
+        assert a.content == out.text
 
     asyncio.run(run(reasoning.OFF_LOOP_CHARS))
     asyncio.run(run(reasoning.OFF_LOOP_CHARS + 1))
@@ -204,7 +208,7 @@ def _random_text(rng: random.Random) -> str:
 
 
 def test_each_scanner_reads_what_the_regex_it_replaced_matched():
-    from radixserve.server.text_scan import fenced, tagged, xml_calls, xml_function, xml_params
+    from radixserve.server.chat.text_scan import fenced, tagged, xml_calls, xml_function, xml_params
 
     rng = random.Random(44)
     for _ in range(4000):
@@ -227,7 +231,7 @@ def test_each_scanner_reads_what_the_regex_it_replaced_matched():
 def _released_then(fmt: str, text: str) -> tuple[int, list[str]]:
     """What the call stream held and found before it was incremental: recomputed from the whole
     text with the regexes (how much is content whatever comes next; the calls closed so far)."""
-    from radixserve.server.text_scan import partial_tail
+    from radixserve.server.chat.text_scan import partial_tail
 
     calls = []
     if fmt in ("hermes", "qwen3_coder"):
@@ -262,7 +266,7 @@ def test_the_call_stream_releases_and_finds_what_a_reading_of_the_whole_text_doe
         text = "".join(rng.choice([*FRAGMENTS, f"```json\n{CALL}\n```", f"<tool_call>{CALL}</tool_call>",
                                    "<tool_call><function=f><parameter=x>1</parameter></function></tool_call>"])
                        for _ in range(rng.randint(0, 16)))
-        stream, released, calls, so_far = tool_parsers.CallStream(fmt, TOOLS, False), "", [], ""
+        stream, released, calls, so_far = call_stream.CallStream(fmt, TOOLS, False), "", [], ""
         for piece in _pieces(text, rng.randint(0, 9)):
             out, new = stream.feed(piece)
             released, so_far = released + out, so_far + piece

@@ -9,7 +9,6 @@ from aiohttp import web
 
 from radixserve.limits import MAX_JSON_DEPTH
 from radixserve.server.protocol import ErrorDetail, ErrorResponse
-from radixserve.server.text_scan import skip_ws
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -96,7 +95,9 @@ def deep_path(body: bytes, limit: int) -> str | None:
             end = _string_end(body, at + 1)
             if end < 0:
                 return None
-            i = skip_ws(body, end + 1)
+            i = end + 1
+            while i < len(body) and body[i] in b" \t\r\n":  # (each byte once: the scan only moves on)
+                i += 1
             pending = body[at + 1:end].decode("utf-8", "replace") if body.startswith(b":", i) else ""
             continue
         i = at + 1

@@ -85,13 +85,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Authenticate a request that carries a key once, and count it against its tenant's rate;
-    a request without a valid key goes on to its route, which answers it (401, or an open route)."""
+    """Authenticate a request once (on an open server, or when it carries a key), and count it
+    against its tenant's rate; a request without a valid key goes on to its route, which answers
+    it (401, or an open route). The routes read the tenant found here (auth.TENANT_KEY)."""
     state = request.app["state"]
     authorization, api_key = request.headers.get("Authorization"), request.headers.get("x-api-key")
-    if not state.auth.open and (authorization or api_key):
+    if authorization or api_key or state.auth.open:
         try:
-            tenant = state.auth.authenticate(authorization, api_key)
+            tenant = state.auth.of_request(request)
         except ApiError:
             return await handler(request)
         request[TENANT_KEY] = tenant

@@ -43,10 +43,10 @@ from radixserve.server.anthropic.protocol import (
 from radixserve.server.chat import core as chat_core
 from radixserve.server.chat import reasoning, tools
 from radixserve.server.chat.core import Plan
+from radixserve.server.chat.text_scan import cut_json, loads
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 from radixserve.server.state import RequestOptions
-from radixserve.server.text_scan import cut_json, loads
 
 # engine field names -> this API's
 RENAME = {"max_new_tokens": "max_tokens", "prompt": "messages", "stop": "stop_sequences",
@@ -215,11 +215,9 @@ def engine_request(b: MessagesRequest, plan: Plan) -> tuple[chat_core.Sampling, 
     return sampling, RequestOptions(rename=RENAME)
 
 
-def answer(out: Output, plan: Plan, b: MessagesRequest,
-           streamed: list[ToolCall] | None = None) -> tuple[list[ContentBlock], str, str | None]:
-    """The content blocks, stop_reason and stop_sequence of a finished output (an engine error
-    is an ApiError 500); `streamed`: the calls a stream sent (their blocks keep its ids)."""
-    a = reasoning.read(out, plan, streamed)  # an engine error is a 500
+def answer(out: Output, a: reasoning.Answer, b: MessagesRequest) -> tuple[list[ContentBlock], str, str | None]:
+    """The content blocks, stop_reason and stop_sequence of a finished output read as `a`
+    (reasoning.read_long: an engine error is an ApiError 500, a stream's calls keep their ids)."""
     reason = out.finish_reason
     uses = [tool_use(c) for c in a.calls]
     blocks: list[ContentBlock] = []

@@ -81,7 +81,7 @@ def _json(obj: object) -> web.Response:
 
 async def _translate(call: Call) -> Turn:
     b: MessagesRequest = call.body
-    parser, fmt = call.state.config.reasoning_parser, chat_core.tool_format(call.state)
+    parser, fmt = call.state.config.reasoning_parser, call.state.tool_format
     plan = convert.conversation(b, parser, fmt)
     sampling, opts = convert.engine_request(b, plan)
     marks = caching.find(b, call.tenant.retention_cap)
@@ -102,7 +102,7 @@ async def _reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
     if b.stream:
         return await stream_message(call.request, state, flight, turn.plan, b, mid, marks.usage)
     out = (await state.collect(flight))[0]
-    content, reason, sequence = await reasoning.read_long(len(out.text), convert.answer, out, turn.plan, b)
+    content, reason, sequence = await reasoning.read_long([out], turn.plan, lambda a: convert.answer(out, a, b))
     return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, marks.usage(out)))
 
 

@@ -92,7 +92,7 @@ async def _answer(sse: EventWriter, state: ServerState, flight: Flight, plan: Pl
         out = d.output if d.finished else out
     if out is None:
         raise ApiError(500, "internal error while generating: the request ended without an output")
-    blocks, reason, sequence = await reasoning.read_long(len(out.text), convert.answer, out, plan, b,
+    blocks, reason, sequence = await reasoning.read_long([out], plan, lambda a: convert.answer(out, a, b),
                                                          live.streamed_calls())  # an engine error raises here
     await live.finish(blocks)
     await sse.emit(MessageDelta(StopInfo(reason, sequence), usage(out)))

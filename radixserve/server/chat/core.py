@@ -24,9 +24,9 @@ from aiohttp import web
 
 from radixserve.engine.protocol import EngineClient
 from radixserve.request import SamplingParams
-from radixserve.server.auth import Tenant
+from radixserve.server.auth import TENANT_KEY, Tenant
 from radixserve.server.body import read_body
-from radixserve.server.chat import reasoning, tool_parsers, tools
+from radixserve.server.chat import reasoning, tools
 from radixserve.server.errors import ApiError, value_error
 from radixserve.server.state import Flight, RequestOptions, ServerState
 
@@ -170,12 +170,6 @@ def renderer(engine: EngineClient, plan: Plan, rename: dict[str, str], prefix: t
     return render
 
 
-def tool_format(state: ServerState) -> str:
-    """The server's tool-call format (tool_parsers.for_server over its model's chat template)."""
-    template = getattr(state.engine.tokenizer, "chat_template", None)
-    return tool_parsers.for_server(template if isinstance(template, str) else None, state.config.tool_call_parser)
-
-
 @asynccontextmanager
 async def admit(state: ServerState, tenant: Tenant, plan: Plan, prompts: Sequence[Callable[[], list[int]]],
                 params: Sequence[SamplingParams], opts: RequestOptions, arrival: float) -> AsyncIterator[Flight]:
@@ -198,7 +192,7 @@ async def begin(request: web.Request, typ: type, admit: bool = True) -> tuple[Se
     before the body is read (`admit` False: a route that queues nothing), the body, the model."""
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
-    tenant = state.auth.of_request(request)
+    tenant = request.get(TENANT_KEY) or state.auth.of_request(request)  # (the rate limiter's, when it found it)
     if admit:
         state.admission.check(tenant)
     b = await read_body(request, typ)

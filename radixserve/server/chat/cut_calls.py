@@ -23,9 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.server.chat.tool_parsers import calls_of, llama3_objects, xml_arguments
-from radixserve.server.protocol import FunctionCall, ToolCall
-from radixserve.server.text_scan import (
+from radixserve.server.chat.text_scan import (
     FENCE,
     FUNC_CLOSE,
     FUNC_OPEN,
@@ -36,6 +34,8 @@ from radixserve.server.text_scan import (
     loads,
     skip_ws,
 )
+from radixserve.server.chat.tool_parsers import calls_of, llama3_objects, xml_arguments
+from radixserve.server.protocol import FunctionCall, ToolCall
 
 Cut = tuple[str | None, list[ToolCall], bool]  # (content left, calls, whether the last call is cut short)
 

@@ -17,16 +17,16 @@ reasoning, content and the tool calls read from the content only), `reasoning_to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.engine.outputs import Output
 from radixserve.server.chat import cut_calls, tools
-from radixserve.server.chat.tool_parsers import CallStream
+from radixserve.server.chat.call_stream import CallStream
+from radixserve.server.chat.text_scan import partial_tail
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
-from radixserve.server.text_scan import partial_tail
 
 if TYPE_CHECKING:
     from radixserve.server.chat.core import Plan
@@ -137,7 +137,7 @@ class LiveParts:
     """One streamed answer's parts as its text comes, opened lazily and in order: the reasoning
     part once the splitter sees reasoning, the content part at its first content (closing the
     reasoning), and with tools (`calls`, auto mode) each call as it completes (closing what is
-    open); text from where a call may start is held (`tool_parsers.CallStream`), and what of it
+    open); text from where a call may start is held (`call_stream.CallStream`), and what of it
     is content reaches the client at `finish`. `parts` are the streamed parts' keys in stream
     order ("reasoning", "content", "call:<id>"); each API's stream (Responses items, Anthropic
     blocks) says how a part starts, grows and ends. `live` False: nothing streams (a required
@@ -300,13 +300,16 @@ T = TypeVar("T")
 OFF_LOOP_CHARS = 4096  # a longer finished output is read in a worker thread (see read_long)
 
 
-async def read_long(size: int, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args), which reads a finished output of `size` characters (`answer`, and the reply
-    built from it): on the event loop when it is short, in a worker thread when it is long. Its
-    reading is linear, but an answer dense with markup (thousands of calls or fences: a client
-    can make the model write them) costs up to ~1 µs a character of Python, which would stall
-    every other request for tens of milliseconds."""
-    return fn(*args) if size <= OFF_LOOP_CHARS else await asyncio.to_thread(fn, *args)
+async def read_long(outs: Sequence[Output], plan: Plan, build: Callable[..., T], streamed: list[ToolCall] | None = None) -> T:
+    """build(*answers): each finished output read as its plan reads it (`read`), and the reply
+    built from the answers, on the event loop when the outputs are short, in a worker thread when
+    they are long. The reading is linear, but an answer dense with markup (thousands of calls or
+    fences: a client can make the model write them) costs up to ~1 µs a character of Python,
+    which would stall every other request for tens of milliseconds."""
+    def work() -> T:
+        return build(*(read(o, plan, streamed) for o in outs))
+
+    return work() if sum(len(o.text) for o in outs) <= OFF_LOOP_CHARS else await asyncio.to_thread(work)
 
 
 def reasoning_tokens(tok: Any, ids: list[int]) -> int:

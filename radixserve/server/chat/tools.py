@@ -21,6 +21,7 @@ from typing import Any, TypeGuard
 
 from radixserve.limits import TooDeep, loads
 from radixserve.server.chat import tool_parsers
+from radixserve.server.chat.call_stream import CallStream
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
 
@@ -333,10 +334,10 @@ def parse_calls(text: str, tools: list[Tool], fmt: str = "hermes") -> tuple[str 
     return tool_parsers.parse(fmt, text, tools)
 
 
-def call_stream(mode: str, offered: list[Tool], fmt: str, one_call: bool) -> tool_parsers.CallStream | None:
+def call_stream(mode: str, offered: list[Tool], fmt: str, one_call: bool) -> CallStream | None:
     """What splits a streamed answer's calls from its text as it comes: in auto mode (a required
     call is constrained JSON, parsed at the end; without tools the text is all content)."""
-    return tool_parsers.CallStream(fmt, offered, one_call) if mode == "auto" and offered else None
+    return CallStream(fmt, offered, one_call) if mode == "auto" and offered else None
 
 
 def history_text(tool_calls: list[Any] | None, param: str) -> str:

@@ -190,7 +190,7 @@ def chat_sampling(b: ChatCompletionRequest) -> chat_core.Sampling:
 async def _translate(call: Call) -> Turn:
     b: ChatCompletionRequest = call.body
     check_common(b)
-    plan = chat_plan(b, chat_core.tool_format(call.state))
+    plan = chat_plan(b, call.state.tool_format)
     opts = request_options(b)
     if b.max_completion_tokens is not None:  # errors name the field the client sent
         opts.rename = {**opts.rename, "max_new_tokens": "max_completion_tokens"}
@@ -212,8 +212,8 @@ async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletio
                       plan: Plan) -> web.StreamResponse:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     outs = await state.collect(flight)
-    choices = await reasoning.read_long(sum(len(o.text) for o in outs),
-                                        lambda: [chat_choice(state, i, o, plan) for i, o in enumerate(outs)])
+    choices = await reasoning.read_long(outs, plan, lambda *answers: [chat_choice(state, i, o, a) for i, (o, a)
+                                                                      in enumerate(zip(outs, answers))])
     if not b.stream:
         resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
@@ -244,13 +244,13 @@ class _LiveChoice(reasoning.LiveParts):
     async def finish(self, out: Output) -> str:
         """The rest of the answer once it is whole (held text that is content, calls only the
         whole answer shows) into the delta; returns the finish reason."""
-        a, reason = await reasoning.read_long(len(out.text), plan_answer, out, self.plan, self.streamed_calls())
+        a = await reasoning.read_long([out], self.plan, lambda a: a, self.streamed_calls())
         await self.content_delta(0, self.rest(a.content or ""))
         sent = {c.id for c in self.streamed_calls()}
         for call in a.calls:
             if call.id not in sent:
                 await self.tool_call(0, call)
-        return reason
+        return finish_reason(out, a)
 
     def take(self) -> ChatDelta | None:
         d, self.delta = self.delta, ChatDelta()
@@ -293,18 +293,16 @@ def include_usage(b: _OpenAISampling) -> bool:
     return b.stream_options is not None and b.stream_options.include_usage
 
 
-def plan_answer(o: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> tuple[reasoning.Answer, str]:
-    """A finished output as the plan reads it (reasoning.read: an engine error is a 500), and its
-    finish reason: "tool_calls" when it stopped after calls."""
-    a = reasoning.read(o, plan, streamed)
-    return a, "tool_calls" if a.calls and o.finish_reason == "stop" else o.finish_reason
+def finish_reason(o: Output, a: reasoning.Answer) -> str:
+    """A finished output's finish reason: "tool_calls" when it stopped after calls."""
+    return "tool_calls" if a.calls and o.finish_reason == "stop" else o.finish_reason
 
 
-def chat_choice(state: ServerState, i: int, o: Output, plan: Plan) -> ChatChoice:
-    """Tool calls and JSON are read from the content only, never from the reasoning."""
-    a, reason = plan_answer(o, plan)
+def chat_choice(state: ServerState, i: int, o: Output, a: reasoning.Answer) -> ChatChoice:
+    """Choice i, read as `a` (reasoning.read_long: tool calls and JSON are read from the content
+    only, never from the reasoning)."""
     message = AssistantMessage(content=a.content, tool_calls=a.calls or None, reasoning_content=a.reasoning)
-    return ChatChoice(i, message, reason, _chat_logprobs(state, o.logprobs))
+    return ChatChoice(i, message, finish_reason(o, a), _chat_logprobs(state, o.logprobs))
 
 
 async def _stream_whole(request: web.Request, cid: str, created: int, model: str, choices: list[ChatChoice],

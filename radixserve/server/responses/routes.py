@@ -26,9 +26,8 @@ from aiohttp import web
 from radixserve.engine.outputs import Output
 from radixserve.server.chat import core as chat_core
 from radixserve.server.chat import reasoning, tools
-from radixserve.server.chat.core import Api, Call, Plan, Rendered, Turn
+from radixserve.server.chat.core import Api, Call, Rendered, Turn
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import ToolCall
 from radixserve.server.responses import stored
 from radixserve.server.responses.protocol import (
     Context,
@@ -61,8 +60,8 @@ async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
         return await _stream(call, turn, flight)
     out = (await call.state.collect(flight))[0]
     pending: Pending = turn.data
-    await reasoning.read_long(len(out.text), finish, pending.resp, out, turn.plan, pending.ids,
-                              call.state.engine.tokenizer)  # an engine error is a 500, as in chat
+    tok = call.state.engine.tokenizer  # an engine error is a 500, as in chat:
+    await reasoning.read_long([out], turn.plan, lambda a: finish(pending.resp, out, a, pending.ids, tok))
     await _save(call, turn, out)
     return web.Response(body=msgspec.json.encode(pending.resp), content_type="application/json")
 
@@ -70,10 +69,8 @@ async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
 RESPONSES = Api(CreateResponseRequest, RENAME, translate, reply)
 
 
-def finish(resp: ResponseObject, out: Output, plan: Plan, ids: tuple[str, str], tok: Any,
-           streamed: list[ToolCall] | None = None) -> None:
-    """Fill in the output items, the status and the usage of a finished request."""
-    a = reasoning.read(out, plan, streamed)
+def finish(resp: ResponseObject, out: Output, a: reasoning.Answer, ids: tuple[str, str], tok: Any) -> None:
+    """Fill in the output items, the status and the usage of a finished request read as `a`."""
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
@@ -114,8 +111,8 @@ async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
     if (err := reasoning.ended_early(out)) is not None:  # failed: never a cut answer as a whole one
         await w.fail(resp, "server_error", err.message)
         return w.response
-    await reasoning.read_long(len(out.text), finish, resp, out, plan, pending.ids, state.engine.tokenizer,
-                              live.streamed_calls())
+    tok = state.engine.tokenizer
+    await reasoning.read_long([out], plan, lambda a: finish(resp, out, a, pending.ids, tok), live.streamed_calls())
     try:
         await _save(call, turn, out)
     except ApiError as e:

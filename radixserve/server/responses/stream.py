@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from radixserve.server.chat import reasoning
-from radixserve.server.chat.tool_parsers import CallStream
+from radixserve.server.chat.call_stream import CallStream
 from radixserve.server.protocol import ToolCall
 from radixserve.server.responses.protocol import (
     ArgumentsDeltaEvent,

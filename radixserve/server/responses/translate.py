@@ -19,7 +19,7 @@ import msgspec
 
 from radixserve.request import Retention
 from radixserve.server.chat import tools
-from radixserve.server.chat.core import Call, Plan, Rendered, Sampling, Turn, tool_format
+from radixserve.server.chat.core import Call, Plan, Rendered, Sampling, Turn
 from radixserve.server.errors import ApiError
 from radixserve.server.responses.protocol import CreateResponseRequest, InputItem, InputPart, ResponseObject, TextConfig
 from radixserve.server.responses.stored import STORE, db, not_found
@@ -47,7 +47,7 @@ async def translate(call: Call) -> Turn:
     on from its stored context: its conversation after the instructions, its prompt and output
     tokens reused as the rendering's prefix where the new text starts with them."""
     b: CreateResponseRequest = call.body
-    plan, sampling = plan_of(b, tool_format(call.state))
+    plan, sampling = plan_of(b, call.state.tool_format)
     prev = None
     if b.previous_response_id is not None:
         row = await db(call.request, call.request.app[STORE].get, call.tenant.owner, b.previous_response_id)
