@@ -192,6 +192,7 @@ CHAT_TEMPLATE = (
 )
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
          "SmolLM3ForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
 
 def _train_tokenizer(out: Path) -> int:
@@ -232,8 +233,17 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
         "bos_token_id": 1,
         "tie_word_embeddings": arch in ("LlamaForCausalLM", "Gemma3ForCausalLM"),
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3"}[arch],
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
+                       "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral"}[arch],
     }
+    if arch == "Qwen3MoeForCausalLM":  # 8 experts, top 3 renormalised; the middle layer dense
+        cfg.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                   mlp_only_layers=[1], decoder_sparse_step=1)
+    elif arch == "Qwen2MoeForCausalLM":  # 6 experts, top 2 as routed (not renormalised), a gated shared expert
+        cfg.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   norm_topk_prob=False, qkv_bias=True)
+    elif arch == "MixtralForCausalLM":  # 4 experts as wide as intermediate_size, top 2
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
     if arch == "Gemma3ForCausalLM":  # a window of 8 (prompts of 16 run past it), its own softmax scale
         cfg.update(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=None,
@@ -290,6 +300,14 @@ def tiny_models(tiny_tokenizer: tuple[Path, int, int]) -> dict[str, Path]:
     tok_dir, vocab, eos = tiny_tokenizer
     return {arch: make_tiny_model(tok_dir.parent / arch, arch, _config(arch, vocab, eos), tok_dir, 1234 + i)
             for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tiny_tokenizer: tuple[Path, int, int]) -> dict[str, Path]:
+    """A folder per mixture-of-experts architecture, as `tiny_models`."""
+    tok_dir, vocab, eos = tiny_tokenizer
+    return {arch: make_tiny_model(tok_dir.parent / arch, arch, _config(arch, vocab, eos), tok_dir, 4321 + i)
+            for i, arch in enumerate(MOE_ARCHS)}
 
 
 @pytest.fixture(scope="session")

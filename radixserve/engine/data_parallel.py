@@ -125,7 +125,7 @@ class DataParallelEngine(RequestFront):
         self.eos_ids, self.num_slots, self.dtype, self.device = first.eos_ids, first.num_slots, first.dtype, first.device
         self.weight_bytes, self.default_max_new_tokens = first.weight_bytes, first.default_max_new_tokens
         self.load_seconds, self.load_peak_rss, self.cpu_kernels = first.load_seconds, first.load_peak_rss, first.cpu_kernels
-        self.activations = first.activations
+        self.activations, self.experts = first.activations, first.experts
         self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet
         self._running: dict[str, int] = {}  # rid -> replica, submitted
         self._handoffs: dict[str, KVPages | None] = {}  # rid -> the pages a prefill replica was asked to publish (None: none)

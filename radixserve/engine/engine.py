@@ -36,6 +36,7 @@ from radixserve.engine.sampler import Sampler
 from radixserve.models import packed_cache
 from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
+from radixserve.models.moe import describe as describe_experts
 from radixserve.models.quant import set_activations, weight_bytes
 from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
@@ -86,6 +87,7 @@ class Engine(RequestFront):
                     "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
+        self.experts = describe_experts(loaded.arch, loaded.model)  # a mixture of experts' layout, or None
         self.load_seconds, self.load_peak_rss = time.monotonic() - t0, _peak_rss()
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         self.cpu_kernels = kernels.isa() if kernels is not None else ""

@@ -111,7 +111,7 @@ class EngineProcess(RequestFront):
         self.dtype, self.device, self.pid = info.dtype, info.device, info.pid
         self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
         self.load_seconds, self.load_peak_rss, self.cpu_kernels = info.load_seconds, info.load_peak_rss, info.cpu_kernels
-        self.activations = info.activations
+        self.activations, self.experts = info.activations, info.experts
         self.kv_location = info.kv_location
         self.default_max_new_tokens = self.config.default_max_new_tokens
         self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots, kv_dtype=info.kv_dtype,
@@ -368,7 +368,7 @@ class _Core:
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid(),
                              e.quantization, e.weight_bytes,
                              str(e.kv_dtype).removeprefix("torch."), e.pool.bytes_per_token, e.load_seconds,
-                             e.load_peak_rss, e.cpu_kernels, e.kv_location, e.activations))
+                             e.load_peak_rss, e.cpu_kernels, e.kv_location, e.activations, e.experts))
         self._flush()  # the first stats, before any step
 
     def send(self, msg: Any) -> None:

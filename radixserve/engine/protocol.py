@@ -194,6 +194,7 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     cpu_kernels: str = ""  # the native CPU kernels' build (radixserve_kernels.cpu: avx512+vnni+bf16, avx2, ...), or ""
     kv_location: str = ""  # its KV connector's address (--kv-connector; engine/kv_connector.py), or ""
     activations: str = "float"  # what quantized linears multiply: int8, int16 or float (models.quant.set_activations)
+    experts: dict[str, int] | None = None  # a mixture of experts' layout (models.moe.describe), or None
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):
@@ -270,6 +271,7 @@ class EngineClient(Protocol):
     cpu_kernels: str  # radixserve_kernels.cpu's build in use ("" on a GPU or without them)
     quantization: str  # what the weights are ("none", or the kinds held, e.g. "q4_k+q6_k")
     activations: str  # what their linears multiply: int8, int16 or float
+    experts: dict[str, int] | None  # a mixture of experts' layout (models.moe.describe), or None for a dense model
     dtype: Any  # the activations' torch.dtype, and the device they are on
     device: Any
     config: EngineConfig  # as built from the flags (/server_info reports it)

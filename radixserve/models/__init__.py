@@ -17,6 +17,10 @@ _REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
     "SmolLM3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "radixserve.models.llama:LlamaForCausalLM",  # the text model (270M, 1B; GGUF gemma3)
+    # mixtures of experts (models/moe.py): the same decoder, routed MLPs
+    "Qwen3MoeForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

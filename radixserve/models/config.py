@@ -40,6 +40,13 @@ class ArchConfig:
     attn_scale: float | None = None  # the attention's softmax scale, where not head_dim ** -0.5
     sandwich_norm: bool = False  # Gemma: a norm after attention and after the MLP too, and weights as 1 + w
     nope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3: every fourth)
+    # mixture of experts (models/moe.py): which layers route, over how many experts, how many a token
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights (Mixtral always; Qwen by config)
+    moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one expert every token takes, behind a sigmoid gate
 
     def context_cost(self) -> float:
         """Tokens of context whose attention costs a prefilled token what its linear layers do: a
@@ -50,15 +57,25 @@ class ArchConfig:
         context token against ~1.2 ms a token in the linears, 2.4 times the FLOP ratio). Windowed
         layers are counted as full (an upper bound on the cost)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        linear = 2 * (self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size)
+        linear = 2 * (self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.active_mlp_width())
         return linear / (4 * q) / ATTENTION_SLOWDOWN
+
+    def active_mlp_width(self) -> float:
+        """The MLP width a token computes, averaged over the layers: a routed layer's chosen
+        experts' and shared expert's, a dense layer's own."""
+        if not self.moe_layers:
+            return self.intermediate_size
+        routed = self.experts_per_token * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        dense = self.num_layers - len(self.moe_layers)
+        return (routed * len(self.moe_layers) + dense * self.intermediate_size) / self.num_layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         arch = (cfg.get("architectures") or ["?"])[0]
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         theta, scaling = _rope(cfg)
         max_pos = cfg.get("max_position_embeddings", 2048)
         eos = cfg.get("eos_token_id")
@@ -90,7 +107,7 @@ class ArchConfig:
             rope_scaling=scaling,
             max_position=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            qkv_bias=True if is_qwen2 else attn_bias,
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else attn_bias,
             o_bias=False if (is_qwen2 or is_qwen3) else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=is_qwen3 or gemma,
@@ -102,7 +119,35 @@ class ArchConfig:
             attn_scale=scalar**-0.5 if gemma and scalar and scalar != head_dim else None,
             sandwich_norm=gemma,
             nope_layers=_nope_layers(cfg, arch),
+            **_moe(cfg, arch),
         )
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The routing fields: Mixtral routes every layer over `num_local_experts` (the experts as
+    wide as `intermediate_size`); Qwen's MoE models route the layers transformers does (not in
+    `mlp_only_layers`, every `decoder_sparse_step`-th) over `num_experts` of `moe_intermediate_size`."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    n = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        experts, width, renorm, layers = cfg.get("num_local_experts", 8), cfg["intermediate_size"], True, tuple(range(n))
+    else:
+        experts, width = cfg.get("num_experts", 0), cfg.get("moe_intermediate_size", 0)
+        renorm = bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM"))
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    top_k = cfg.get("num_experts_per_tok", 2)
+    if layers and not (0 < top_k <= experts):
+        raise ValueError(f"num_experts_per_tok: {top_k} must be between 1 and the {experts} experts")
+    if layers and width <= 0:
+        raise ValueError("moe_intermediate_size: the experts' width must be positive")
+    shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=width, norm_topk_prob=renorm,
+                moe_layers=layers, shared_expert_intermediate_size=shared or 0)
 
 
 def _nope_layers(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
@@ -134,7 +179,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     elif arch == "Gemma3ForCausalLM":  # 4.x configs: every sixth layer is global
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         windows = tuple(0 if (i + 1) % pattern == 0 else window for i in range(n))
-    elif arch == "MistralForCausalLM" and cfg.get("use_sliding_window", True):
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM") and cfg.get("use_sliding_window", True):
         windows = (window,) * n
     elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window", False):
         first = cfg.get("max_window_layers", n)

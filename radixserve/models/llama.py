@@ -1,5 +1,6 @@
 """The Llama family on the KV pool: Llama (SmolLM2), SmolLM3 (no rope in every fourth layer),
-Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
+Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), their mixtures of experts (Qwen3-MoE,
+Qwen2-MoE, Mixtral: routed MLPs, models/moe.py),
 and Gemma 3 (q/k RMSNorm, a norm after attention and after the MLP, GELU-tanh, scaled embeddings,
 norm weights as 1 + w, five sliding-window layers per global one, each kind with its own rope base).
 
@@ -20,6 +21,7 @@ from radixserve.models.config import ArchConfig
 from radixserve.models.gguf import ROPE_FREQS
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
+from radixserve.models.moe import MoE
 from radixserve.models.quant import QuantLinear, SplitQuantLinear
 from radixserve_kernels import cpu
 
@@ -62,7 +64,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.mlp: nn.Module = (MoE(cfg) if layer_id in cfg.moe_layers
+                               else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act))
         if cfg.sandwich_norm:  # Gemma: post_attention_layernorm normalizes the attention's output
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -109,11 +112,12 @@ class FusedDecode:
         quantized blocks, whole or in parts) and the layer is Llama's (not Gemma's); else None.
         Sliding windows: `LlamaModel.forward` takes it only while every row is inside them."""
         cfg = model.cfg
-        if cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.attn_scale or cfg.local_rope_theta or cfg.nope_layers:
+        if (cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.attn_scale or cfg.local_rope_theta or cfg.nope_layers
+                or cfg.moe_layers):
             return None
         linears: list[list[list[Any]]] = [[], [], [], []]  # qkv, o, gate_up, down: per layer, the parts
         for layer in model.decoder_layers():
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)  # (no routed layers: see above)
             for held, module in zip(linears, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 parts = _native_parts(module)
                 if parts is None:
@@ -182,6 +186,10 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
+# an expert's HF tensor (Qwen's names, Mixtral's) -> (our 3-D parameter, its half of w13: gate 0, up 1)
+_EXPERT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+           "down_proj": ("w2", None), "w2": ("w2", None)}
+
 # HF checkpoint name -> (our fused parameter, shard index)
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -214,21 +222,52 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
+    def _shard_bounds(self, fused: str, shard: int, rows: int) -> tuple[int, int]:
+        """Shard `shard`'s rows of a fused parameter of `rows` rows (gate_up: two halves)."""
         c = self.cfg
         if fused == "qkv_proj":
             q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-        inter = c.intermediate_size
+        inter = rows // 2
         return (shard * inter, (shard + 1) * inter)
+
+    def _place(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor, object, int]:
+        """Where checkpoint tensor `name` goes: (the parameter, the part of it the tensor fills,
+        which piece that part is, how many pieces fill the parameter)."""
+        key = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the routed MLP
+        parts = key.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            base, rest = ".".join(parts[:at]), parts[at + 1:]
+            if len(rest) == 3 and rest[0].isdigit() and rest[1] in _EXPERT and rest[2] == "weight":  # experts.{j}.w1.weight
+                which, half = _EXPERT[rest[1]]
+                target, j = f"{base}.{which}", int(rest[0])
+                if target in params:
+                    p = params[target]
+                    if j >= p.shape[0]:
+                        raise ValueError(f"checkpoint tensor {name!r}: expert {j}, but the config has {p.shape[0]} experts")
+                    return target, p[j] if half is None else p[j].chunk(2)[half], (j, half), p.shape[0] * (1 if half is None else 2)
+            elif rest in (["gate_up_proj"], ["down_proj"]):  # transformers 5's fused experts: (experts, out, in)
+                target = f"{base}.{'w13' if rest[0] == 'gate_up_proj' else 'w2'}"
+                if target in params:
+                    return target, params[target], None, 1
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target in params:
+                lo, hi = self._shard_bounds(fused, shard, params[target].shape[0])
+                return target, params[target][lo:hi], shard, 3 if fused == "qkv_proj" else 2
+        if key not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+        return key, params[key], None, 1
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be set."""
+        """Copy HF-named tensors in, fusing q/k/v, gate/up and each layer's experts. Every
+        parameter must be set, every piece of it."""
         params = dict(self.named_parameters())
-        missing = set(params)
-        if self.cfg.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+        got: dict[str, set[object]] = {}
+        need: dict[str, int] = {}
         for name, tensor in weights:
             if self.cfg.sandwich_norm and name.endswith("norm.weight"):  # Gemma scales by 1 + w
                 tensor = tensor.float() + 1.0
@@ -237,19 +276,14 @@ class LlamaForCausalLM(nn.Module):
             if name == ROPE_FREQS:
                 self.model.rotary_emb.set_freq_factors(tensor)
                 continue
-            parts = name.split(".")
-            target, bounds = name, None
-            if len(parts) >= 2 and parts[-2] in _FUSED:
-                fused, shard = _FUSED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-                bounds = self._shard_bounds(fused, shard)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
-            dst = params[target] if bounds is None else params[target][bounds[0] : bounds[1]]
+            target, dst, piece, pieces = self._place(name, params)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            if bounds is None or bounds[1] == params[target].shape[0]:
-                missing.discard(target)
+            got.setdefault(target, set()).add(piece)
+            need[target] = 1 if piece is None else pieces
+        missing = {n for n in params if len(got.get(n, ())) < need.get(n, 1)}
+        if self.cfg.tie_word_embeddings:
+            missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -174,6 +174,9 @@ def shard_model(model: Any, rank: int, size: int, group: Group) -> Shard:
     """Cut a loaded LlamaForCausalLM (plain float linears, before packing) down to rank r's
     shard, in place; returns the shard (its KV heads size the rank's KV pool)."""
     cfg = model.cfg
+    if cfg.moe_layers:
+        raise ValueError("tensor_parallel: a mixture-of-experts model's routed layers do not split yet; "
+                         "use --pipeline-parallel (whole layers per rank)")
     shard = Shard.of(rank, size, cfg.num_kv_heads, cfg.intermediate_size)
     per_group = cfg.num_heads // cfg.num_kv_heads
     d = cfg.head_dim

@@ -24,7 +24,6 @@ from radixserve.server import access_log, rate_limit
 from radixserve.server.anthropic import routes as anthropic
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
-from radixserve.server.chat import tool_parsers
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import kv_cache_usage
 from radixserve.server.openai import chat as openai
@@ -154,6 +153,7 @@ async def server_info(request: web.Request) -> web.Response:
         "quantization": e.quantization,
         "activations": e.activations,
         "weight_bytes": e.weight_bytes,
+        "experts": e.experts,
         "load": {"seconds": round(e.load_seconds, 3), "peak_rss_bytes": e.load_peak_rss},
         "cpu_kernels": e.cpu_kernels or None,
         "max_queued_requests": c.max_queued_requests,
@@ -280,8 +280,6 @@ def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[access_log.middleware, errors, rate_limit.middleware],
                           client_max_size=state.config.max_request_bytes)
     app["state"] = state
-    template = getattr(state.engine.tokenizer, "chat_template", None)
-    state.tool_format = tool_parsers.for_server(template if isinstance(template, str) else None, state.config.tool_call_parser)
     app.router.add_post("/generate", native.generate)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)

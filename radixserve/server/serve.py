@@ -175,10 +175,13 @@ async def serve(engine: Any, cfg: ServerConfig, auth: Any, t0: float) -> bool:
     from aiohttp import web
 
     from radixserve.server.app import build_app
+    from radixserve.server.chat.tool_parsers import for_server
     from radixserve.server.connections import ConnectionLimits, GuardedRunner, fit_fd_limit
     from radixserve.server.state import ServerState
 
-    state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    state = ServerState(engine, cfg, auth, cfg.served_model_name or engine.model_name,
+                        tool_format=for_server(template if isinstance(template, str) else None, cfg.tool_call_parser))
     await state.build_token_table()  # before listening (decoded while the engine loaded): a first request's CPU is its own
     state.connections = ConnectionLimits(fit_fd_limit(cfg.max_connections), cfg.max_connections_per_client,
                                          on_refuse=state.metrics.rejected.labels("too_many_connections").inc,

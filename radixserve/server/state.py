@@ -120,7 +120,7 @@ class ServerState:
     usage: defaultdict[str, TenantUsage] = field(default_factory=lambda: defaultdict(TenantUsage))
     connections: Any = None  # the server's ConnectionLimits, once it listens
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # tenants' max_requests_per_second
-    tool_format: str = "hermes"  # how the model writes tool calls (set by app.build_app: chat.tool_parsers.for_server)
+    tool_format: str = "hermes"  # how the model writes tool calls (serve.py: chat.tool_parsers.for_server)
 
     def __post_init__(self) -> None:
         c = self.config

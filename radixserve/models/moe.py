@@ -1,0 +1,91 @@
+"""Mixture-of-experts MLP blocks: Qwen3-MoE, Qwen2-MoE (a shared expert behind a sigmoid gate)
+and Mixtral, as transformers computes them.
+
+A router (a linear to one logit per expert) picks each token's top k experts by softmax
+probability (fp32), renormalised over the k where the family does (Mixtral always; Qwen by
+`norm_topk_prob`). The expert step groups the batch's (token, expert) pairs by expert and runs
+each chosen expert's SwiGLU on just its rows, so a decode step reads only the chosen experts'
+weights; the weighted outputs are added back per token (`index_add_`, one row per pair).
+
+The experts' weights are 3-D tensors: `w13` (experts, 2 * inter, hidden) holding each expert's
+gate then up rows, `w2` (experts, hidden, inter), loaded from the per-expert tensors of a hub
+checkpoint (`experts.{j}.gate_proj` / `w1`, `up_proj` / `w3`, `down_proj` / `w2`) or from
+transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.models.config import ArchConfig
+from radixserve.models.layers import GatedMLP
+
+
+def describe(cfg: ArchConfig, model: nn.Module) -> dict[str, int] | None:
+    """A routed model's experts for /server_info: how many, how many a token takes, the routed
+    layers, and its parameters, all and those a token reads (the experts it does not choose
+    left out); None for a dense model."""
+    if not cfg.moe_layers:
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    idle = len(cfg.moe_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return {"experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token, "routed_layers": len(cfg.moe_layers),
+            "parameters": total, "active_parameters": total - idle}
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each (tokens, top_k): the top k of the softmax over every expert's
+    logit, in fp32, renormalised to sum to one when asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert[experts[t, k]](x[t]) for every token t, each expert
+    run once on the rows that chose it (an expert no row chose is never read)."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows = order // experts.shape[1]  # the token of each (token, k) pair, grouped by expert
+    start = 0
+    for e, n in zip(ids.tolist(), counts.tolist()):
+        pairs = order[start:start + n]
+        tokens = rows[start:start + n]
+        start += n
+        h = F.linear(x[tokens], w13[e])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, w2[e])
+        out.index_add_(0, tokens, y.float() * weights.reshape(-1)[pairs, None])
+    return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """One layer's experts, its router and (Qwen2-MoE) its shared expert."""
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = nn.Linear(hidden, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, inter))
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, cfg.shared_expert_intermediate_size, False)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        out = grouped_experts(x, self.w13, self.w2, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

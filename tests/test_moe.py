@@ -1,0 +1,158 @@
+"""Mixtures of experts (models/moe.py): Qwen3-MoE, Qwen2-MoE and Mixtral against transformers on
+the same weights (fp32), the grouped expert step against a per-token reference, and configs or
+checkpoints that disagree refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve import Engine, SamplingParams
+from radixserve.models.config import ArchConfig
+from radixserve.models.moe import grouped_experts, route
+from tests.conftest import MOE_ARCHS
+from tests.helpers import hf_logits_and_greedy, our_prompt_logits
+
+IDS = [5, 17, 42, 99, 123, 7, 250, 31, 64, 200, 11, 3, 77, 150, 300, 9, 45, 46, 47, 18]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+
+def _per_token(x, w13, w2, weights, experts):
+    """The reference: each token through each of its experts, one at a time."""
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e = int(experts[t, k])
+            h = w13[e] @ x[t]
+            out[t] += weights[t, k] * (w2[e] @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 33])
+def test_the_grouped_expert_step_is_each_tokens_experts_summed(rows):
+    """Rows that pick the same expert, experts no row picks (16 experts, top 2), one row."""
+    g = torch.Generator().manual_seed(rows)
+    e, hidden, inter = 16, 24, 40
+    x = torch.randn(rows, hidden, generator=g)
+    w13, w2 = torch.randn(e, 2 * inter, hidden, generator=g) * 0.2, torch.randn(e, hidden, inter, generator=g) * 0.2
+    logits = torch.randn(rows, e, generator=g)
+    logits[:, 3] += 10  # every row picks expert 3
+    weights, experts = route(logits, 2, renormalize=True)
+    assert (experts == 3).any(dim=1).all() and len(set(experts.flatten().tolist())) < e
+    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, experts), _per_token(x, w13, w2, weights, experts),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_routing_is_the_top_k_of_the_softmax_renormalised_where_asked():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    p = torch.softmax(logits, -1)[0]
+    w, e = route(logits, 2, renormalize=False)
+    assert e.tolist() == [[1, 2]] and torch.allclose(w, p[[1, 2]][None])
+    w, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(w, (p[[1, 2]] / p[[1, 2]].sum())[None])
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_tiny_moe_matches_transformers_whole_in_chunks_and_through_the_cache(arch, tiny_moe_models):
+    path = tiny_moe_models[arch]
+    ref_logits, ref_tokens = hf_logits_and_greedy(path, IDS, GREEDY.max_new_tokens)
+    err = (our_prompt_logits(path, IDS) - ref_logits).abs().max().item()
+    assert err < 1e-3, f"prompt logits differ from transformers by {err}"
+    with Engine(str(path), kv_cache_tokens=1024) as whole:
+        assert whole.generate([IDS], GREEDY)[0].token_ids == ref_tokens
+        again = whole.generate([IDS], GREEDY)[0]  # the prompt from the radix cache
+        assert again.token_ids == ref_tokens and again.cached_tokens > 0
+    with Engine(str(path), kv_cache_tokens=1024, chunked_prefill_size=8) as chunked:
+        outs = chunked.generate([IDS, IDS[:12] + [8, 8, 8]], GREEDY)  # a batch of two, sharing a prefix
+        assert outs[0].token_ids == ref_tokens
+        assert outs[1].token_ids == hf_logits_and_greedy(path, IDS[:12] + [8, 8, 8], GREEDY.max_new_tokens)[1]
+
+
+def test_the_config_names_what_routes(tiny_moe_models):
+    cfg = ArchConfig.from_hf(json.loads((tiny_moe_models["Qwen3MoeForCausalLM"] / "config.json").read_text()))
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_layers, cfg.norm_topk_prob) == (8, 3, (0, 2), True)
+    mixtral = ArchConfig.from_hf(json.loads((tiny_moe_models["MixtralForCausalLM"] / "config.json").read_text()))
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.moe_layers) == (4, 64, (0, 1))
+    qwen2 = ArchConfig.from_hf(json.loads((tiny_moe_models["Qwen2MoeForCausalLM"] / "config.json").read_text()))
+    assert (qwen2.shared_expert_intermediate_size, qwen2.norm_topk_prob, qwen2.qkv_bias) == (48, False, True)
+
+
+@pytest.mark.parametrize(("change", "names"), [({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+                                               ({"moe_intermediate_size": 0}, "moe_intermediate_size")])
+def test_a_config_whose_routing_cannot_work_is_refused_by_name(tiny_moe_models, change, names):
+    cfg = json.loads((tiny_moe_models["Qwen3MoeForCausalLM"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=names):
+        ArchConfig.from_hf({**cfg, **change})
+
+
+def test_a_checkpoint_missing_an_expert_or_with_one_too_many_is_refused(tiny_moe_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.models.loader import load_model
+
+    src = tiny_moe_models["MixtralForCausalLM"]
+    tensors = load_file(src / "model.safetensors")
+    for name, edit in [("missing", lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w3.weight")),
+                       ("extra", lambda t: t.__setitem__("model.layers.0.block_sparse_moe.experts.4.w1.weight",
+                                                         t["model.layers.0.block_sparse_moe.experts.0.w1.weight"].clone()))]:
+        folder = tmp_path / name
+        shutil.copytree(src, folder)
+        t = dict(tensors)
+        edit(t)
+        save_file(t, folder / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match="lacks|expert 4"):
+            load_model(str(folder), torch.float32, torch.device("cpu"))
+
+
+def test_transformers_5s_fused_expert_tensors_load_as_the_per_expert_ones(tiny_moe_models, tmp_path):
+    """`experts.gate_up_proj` (experts, 2 * inter, hidden) and `experts.down_proj`, as
+    transformers 5 holds them in memory, load to the same model."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_moe_models["Qwen3MoeForCausalLM"]
+    tensors = load_file(src / "model.safetensors")
+    fused: dict[str, torch.Tensor] = {}
+    for layer in (0, 2):
+        pre = f"model.layers.{layer}.mlp.experts"
+        fused[f"{pre}.gate_up_proj"] = torch.stack(
+            [torch.cat([tensors.pop(f"{pre}.{j}.gate_proj.weight"), tensors.pop(f"{pre}.{j}.up_proj.weight")]) for j in range(8)])
+        fused[f"{pre}.down_proj"] = torch.stack([tensors.pop(f"{pre}.{j}.down_proj.weight") for j in range(8)])
+    folder = tmp_path / "fused"
+    shutil.copytree(src, folder)
+    save_file({**tensors, **fused}, folder / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(our_prompt_logits(folder, IDS), our_prompt_logits(src, IDS))
+
+
+def test_two_pipeline_ranks_give_one_ranks_tokens_and_tensor_parallel_says_it_does_not_split(tiny_moe_models):
+    path = str(tiny_moe_models["Qwen3MoeForCausalLM"])
+    with Engine(path, kv_cache_tokens=512) as one:
+        want = one.generate([IDS], GREEDY)[0].token_ids
+    with Engine(path, kv_cache_tokens=512, pipeline_parallel=2) as two:
+        assert two.generate([IDS], GREEDY)[0].token_ids == want
+    with pytest.raises(Exception, match="mixture-of-experts.*--pipeline-parallel"):
+        Engine(path, kv_cache_tokens=512, tensor_parallel=2)
+
+
+def test_a_served_moe_model_reports_its_experts_and_answers_in_a_json_schema(tiny_moe_models, tmp_path):
+    from server_helpers import ServerProcess
+
+    s = ServerProcess(tiny_moe_models["Qwen2MoeForCausalLM"], "--kv-cache-tokens", "2048", log=tmp_path / "server.log")
+    try:
+        _, info = s.get("/server_info")
+        e = info["experts"]
+        assert (e["experts"], e["experts_per_token"], e["routed_layers"]) == (6, 2, 2)
+        assert e["active_parameters"] == e["parameters"] - 2 * (6 - 2) * 3 * 96 * 32
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+        status, body = s.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "a number"}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}})
+        assert status == 200, body
+        if body["choices"][0]["finish_reason"] == "stop":
+            assert isinstance(json.loads(body["choices"][0]["message"]["content"])["n"], int)
+    finally:
+        assert s.stop() == 0, (tmp_path / "server.log").read_text()
