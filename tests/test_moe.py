@@ -156,3 +156,119 @@ def test_a_served_moe_model_reports_its_experts_and_answers_in_a_json_schema(tin
             assert isinstance(json.loads(body["choices"][0]["message"]["content"])["n"], int)
     finally:
         assert s.stop() == 0, (tmp_path / "server.log").read_text()
+
+
+# -- GGUF: the experts as llama.cpp's converter writes them (one 3-D tensor per layer and kind) ---
+_GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "llama"}
+_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The tiny folder as a GGUF file: its experts stacked per layer as Q8_0 3-D tensors, the
+    rest F32, q/k permuted for Mixtral (llama); returns the experts' dequantized values under
+    the folder's names (what the file stands for)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from safetensors.torch import load_file
+
+    from tests.test_quant import _llama_metadata, _llama_permute
+
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), _GGUF_ARCH[arch])
+    meta = folder.parent / f"{arch}-meta"  # the folder as _llama_metadata reads it: rope_theta at the top
+    shutil.copytree(folder, meta, dirs_exist_ok=True)
+    (meta / "config.json").write_text(json.dumps({**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"]}))
+    _llama_metadata(w, meta)
+    if arch == "Qwen3MoeForCausalLM":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch != "MixtralForCausalLM":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "Qwen2MoeForCausalLM":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    meant: dict[str, torch.Tensor] = {}
+    for hf, tensor in state.items():
+        arr = tensor.float().numpy()
+        if hf == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", arr)
+            continue
+        if hf in ("model.norm.weight", "lm_head.weight"):
+            w.add_tensor({"model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[hf], arr)
+            continue
+        layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+        rest = rest.replace("block_sparse_moe.", "mlp.")
+        if ".experts." in rest:
+            j, part = rest.split(".experts.")[1].split(".")[:2]
+            stacks.setdefault((layer, _EXPERT_PARTS[part]), {})[int(j)] = arr
+            continue
+        module, _, suffix = rest.rpartition(".")
+        if module.endswith(("q_proj", "k_proj")) and arch == "MixtralForCausalLM":
+            heads = cfg["num_attention_heads"] if "q_proj" in module else cfg["num_key_value_heads"]
+            arr = _llama_permute(arr, heads)
+        if module == "mlp.shared_expert_gate":
+            arr = arr.reshape(-1)
+        w.add_tensor(f"blk.{layer}.{_PARTS[module]}.{suffix}", arr)
+    names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    for (layer, kind), by_expert in stacks.items():
+        stacked = np.stack([by_expert[j] for j in sorted(by_expert)][: experts - 1 if bad_experts else None])
+        raw = quants.quantize(stacked, QT.Q8_0)
+        back = quants.dequantize(raw, QT.Q8_0).reshape(stacked.shape)
+        for j in range(back.shape[0]):
+            meant[f"model.layers.{layer}.mlp.experts.{j}.{names[kind]}.weight"] = torch.from_numpy(back[j].copy())
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=QT.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return meant
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_moe_gguf_with_3d_expert_tensors_computes_what_its_weights_do(arch, tiny_moe_models, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.models.loader import load_model
+    from tests.helpers import forward_prompt
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_moe_models[arch]
+    cfg = json.loads((folder / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    meant = _moe_gguf(tmp_path / "moe.gguf", folder, arch, experts)
+    loaded = load_model(str(tmp_path / "moe.gguf"), torch.float32, torch.device("cpu"), "auto")
+    assert (loaded.arch.architecture, loaded.arch.num_experts, loaded.arch.moe_layers) == (
+        arch, experts, ArchConfig.from_hf(cfg).moe_layers)
+    # the folder with the experts' dequantized values: what transformers would compute from the file
+    ref = tmp_path / "ref"
+    shutil.copytree(folder, ref)
+    state = load_file(str(folder / "model.safetensors"))
+    for name, value in meant.items():
+        key = name if name in state else name.replace(".mlp.", ".block_sparse_moe.").replace(
+            "gate_proj", "w1").replace("up_proj", "w3").replace("down_proj", "w2")
+        assert key in state
+        state[key] = value
+    save_file(state, ref / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs = forward_prompt(loaded.model, IDS), hf_logits_and_greedy(ref, IDS, 1)[0]
+    assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+
+
+def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(tiny_moe_models, tmp_path, monkeypatch):
+    from radixserve.models.gguf import ModelLoadError
+    from radixserve.models.loader import load_model
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    _moe_gguf(tmp_path / "bad.gguf", tiny_moe_models["Qwen3MoeForCausalLM"], "Qwen3MoeForCausalLM", 8, bad_experts=True)
+    with pytest.raises(ModelLoadError, match=r"ffn_\w+_exps.*expert_count"):
+        load_model(str(tmp_path / "bad.gguf"), torch.float32, torch.device("cpu"), "auto")

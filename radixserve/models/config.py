@@ -127,16 +127,17 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCa
 
 
 def _moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The routing fields: Mixtral routes every layer over `num_local_experts` (the experts as
-    wide as `intermediate_size`); Qwen's MoE models route the layers transformers does (not in
-    `mlp_only_layers`, every `decoder_sparse_step`-th) over `num_experts` of `moe_intermediate_size`."""
+    """The routing fields: Mixtral routes every layer (the experts as wide as `intermediate_size`);
+    Qwen's MoE models route the layers transformers does (not in `mlp_only_layers`, every
+    `decoder_sparse_step`-th) over experts of `moe_intermediate_size`."""
     if arch not in MOE_ARCHITECTURES:
         return {}
     n = cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # (transformers 5 writes the latter for both)
     if arch == "MixtralForCausalLM":
-        experts, width, renorm, layers = cfg.get("num_local_experts", 8), cfg["intermediate_size"], True, tuple(range(n))
+        width, renorm, layers = cfg["intermediate_size"], True, tuple(range(n))
     else:
-        experts, width = cfg.get("num_experts", 0), cfg.get("moe_intermediate_size", 0)
+        width = cfg.get("moe_intermediate_size", 0)
         renorm = bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM"))
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
         layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma3_text": "Gemma3ForCausalLM"}
+              "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+              "mixtral": "MixtralForCausalLM"}
 
 
 class ModelLoadError(ValueError):
@@ -207,7 +208,17 @@ _ARCH_KEYS = {
     "qwen2": {},
     "qwen3": {"attention.key_length": "head_dim"},
     "gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"},
+    "qwen3moe": {"attention.key_length": "head_dim", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2moe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "mixtral": {"rope.dimension_count": "head_dim", "expert_count": "num_local_experts",
+                "expert_used_count": "num_experts_per_tok"},
 }
+# llama.cpp's names for the MoE architectures (transformers' model types), and whether each
+# renormalises its chosen experts' weights as llama.cpp computes it (qwen2moe does not)
+_MOE_TYPES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False), "mixtral": ("mixtral", True)}
 _TOKEN_KEYS = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
                "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
 
@@ -220,8 +231,11 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch not in _ARCH_KEYS:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({', '.join(_ARCH_KEYS)})")
-    # llama.cpp writes Mistral as llama; transformers tells them apart by the name
+    # llama.cpp writes Mistral as llama, and Mixtral as llama with experts; transformers tells
+    # Mistral apart by the name
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    if arch == "llama" and meta.get("llama.expert_count"):
+        model_type = "mixtral"
     keys = {**_CONFIG_KEYS, **_ARCH_KEYS[model_type]}
     cfg: dict[str, Any] = {"model_type": model_type, "tie_word_embeddings": "output.weight" not in tensor_names}
     if "general.name" in meta:
@@ -235,6 +249,13 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
     if model_type == "gemma3":
         cfg["model_type"] = "gemma3_text"  # a GGUF holds the text model only
+    if model_type in _MOE_TYPES:
+        cfg["model_type"], cfg["norm_topk_prob"] = _MOE_TYPES[model_type]
+        # the routed layers are the ones with a router (llama.cpp's files name no mlp_only_layers)
+        layers = range(cfg.get("num_hidden_layers", 0))
+        cfg["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+        if model_type == "mixtral":
+            cfg["sliding_window"] = None
     return cfg
 
 
@@ -318,6 +339,12 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, each layer's experts as one 3-D tensor each (read per
+    # expert: `experts.{j}.` is put in by read_tensors), Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ROPE_FREQS = "model.rotary_emb.freq_factors"
@@ -367,12 +394,19 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     model_type = cfg.get("model_type", "llama")
-    permute = model_type in ("llama", "mistral")
+    permute = model_type in ("llama", "mistral", "mixtral")
     norm_shift = model_type.startswith("gemma")  # llama.cpp's converter stores Gemma's norms as 1 + w
     fallback: dict[str, int] = {}
+    experts = 0
     for t in file.tensors:
         name = hf_name(t.name, model_type)
         shape = tuple(reversed(t.shape))  # GGUF lists the fastest dimension first
+        if ".mlp.experts." in name:
+            experts += 1
+            yield from _experts(file, t, name, shape, cfg)
+            continue
+        if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp keeps the (1, hidden) gate flat
+            shape = (1, shape[0])
         rows = None
         if permute and (".q_proj." in name or ".k_proj." in name):
             rows = _rope_rows(shape[0], heads if ".q_proj." in name else kv_heads)
@@ -396,10 +430,41 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             value = torch.from_numpy(quants.dequantize(data, t.type).reshape(shape).copy())
         file.release(t)
         yield name, value if rows is None else value.index_select(0, rows)
+    if experts:
+        log.warning("%s: the experts' %d tensors are held dequantized to float (quantized experts are not served "
+                    "from their blocks yet)", gguf_path.name, experts)
     for kind, count in fallback.items():
         log.warning("%s: %d %s tensors are dequantized to float (radixserve runs %s natively)",
                     gguf_path.name, count, kind, ", ".join(_NATIVE))
     file.close()  # the map itself stays until the last view of it (a QuantTensor not packed yet) is gone
+
+
+def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A layer's experts' 3-D tensor (experts, out, in), one expert at a time, dequantized, as
+    `...experts.{j}.{gate,up,down}_proj.weight`; a shape that disagrees with the config is
+    refused by name."""
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    n = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if len(shape) != 3 or shape[0] != n:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has shape {shape}, expected ({n}, out, in): one matrix per expert "
+                             f"of the {n} the metadata's expert_count names")
+    data = file.data(t).reshape(n, -1)
+    kind = t.type.name
+    base, _, part = name.removesuffix(".weight").rpartition(".")
+    for j in range(n):
+        if kind == "F32":
+            value = torch.from_numpy(data[j].view(np.float32).reshape(shape[1:]).copy())
+        elif kind == "F16":
+            value = torch.from_numpy(data[j].view(np.float16).reshape(shape[1:]).astype(np.float32))
+        elif kind == "BF16":
+            value = torch.from_numpy(data[j].view(np.int16).reshape(shape[1:]).copy()).view(torch.bfloat16).float()
+        else:
+            value = torch.from_numpy(quants.dequantize(data[j].reshape(shape[1], -1), t.type).reshape(shape[1:]).copy())
+        yield f"{base}.{j}.{part}.weight", value
+    file.release(t)
 
 
 def _rope_rows(n: int, heads: int) -> Any:
