@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from radixserve import Engine, SamplingParams
 from radixserve.models.config import ArchConfig
-from radixserve.models.moe import grouped_experts, route
+from radixserve.models.moe import MoE, grouped_experts, route
+from radixserve.models.quant import QuantLinear, set_activations
 from tests.conftest import MOE_ARCHS
 from tests.helpers import hf_logits_and_greedy, our_prompt_logits
 
@@ -71,6 +72,15 @@ def test_tiny_moe_matches_transformers_whole_in_chunks_and_through_the_cache(arc
         outs = chunked.generate([IDS, IDS[:12] + [8, 8, 8]], GREEDY)  # a batch of two, sharing a prefix
         assert outs[0].token_ids == ref_tokens
         assert outs[1].token_ids == hf_logits_and_greedy(path, IDS[:12] + [8, 8, 8], GREEDY.max_new_tokens)[1]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_the_parameter_count_is_the_models(arch, tiny_moe_models):
+    from radixserve.models.loader import load_model
+    from radixserve.models.moe import describe
+
+    loaded = load_model(str(tiny_moe_models[arch]), torch.float32, torch.device("cpu"))
+    assert describe(loaded.arch)["parameters"] == sum(p.numel() for p in loaded.model.parameters())
 
 
 def test_the_config_names_what_routes(tiny_moe_models):
@@ -170,7 +180,8 @@ _EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
 
 
 def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) -> dict[str, torch.Tensor]:
-    """The tiny folder as a GGUF file: its experts stacked per layer as Q8_0 3-D tensors, the
+    """The tiny folder as a GGUF file: its experts stacked per layer as Q8_0 3-D tensors (the
+    down projections Q4_0 on Mixtral: a layer's kinds may differ), the
     rest F32, q/k permuted for Mixtral (llama); returns the experts' dequantized values under
     the folder's names (what the file stands for)."""
     import gguf
@@ -223,11 +234,12 @@ def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) 
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     for (layer, kind), by_expert in stacks.items():
         stacked = np.stack([by_expert[j] for j in sorted(by_expert)][: experts - 1 if bad_experts else None])
-        raw = quants.quantize(stacked, QT.Q8_0)
-        back = quants.dequantize(raw, QT.Q8_0).reshape(stacked.shape)
+        qt = QT.Q4_0 if arch == "MixtralForCausalLM" and kind == "down" else QT.Q8_0
+        raw = quants.quantize(stacked, qt)
+        back = quants.dequantize(raw, qt).reshape(stacked.shape)
         for j in range(back.shape[0]):
             meant[f"model.layers.{layer}.mlp.experts.{j}.{names[kind]}.weight"] = torch.from_numpy(back[j].copy())
-        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=QT.Q8_0)
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -248,6 +260,9 @@ def test_a_moe_gguf_with_3d_expert_tensors_computes_what_its_weights_do(arch, ti
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
     meant = _moe_gguf(tmp_path / "moe.gguf", folder, arch, experts)
     loaded = load_model(str(tmp_path / "moe.gguf"), torch.float32, torch.device("cpu"), "auto")
+    routed = [m for m in loaded.model.modules() if isinstance(m, MoE)]
+    assert routed and all(isinstance(m.experts[0].gate_up_proj, QuantLinear) for m in routed)  # served from the blocks
+    set_activations(loaded.model, "int16")  # exact to rounding (8-bit activations: bench quality measures them)
     assert (loaded.arch.architecture, loaded.arch.num_experts, loaded.arch.moe_layers) == (
         arch, experts, ArchConfig.from_hf(cfg).moe_layers)
     # the folder with the experts' dequantized values: what transformers would compute from the file
@@ -260,8 +275,11 @@ def test_a_moe_gguf_with_3d_expert_tensors_computes_what_its_weights_do(arch, ti
         assert key in state
         state[key] = value
     save_file(state, ref / "model.safetensors", metadata={"format": "pt"})
-    ours, theirs = forward_prompt(loaded.model, IDS), hf_logits_and_greedy(ref, IDS, 1)[0]
+    theirs, greedy = hf_logits_and_greedy(ref, IDS, GREEDY.max_new_tokens)
+    ours = forward_prompt(loaded.model, IDS)
     assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
+    with Engine(str(tmp_path / "moe.gguf"), kv_cache_tokens=1024, activations="int16", chunked_prefill_size=8) as e:
+        assert e.generate([IDS], GREEDY)[0].token_ids == greedy
 
 
 def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(tiny_moe_models, tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ class Engine(RequestFront):
                     "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
-        self.experts = describe_experts(loaded.arch, loaded.model)  # a mixture of experts' layout, or None
+        self.experts = describe_experts(loaded.arch)  # a mixture of experts' layout, or None
         self.load_seconds, self.load_peak_rss = time.monotonic() - t0, _peak_rss()
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         self.cpu_kernels = kernels.isa() if kernels is not None else ""

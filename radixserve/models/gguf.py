@@ -397,12 +397,10 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     permute = model_type in ("llama", "mistral", "mixtral")
     norm_shift = model_type.startswith("gemma")  # llama.cpp's converter stores Gemma's norms as 1 + w
     fallback: dict[str, int] = {}
-    experts = 0
     for t in file.tensors:
         name = hf_name(t.name, model_type)
         shape = tuple(reversed(t.shape))  # GGUF lists the fastest dimension first
         if ".mlp.experts." in name:
-            experts += 1
             yield from _experts(file, t, name, shape, cfg)
             continue
         if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp keeps the (1, hidden) gate flat
@@ -430,9 +428,6 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             value = torch.from_numpy(quants.dequantize(data, t.type).reshape(shape).copy())
         file.release(t)
         yield name, value if rows is None else value.index_select(0, rows)
-    if experts:
-        log.warning("%s: the experts' %d tensors are held dequantized to float (quantized experts are not served "
-                    "from their blocks yet)", gguf_path.name, experts)
     for kind, count in fallback.items():
         log.warning("%s: %d %s tensors are dequantized to float (radixserve runs %s natively)",
                     gguf_path.name, count, kind, ", ".join(_NATIVE))
@@ -440,9 +435,12 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
 
 
 def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """A layer's experts' 3-D tensor (experts, out, in), one expert at a time, dequantized, as
-    `...experts.{j}.{gate,up,down}_proj.weight`; a shape that disagrees with the config is
-    refused by name."""
+    """A layer's experts' 3-D tensor (experts, out, in), one expert at a time, as
+    `...experts.{j}.{gate,up,down}_proj.weight`: a `QuantTensor` view of its blocks for the
+    native kinds (the file's pages released with the last one), else float. A shape that
+    disagrees with the config is refused by name."""
+    import warnings
+
     import numpy as np
     import torch
     from gguf import quants
@@ -454,6 +452,16 @@ def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str
     data = file.data(t).reshape(n, -1)
     kind = t.type.name
     base, _, part = name.removesuffix(".weight").rpartition(".")
+    if kind in _NATIVE:
+        from radixserve.models.quant import QuantTensor
+
+        with warnings.catch_warnings():  # the map is read-only; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(data.reshape(n, shape[1], -1))
+        for j in range(n):
+            done = functools.partial(file.release, t) if j == n - 1 else None
+            yield f"{base}.{j}.{part}.weight", QuantTensor(_NATIVE[kind], raw[j], shape[1], shape[2], release=done)
+        return
     for j in range(n):
         if kind == "F32":
             value = torch.from_numpy(data[j].view(np.float32).reshape(shape[1:]).copy())

@@ -158,6 +158,8 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
             split[module] = shards.pop(module)
     with torch.device("meta"), _no_init():
         model: Any = model_class(arch.architecture)(arch)  # a registry class: its own attributes (model.model, lm_head, load_weights)
+        for routed in sorted({m.split(".experts.")[0] for m in [*shards, *split] if ".mlp.experts." in m}):
+            model.get_submodule(routed).experts_as_modules()  # quantized experts: a linear each, served from their blocks
         for module, qs in split.items():
             parent, _, leaf = module.rpartition(".")
             owner = model.get_submodule(parent)
@@ -250,15 +252,18 @@ def _release_freed_memory() -> None:
 
 
 def _quant_target(name: str) -> tuple[str, int, int] | None:
+    """(our module, its shard, how many shards) for a quantized tensor: a layer's projection
+    (a dense MLP's, an expert's `mlp.experts.{j}.`, a shared expert's `mlp.shared_expert.`)."""
     if name == "model.embed_tokens.weight":
         return ("model.embed_tokens", 0, 1)
     if name == "lm_head.weight":
         return ("lm_head", 0, 1)
     parts = name.split(".")
-    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
-        hit = _QUANT_TARGETS.get(".".join(parts[3:5]))
-        if hit is not None:
-            return (f"model.layers.{parts[2]}.{hit[0]}", hit[1], hit[2])
+    if len(parts) >= 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        kind = "self_attn" if parts[3] == "self_attn" else "mlp" if parts[3] == "mlp" else None
+        hit = _QUANT_TARGETS.get(f"{kind}.{parts[-2]}")
+        if hit is not None and (len(parts) == 6 or kind == "mlp"):
+            return (".".join(parts[:-2]) + "." + hit[0].split(".")[1], hit[1], hit[2])
     return None
 
 

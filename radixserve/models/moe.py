@@ -23,14 +23,21 @@ from radixserve.models.config import ArchConfig
 from radixserve.models.layers import GatedMLP
 
 
-def describe(cfg: ArchConfig, model: nn.Module) -> dict[str, int] | None:
+def describe(cfg: ArchConfig) -> dict[str, int] | None:
     """A routed model's experts for /server_info: how many, how many a token takes, the routed
-    layers, and its parameters, all and those a token reads (the experts it does not choose
-    left out); None for a dense model."""
+    layers, and its parameters (counted from the shapes, however they are stored), all and those
+    a token reads (the experts it does not choose left out); None for a dense model."""
     if not cfg.moe_layers:
         return None
-    total = sum(p.numel() for p in model.parameters())
-    idle = len(cfg.moe_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = h * (q + 2 * kv) + q * h + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0) + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    expert = 3 * h * cfg.moe_intermediate_size
+    shared = 3 * h * cfg.shared_expert_intermediate_size + h if cfg.shared_expert_intermediate_size else 0
+    routed = len(cfg.moe_layers)
+    dense = (cfg.num_layers - routed) * 3 * h * cfg.intermediate_size
+    mlps = routed * (cfg.num_experts * (expert + h) + shared) + dense
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h + cfg.num_layers * attn + mlps
+    idle = routed * (cfg.num_experts - cfg.experts_per_token) * expert
     return {"experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token, "routed_layers": len(cfg.moe_layers),
             "parameters": total, "active_parameters": total - idle}
 
@@ -45,21 +52,31 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, experts
 
 
+def _groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, its (token, k) pairs as flat indices, their tokens) for every expert chosen."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows = order // experts.shape[1]
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    return [(e, order[a:b], rows[a:b]) for e, a, b in zip(ids.tolist(), bounds, bounds[1:])]
+
+
+def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """grouped_experts over experts held as modules (quantized linears): each chosen one runs once."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e, pairs, tokens in _groups(chosen):
+        out.index_add_(0, tokens, experts[e](x[tokens]).float() * weights.reshape(-1)[pairs, None])
+    return out.to(x.dtype)
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     experts: torch.Tensor) -> torch.Tensor:
     """sum over k of weights[t, k] * expert[experts[t, k]](x[t]) for every token t, each expert
     run once on the rows that chose it (an expert no row chose is never read)."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     inter = w2.shape[2]
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    rows = order // experts.shape[1]  # the token of each (token, k) pair, grouped by expert
-    start = 0
-    for e, n in zip(ids.tolist(), counts.tolist()):
-        pairs = order[start:start + n]
-        tokens = rows[start:start + n]
-        start += n
+    for e, pairs, tokens in _groups(experts):
         h = F.linear(x[tokens], w13[e])
         h = F.silu(h[:, :inter]) * h[:, inter:]
         y = F.linear(h, w2[e])
@@ -75,17 +92,30 @@ class MoE(nn.Module):
         e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
         self.gate = nn.Linear(hidden, e, bias=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(e, hidden, inter))
+        self.w13: nn.Parameter | None = nn.Parameter(torch.empty(e, 2 * inter, hidden))
+        self.w2: nn.Parameter | None = nn.Parameter(torch.empty(e, hidden, inter))
+        self.experts: nn.ModuleList | None = None  # quantized experts: a gated MLP each (see experts_as_modules)
+        self.inter = inter
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden, cfg.shared_expert_intermediate_size, False)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
+    def experts_as_modules(self) -> None:
+        """Hold the experts as one gated MLP each (`experts.{j}.gate_up_proj`, `.down_proj`), whose
+        linears the loader makes quantized ones over a file's blocks, instead of the 3-D float tensors."""
+        e, hidden = self.gate.out_features, self.gate.in_features
+        self.w13 = self.w2 = None
+        self.experts = nn.ModuleList(GatedMLP(hidden, self.inter, False) for _ in range(e))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
-        out = grouped_experts(x, self.w13, self.w2, weights, experts)
+        if self.experts is not None:
+            out = grouped_modules(x, self.experts, weights, experts)
+        else:
+            assert self.w13 is not None and self.w2 is not None
+            out = grouped_experts(x, self.w13, self.w2, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
