@@ -290,3 +290,21 @@ def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(
     _moe_gguf(tmp_path / "bad.gguf", tiny_moe_models["Qwen3MoeForCausalLM"], "Qwen3MoeForCausalLM", 8, bad_experts=True)
     with pytest.raises(ModelLoadError, match=r"ffn_\w+_exps.*expert_count"):
         load_model(str(tmp_path / "bad.gguf"), torch.float32, torch.device("cpu"), "auto")
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_qlinear_many_is_each_qlinear(ops, bits):
+    """Jobs of every kind family, of 1 and 3 rows and of no row, in one call: each one's output is
+    qlinear's on it, to the bit (the same integer sums, the same order)."""
+    from tests.test_quant import gguf_blocks
+
+    jobs = [("q4_k", 48, 512, 1), ("q6_k", 32, 256, 3), ("q8_0", 40, 96, 1), ("q4_0", 16, 64, 3), ("q5_0", 24, 128, 0)]
+    xs, packed, ns = [], [], []
+    for i, (kind, n, k, m) in enumerate(jobs):
+        raw, _ = gguf_blocks(kind, n, k, seed=i)
+        packed.append(ops.pack_quant(raw, kind, n, k))
+        xs.append(torch.randn(m, k, generator=torch.Generator().manual_seed(i)))
+        ns.append(n)
+    ys = ops.qlinear_many(xs, packed, ns, bits)
+    for x, w, n, y in zip(xs, packed, ns, ys):
+        assert torch.equal(y, ops.qlinear(x, w, n, None, True, False, bits))

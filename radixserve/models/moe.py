@@ -15,6 +15,8 @@ transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,11 +65,47 @@ def _groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor
 
 
 def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """grouped_experts over experts held as modules (quantized linears): each chosen one runs once."""
+    """grouped_experts over experts held as modules (quantized linears): each chosen one runs
+    once, on its rows. Grouped in Python from the (few) pairs; where every expert is one packed
+    gate_up and one packed down on the native kernels, the chosen experts' gate_ups run in one
+    native call and their downs in another (`qlinear_many`: one parallel region each, not a
+    call per expert), else each expert module in turn."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for e, pairs, tokens in _groups(chosen):
-        out.index_add_(0, tokens, experts[e](x[tokens]).float() * weights.reshape(-1)[pairs, None])
+    rows: dict[int, list[tuple[int, float]]] = {}
+    for t, (es, ws) in enumerate(zip(chosen.tolist(), weights.tolist())):
+        for e, w in zip(es, ws):
+            rows.setdefault(e, []).append((t, w))
+    picked: list[tuple[Any, list[tuple[int, float]], torch.Tensor]] = [(experts[e], pairs, x[pairs[0][0]:pairs[0][0] + 1] if len(pairs) == 1 else
+               x.index_select(0, torch.tensor([t for t, _ in pairs], device=x.device))) for e, pairs in rows.items()]
+    first = picked[0][0]
+    ops = getattr(first.gate_up_proj, "native", None)
+    if ops is not None and all(_one_call(m) for m, _, _ in picked):
+        bits = first.gate_up_proj.act_bits
+        hs = ops.qlinear_many([xe.contiguous() for _, _, xe in picked], [m.gate_up_proj.packed for m, _, _ in picked],
+                              [m.gate_up_proj.out_features for m, _, _ in picked], bits)
+        acts = [ops.silu_and_mul(h) for h in hs]
+        ys = ops.qlinear_many(acts, [m.down_proj.packed for m, _, _ in picked], [m.down_proj.out_features for m, _, _ in picked],
+                              bits)
+    else:
+        ys = [m(xe).float() for m, _, xe in picked]
+    for (_, pairs, _), y in zip(picked, ys):
+        if len(pairs) == 1:
+            t, w = pairs[0]
+            out[t:t + 1].add_(y, alpha=w)
+        else:
+            tokens = torch.tensor([t for t, _ in pairs], device=x.device)
+            scale = torch.tensor([w for _, w in pairs], dtype=torch.float32, device=x.device)[:, None]
+            out.index_add_(0, tokens, y * scale)
     return out.to(x.dtype)
+
+
+def _one_call(expert: nn.Module) -> bool:
+    """Whether an expert's two linears run in qlinear_many: packed quantized weights on the
+    native kernels, integer activations, no bias, gate and up in one kind."""
+    from radixserve.models.quant import QuantLinear
+
+    return all(isinstance(m, QuantLinear) and m.native is not None and m.act_bits and m.bias is None
+               and m.packed.device.type == "cpu" for m in (expert.gate_up_proj, expert.down_proj))
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -115,6 +115,8 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::
 // --- quant_linear.cpp ---------------------------------------------------------------------
 at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_t k);
 at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<at::Tensor> rows);
+std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
+                                     int64_t act_bits);
 at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
                       bool generic, int64_t act_bits);
 

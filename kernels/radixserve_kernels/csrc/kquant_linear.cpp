@@ -605,6 +605,20 @@ void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* 
   });
 }
 
+// Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into fp32 y (m, n).
+void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, float* y, int64_t n, int64_t p, bool generic) {
+  const bool vector = HAS_VEC_KTILE && !generic;
+  const uint8_t* panel = packed.data_ptr<uint8_t>() + p * packed.size(1) * packed.size(2);
+  const int64_t nb = packed.size(1);
+  switch (f) {
+    case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
+    case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
+    case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
+    case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
+    default: kpanel<Q6_K>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
+  }
+}
+
 // y (M, n) = the quantized rows xr times a packed weight of format f, plus bias.
 void qlinear_kfamily(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, at::Tensor& y, int64_t n,
                      bool generic) {

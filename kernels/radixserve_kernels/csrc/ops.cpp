@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &rs::linear, "a linear of a few rows over a packed weight (x, packed, n, bias, float_out)");
   m.def("pack_quant", &rs::pack_quant, "repack GGUF blocks (raw, kind, n, k) of q4_0/q4_1/q8_0/q5_0/q5_1/q4_k/q5_k/q6_k for qlinear");
   m.def("dequant_quant", &rs::dequant_quant, "fp32 rows of a pack_quant weight (packed, n, k, rows)");
+  m.def("qlinear_many", &rs::qlinear_many, "several quantized linears in one parallel region, fp32 out (xs, packed, ns, act_bits)");
   m.def("qlinear", &rs::qlinear, "a linear over a pack_quant weight, activations quantized to act_bits 8 or 16 (x, packed, n, bias, float_out, generic, act_bits)");
   // module-local: each build (avx512, avx2, generic) may be loaded in one process, each with its own type
   pybind11::class_<rs::DecodeWeights, std::shared_ptr<rs::DecodeWeights>>(m, "DecodeWeights", pybind11::module_local());

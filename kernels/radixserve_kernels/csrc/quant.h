@@ -95,5 +95,6 @@ at::Tensor pack_kfamily(const at::Tensor& raw, int f, int64_t n, int64_t k);
 void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* rows, int64_t count, float* out);
 void qlinear_kfamily(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, at::Tensor& y, int64_t n,
                      bool generic);
+void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, float* y, int64_t n, int64_t p, bool generic);
 
 }  // namespace rs

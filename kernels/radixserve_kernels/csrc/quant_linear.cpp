@@ -2,6 +2,8 @@
 // in their blocks, repacked once into panels of 16 outputs. Torch references:
 // radixserve_kernels.quant_matmul.dequant_ref (the packed layout), gguf-py's dequantize (the values), and
 // tests/test_quant.py's reference_qlinear (the 16-bit-activation dot product).
+#include <algorithm>
+
 #include "quant.h"
 
 namespace rs {
@@ -481,6 +483,58 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
   if (float_out) qlinear_impl(packed, xr, m, bd, y.data_ptr<float>(), n, vector);
   else DISPATCH_FLOAT_BF16(y, "qlinear", [&] { qlinear_impl(packed, xr, m, bd, ptr<scalar>(y), n, vector); });
   return y;
+}
+
+// Several quantized linears in one parallel region: ys[j] (m_j, ns[j]) fp32 = xs[j] times
+// packed[j]^T, each x quantized once, the jobs' panels spread over the threads together (a
+// mixture of experts' chosen experts at decode: one region instead of a call, and a fork and
+// join of the threads, each; tests/test_moe.py checks it against qlinear).
+std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
+                                     int64_t act_bits) {
+  const size_t jobs = xs.size();
+  TORCH_CHECK(packed.size() == jobs && ns.size() == jobs, "qlinear_many: one packed weight and n per x");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear_many: act_bits is 8 or 16, got ", act_bits);
+  std::vector<QuantRows> rows(jobs);
+  std::vector<at::Tensor> ys(jobs);
+  std::vector<int> fmt(jobs);
+  std::vector<int64_t> start(jobs + 1, 0);
+  for (size_t j = 0; j < jobs; ++j) {
+    const at::Tensor& x = xs[j];
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "qlinear_many: 2-d float32 or bfloat16 xs, rows contiguous");
+    const int64_t m = x.size(0), k = x.size(1);
+    fmt[j] = check_quant(packed[j], ns[j], k);
+    const int64_t kb = fmt[j] >= 0 ? k / QBLOCK : packed[j].size(1);
+    DISPATCH_FLOAT_BF16(x, "qlinear_many", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, rows[j]); });
+    ys[j] = at::empty({m, ns[j]}, x.options().dtype(at::kFloat));
+    start[j + 1] = start[j] + (m ? (ns[j] + QPANEL - 1) / QPANEL : 0);
+  }
+  at::parallel_for(0, start[jobs], 1, [&](int64_t begin, int64_t end) {
+    size_t j = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+    for (int64_t q = begin; q < end; ++q) {
+      while (q >= start[j + 1]) ++j;
+      const int64_t p = q - start[j], m = xs[j].size(0), n = ns[j];
+      float* y = ys[j].data_ptr<float>();
+      if (fmt[j] >= 0) {
+        kfamily_panel(packed[j], fmt[j], rows[j], m, y, n, p, false);
+        continue;
+      }
+      const at::Tensor& w = packed[j];
+      const int64_t kb = w.size(1), bytes = w.size(2);
+      const uint8_t* panel = w.data_ptr<uint8_t>() + p * kb * bytes;
+#if defined(RS_INT_DOT)
+      if (HAS_VEC_QTILE) {
+        if (bytes == Q4_BYTES) rows[j].wide ? qpanel<4, true>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n)
+                                            : qpanel<4, false>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n);
+        else rows[j].wide ? qpanel<8, true>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n)
+                          : qpanel<8, false>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n);
+        continue;
+      }
+#endif
+      qtile_generic(panel, kb, bytes, rows[j], 0, m, nullptr, y, n, p * QPANEL, n);
+    }
+  });
+  return ys;
 }
 
 }  // namespace rs
