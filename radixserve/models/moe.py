@@ -75,8 +75,11 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     for t, (es, ws) in enumerate(zip(chosen.tolist(), weights.tolist())):
         for e, w in zip(es, ws):
             rows.setdefault(e, []).append((t, w))
-    picked: list[tuple[Any, list[tuple[int, float]], torch.Tensor]] = [(experts[e], pairs, x[pairs[0][0]:pairs[0][0] + 1] if len(pairs) == 1 else
-               x.index_select(0, torch.tensor([t for t, _ in pairs], device=x.device))) for e, pairs in rows.items()]
+    picked: list[tuple[Any, list[tuple[int, float]], torch.Tensor]] = []  # (expert, its (token, weight)s, its rows)
+    for e, pairs in rows.items():
+        t = pairs[0][0]
+        xe = x[t:t + 1] if len(pairs) == 1 else x.index_select(0, torch.tensor([t for t, _ in pairs], device=x.device))
+        picked.append((experts[e], pairs, xe))
     first = picked[0][0]
     ops = getattr(first.gate_up_proj, "native", None)
     if ops is not None and all(_one_call(m) for m, _, _ in picked):
