@@ -86,11 +86,13 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
         bits = first.gate_up_proj.act_bits
         hs = ops.qlinear_many([xe.contiguous() for _, _, xe in picked], [m.gate_up_proj.packed for m, _, _ in picked],
                               [m.gate_up_proj.out_features for m, _, _ in picked], bits)
-        acts = [ops.silu_and_mul(h) for h in hs]
-        ys = ops.qlinear_many(acts, [m.down_proj.packed for m, _, _ in picked], [m.down_proj.out_features for m, _, _ in picked],
-                              bits)
+        acts = ops.silu_and_mul(torch.cat(hs)).split([len(p) for _, p, _ in picked])  # one call for every expert's rows
+        ys = ops.qlinear_many(list(acts), [m.down_proj.packed for m, _, _ in picked],
+                              [m.down_proj.out_features for m, _, _ in picked], bits)
     else:
         ys = [m(xe).float() for m, _, xe in picked]
+    if x.shape[0] == 1:  # a decode step at batch 1: the weighted sum as one product
+        return (torch.tensor([p[0][1] for _, p, _ in picked]) @ torch.cat(ys))[None].to(x.dtype)
     for (_, pairs, _), y in zip(picked, ys):
         if len(pairs) == 1:
             t, w = pairs[0]
