@@ -312,6 +312,16 @@ async def read_long(outs: Sequence[Output], plan: Plan, build: Callable[..., T],
     return work() if sum(len(o.text) for o in outs) <= OFF_LOOP_CHARS else await asyncio.to_thread(work)
 
 
+async def read_answer(out: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> Answer:
+    """One output read as read_long reads it, for a reply that is cheap to build from its answer
+    on the event loop (a Responses object's items, a stream's last delta)."""
+    return await read_long([out], plan, _answer, streamed)
+
+
+def _answer(a: Answer) -> Answer:
+    return a
+
+
 def reasoning_tokens(tok: Any, ids: list[int]) -> int:
     """How many output tokens were reasoning, its tags included: those up to the first `</think>`
     (all of them when none closed it). Counted on the tokens the model wrote, not re-tokenized:

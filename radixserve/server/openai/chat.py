@@ -244,7 +244,7 @@ class _LiveChoice(reasoning.LiveParts):
     async def finish(self, out: Output) -> str:
         """The rest of the answer once it is whole (held text that is content, calls only the
         whole answer shows) into the delta; returns the finish reason."""
-        a = await reasoning.read_long([out], self.plan, lambda a: a, self.streamed_calls())
+        a = await reasoning.read_answer(out, self.plan, self.streamed_calls())
         await self.content_delta(0, self.rest(a.content or ""))
         sent = {c.id for c in self.streamed_calls()}
         for call in a.calls:

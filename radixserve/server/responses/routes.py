@@ -60,8 +60,8 @@ async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
         return await _stream(call, turn, flight)
     out = (await call.state.collect(flight))[0]
     pending: Pending = turn.data
-    tok = call.state.engine.tokenizer  # an engine error is a 500, as in chat:
-    await reasoning.read_long([out], turn.plan, lambda a: finish(pending.resp, out, a, pending.ids, tok))
+    a = await reasoning.read_answer(out, turn.plan)  # an engine error is a 500, as in chat
+    finish(pending.resp, out, a, pending.ids, call.state.engine.tokenizer)
     await _save(call, turn, out)
     return web.Response(body=msgspec.json.encode(pending.resp), content_type="application/json")
 
@@ -111,8 +111,7 @@ async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
     if (err := reasoning.ended_early(out)) is not None:  # failed: never a cut answer as a whole one
         await w.fail(resp, "server_error", err.message)
         return w.response
-    tok = state.engine.tokenizer
-    await reasoning.read_long([out], plan, lambda a: finish(resp, out, a, pending.ids, tok), live.streamed_calls())
+    finish(resp, out, await reasoning.read_answer(out, plan, live.streamed_calls()), pending.ids, state.engine.tokenizer)
     try:
         await _save(call, turn, out)
     except ApiError as e:
