@@ -308,3 +308,22 @@ def test_qlinear_many_is_each_qlinear(ops, bits):
     ys = ops.qlinear_many(xs, packed, ns, bits)
     for x, w, n, y in zip(xs, packed, ns, ys):
         assert torch.equal(y, ops.qlinear(x, w, n, None, True, False, bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_split_linear_runs_its_parts_in_one_call_as_each_part_computes(ops, dtype):
+    """q/k in Q4_K beside v in Q6_K (a Q4_K_M file's attention): one qlinear_many for a few rows,
+    equal to each part's own call, concatenated."""
+    from radixserve.models.quant import SplitQuantLinear
+    from tests.test_quant import gguf_blocks
+
+    parts = []
+    for i, (kind, n) in enumerate([("q4_k", 64), ("q4_k", 32), ("q6_k", 32)]):
+        raw, _ = gguf_blocks(kind, n, 256, seed=i)
+        q = QuantLinear(n, 256, kind, False, packed=ops.pack_quant(raw, kind, n, 256))
+        q.finish()
+        parts.append(q)
+    split = SplitQuantLinear(parts, False)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256).to(dtype)
+        assert torch.equal(split(x), torch.cat([p(x) for p in parts], dim=-1))

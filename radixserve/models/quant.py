@@ -257,7 +257,17 @@ class SplitQuantLinear(nn.Module):
             at += p.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        parts = cast(list[QuantLinear], list(self.parts))
+        x2 = x.reshape(-1, x.shape[-1])
+        ops, bits = parts[0].native, parts[0].act_bits
+        if (ops is not None and bits and self.bias is None and x2.shape[0] <= MAX_NATIVE_ROWS
+                and x2.dtype in (torch.float32, torch.bfloat16) and not (torch.is_grad_enabled() and x2.requires_grad)
+                and all(p.native is ops and p.act_bits == bits and not p.float_out for p in parts)):
+            # a few rows (decode): every part in one native call, one parallel region (qlinear_many)
+            x2 = x2.contiguous()
+            ys = ops.qlinear_many([x2] * len(parts), [p.packed for p in parts], [p.out_features for p in parts], bits)
+            return torch.cat(ys, dim=-1).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = torch.cat([p(x) for p in parts], dim=-1)
         return y if self.bias is None or self.bias_in_parts else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
