@@ -59,6 +59,8 @@ class ModelConfig:
                                      "the engine is rank 0, N - 1 workers follow its steps")
     pipeline_parallel: int = option(1, "split the layers into N stages in N processes, micro-batches flowing stage to "
                                        "stage (any weights, GGUF blocks included; gloo on CPU)")
+    expert_parallel: int = option(1, "split a mixture of experts' experts over N processes, each rank computing its "
+                                     "experts' rows of every routed layer, the outputs summed (any weights; gloo on CPU)")
     disable_cpu_kernels: bool = option(False, "CPU: use torch ops instead of radixserve's native kernels (radixserve_kernels.cpu)")
 
 

@@ -138,6 +138,27 @@ def test_transformers_5s_fused_expert_tensors_load_as_the_per_expert_ones(tiny_m
     assert torch.equal(our_prompt_logits(folder, IDS), our_prompt_logits(src, IDS))
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_two_expert_parallel_ranks_give_one_ranks_tokens(arch, tiny_moe_models):
+    """Each rank holds half the experts (Qwen2-MoE's shared expert on rank 0), the routed
+    layers' outputs summed over the ranks: one rank's greedy tokens, whole and batched."""
+    path = str(tiny_moe_models[arch])
+    prompts = [IDS, IDS[:12] + [8, 8, 8]]
+    with Engine(path, kv_cache_tokens=1024) as one:
+        want = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    with Engine(path, kv_cache_tokens=1024, expert_parallel=2) as two:
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == want
+
+
+def test_expert_parallel_that_cannot_split_is_refused_by_name(tiny_moe_models, tiny_llama):
+    with pytest.raises(Exception, match="expert_parallel: 4 ranks do not divide the model's 6 experts"):
+        Engine(str(tiny_moe_models["Qwen2MoeForCausalLM"]), kv_cache_tokens=512, expert_parallel=4)
+    with pytest.raises(Exception, match="expert_parallel: LlamaForCausalLM has no experts"):
+        Engine(str(tiny_llama), kv_cache_tokens=512, expert_parallel=2)
+    with pytest.raises(Exception, match="expert_parallel: not together with tensor_parallel"):
+        Engine(str(tiny_moe_models["Qwen3MoeForCausalLM"]), kv_cache_tokens=512, expert_parallel=2, tensor_parallel=2)
+
+
 def test_two_pipeline_ranks_give_one_ranks_tokens_and_tensor_parallel_says_it_does_not_split(tiny_moe_models):
     path = str(tiny_moe_models["Qwen3MoeForCausalLM"])
     with Engine(path, kv_cache_tokens=512) as one:
@@ -155,7 +176,7 @@ def test_a_served_moe_model_reports_its_experts_and_answers_in_a_json_schema(tin
     try:
         _, info = s.get("/server_info")
         e = info["experts"]
-        assert (e["experts"], e["experts_per_token"], e["routed_layers"]) == (6, 2, 2)
+        assert (e["experts"], e["experts_per_token"], e["routed_layers"], e["expert_parallel"]) == (6, 2, 2, 1)
         assert e["active_parameters"] == e["parameters"] - 2 * (6 - 2) * 3 * 96 * 32
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
         status, body = s.post("/v1/chat/completions", {
@@ -280,6 +301,8 @@ def test_a_moe_gguf_with_3d_expert_tensors_computes_what_its_weights_do(arch, ti
     assert (ours - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
     with Engine(str(tmp_path / "moe.gguf"), kv_cache_tokens=1024, activations="int16", chunked_prefill_size=8) as e:
         assert e.generate([IDS], GREEDY)[0].token_ids == greedy
+    with Engine(str(tmp_path / "moe.gguf"), kv_cache_tokens=1024, activations="int16", expert_parallel=2) as e:
+        assert e.generate([IDS], GREEDY)[0].token_ids == greedy  # the quantized experts split over two ranks
 
 
 def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(tiny_moe_models, tmp_path, monkeypatch):

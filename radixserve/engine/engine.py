@@ -76,7 +76,7 @@ class Engine(RequestFront):
         self.parallel: Any = None  # rank 0's side of --tensor-parallel / --pipeline-parallel (engine/model_parallel.py)
         self.tp_group: Any = None
         self.stage: Any = None
-        split = cfg.model.tensor_parallel != 1 or cfg.model.pipeline_parallel != 1
+        split = cfg.model.tensor_parallel != 1 or cfg.model.pipeline_parallel != 1 or cfg.model.expert_parallel != 1
         if split:
             self._split(loaded.model)
         if not cfg.model.disable_packed_linears:
@@ -145,28 +145,33 @@ class Engine(RequestFront):
         self._loop.add(req, sink)
 
     def _split(self, model: Any) -> None:
-        """Cut the model to rank 0's part: its tensor-parallel shard (this rank's KV heads) or
-        its pipeline stage (this rank's layers)."""
+        """Cut the model to rank 0's part: its tensor-parallel shard (this rank's KV heads), its
+        pipeline stage (this rank's layers) or its experts."""
         from radixserve.engine import model_parallel as mp
         from radixserve.models.tp import Group
 
-        tp, pp = self.config.model.tensor_parallel, self.config.model.pipeline_parallel
-        for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp)):
+        m = self.config.model
+        tp, pp, ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
+        for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp), ("expert_parallel", ep)):
             if n < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {n}")
-        if tp > 1 and pp > 1:
-            raise ValueError("pipeline_parallel: not together with tensor_parallel yet; give one of them")
-        name = "tensor_parallel" if tp > 1 else "pipeline_parallel"
+        given = [name for name, n in (("tensor_parallel", tp), ("pipeline_parallel", pp), ("expert_parallel", ep)) if n > 1]
+        if len(given) > 1:
+            raise ValueError(f"{given[-1]}: not together with {given[0]} yet; give one of them")
+        name = given[0]
         if self.device.type != "cpu":
             raise ValueError(f"{name}: runs on CPU (gloo) only so far; NCCL on CUDA is not built yet")
         for option, what in (("kv_disk_dir", "the disk tier"), ("kv_connector", "the KV hand-off")):
             if getattr(self.config.cache, option) is not None:  # refused here, before any worker starts
                 raise ValueError(f"{option}: {what} does not hold a split pool's KV (each rank holds part of it) yet; "
                                  f"leave out {option} or {name}")
-        torch.set_num_threads(mp.threads_per_rank(max(tp, pp)))
+        torch.set_num_threads(mp.threads_per_rank(max(tp, pp, ep)))
         if tp > 1:
             self.tp_group = Group()
             self.kv_heads = mp.shard(model, 0, tp, self.tp_group).kv_heads
+        elif ep > 1:
+            self.tp_group = Group()
+            mp.shard_experts(model, 0, ep, self.tp_group)
         else:
             self.stage = mp.stage(model, 0, pp)
             self.pool_layers = self.stage.hi - self.stage.lo
@@ -177,9 +182,10 @@ class Engine(RequestFront):
         from radixserve.engine import model_parallel as mp
 
         m = self.config.model
-        n = max(m.tensor_parallel, m.pipeline_parallel)
+        n = max(m.tensor_parallel, m.pipeline_parallel, m.expert_parallel)
         tensor = self.tp_group is not None
-        spec = mp.WorkerSpec(mp.TENSOR if tensor else mp.PIPELINE, m.path, self.dtype, m.quantization, m.activations,
+        mode = mp.EXPERT if m.expert_parallel > 1 else mp.TENSOR if tensor else mp.PIPELINE
+        spec = mp.WorkerSpec(mode, m.path, self.dtype, m.quantization, m.activations,
                              self.kv_dtype, slots,
                              window_slots, self.config.attention_backend, not m.disable_packed_linears, mp.threads_per_rank(n),
                              n, mp.new_init_file(), mp.new_shm_name() if tensor else "")

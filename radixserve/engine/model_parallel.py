@@ -1,5 +1,8 @@
 """One model over N processes on one machine: `--tensor-parallel N` (each rank a shard of every
-layer, models/tp.py) or `--pipeline-parallel N` (each rank a stage of the layers, models/pp.py).
+layer, models/tp.py), `--pipeline-parallel N` (each rank a stage of the layers, models/pp.py) or
+`--expert-parallel N` (each rank the whole model but for the experts: its share of each routed
+layer's, the layer's output all-reduced as tensor parallelism's row-parallel linears are;
+models/moe.py `MoE.keep_experts`).
 
 The engine is rank 0; ranks 1..N-1 are worker processes that build their part of the model and
 a KV pool for it (their KV heads, or their layers) with the same slots, and follow rank 0's
@@ -35,14 +38,14 @@ from radixserve.models.tp import Group, Shard, ShmAllReduce, shard_model
 
 START_TIMEOUT_S = 600.0  # a worker loads the whole model before it keeps its part
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=600)  # a long prefill chunk on a slow CPU
-TENSOR, PIPELINE = "tensor", "pipeline"
+TENSOR, PIPELINE, EXPERT = "tensor", "pipeline", "expert"
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker builds: the model as rank 0 loaded it, its part, a KV pool of the same slots."""
 
-    mode: str  # TENSOR | PIPELINE
+    mode: str  # TENSOR | PIPELINE | EXPERT
     path: str | None  # as the engine was given it (None: the default model)
     dtype: torch.dtype
     quantization: str
@@ -72,6 +75,23 @@ def shard(model: Any, rank: int, size: int, group: Group) -> Shard:
     """Cut a loaded model to rank r's tensor-parallel shard (its all-reduces through `group`)."""
     check_model(model, TENSOR)
     return shard_model(model, rank, size, group)
+
+
+def shard_experts(model: Any, rank: int, size: int, group: Group) -> Shard:
+    """Keep rank r's experts of every routed layer (an even share: `size` must divide the
+    experts); the rank keeps every KV head (its pool is the whole model's)."""
+    from radixserve.models.moe import MoE
+
+    check_model(model, EXPERT)
+    cfg = model.cfg
+    if not cfg.moe_layers:
+        raise ValueError(f"expert_parallel: {cfg.architecture} has no experts to split (a mixture of experts does)")
+    if cfg.num_experts % size:
+        raise ValueError(f"expert_parallel: {size} ranks do not divide the model's {cfg.num_experts} experts evenly")
+    for layer in model.model.decoder_layers():
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.keep_experts(rank, size, group)
+    return Shard(rank, size, 0, cfg.num_kv_heads, rank * cfg.num_experts // size, (rank + 1) * cfg.num_experts // size)
 
 
 def stage(model: Any, rank: int, size: int) -> Stage:
@@ -198,7 +218,7 @@ def _worker_main(spec: WorkerSpec, rank: int, ready: Any) -> None:
     group = None
     try:
         pg = channel.join(spec.init_file, rank, spec.size, COLLECTIVE_TIMEOUT)
-        if spec.mode == TENSOR:
+        if spec.mode in (TENSOR, EXPERT):
             group = Group(ShmAllReduce(spec.shm_name, rank, spec.size), pg=pg)
         model, backend, part = build_rank(spec, rank, group)
     except BaseException:
@@ -249,7 +269,7 @@ def build_rank(spec: WorkerSpec, rank: int, group: Group | None) -> tuple[Any, A
     a = loaded.arch
     part: Shard | Stage
     if group is not None:
-        part = shard(loaded.model, rank, spec.size, group)
+        part = (shard_experts if spec.mode == EXPERT else shard)(loaded.model, rank, spec.size, group)
         heads, windows = part.kv_heads, a.layer_windows
     else:
         part = stage(loaded.model, rank, spec.size)

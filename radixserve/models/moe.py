@@ -55,13 +55,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def _groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(expert, its (token, k) pairs as flat indices, their tokens) for every expert chosen."""
+    """(expert, its (token, k) pairs as flat indices, their tokens) for every expert chosen
+    (an expert of -1: another rank's, skipped)."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
     rows = order // experts.shape[1]
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
-    return [(e, order[a:b], rows[a:b]) for e, a, b in zip(ids.tolist(), bounds, bounds[1:])]
+    return [(e, order[a:b], rows[a:b]) for e, a, b in zip(ids.tolist(), bounds, bounds[1:]) if e >= 0]
 
 
 def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,10 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     rows: dict[int, list[tuple[int, float]]] = {}
     for t, (es, ws) in enumerate(zip(chosen.tolist(), weights.tolist())):
         for e, w in zip(es, ws):
-            rows.setdefault(e, []).append((t, w))
+            if e >= 0:  # (-1: another rank's expert)
+                rows.setdefault(e, []).append((t, w))
+    if not rows:
+        return out.to(x.dtype)
     picked: list[tuple[Any, list[tuple[int, float]], torch.Tensor]] = []  # (expert, its (token, weight)s, its rows)
     for e, pairs in rows.items():
         t = pairs[0][0]
@@ -139,6 +143,8 @@ class MoE(nn.Module):
         self.w2: nn.Parameter | None = nn.Parameter(torch.empty(e, hidden, inter))
         self.experts: nn.ModuleList | None = None  # quantized experts: a gated MLP each (see experts_as_modules)
         self.inter = inter
+        self.lo, self.hi = 0, e  # the experts this rank holds (--expert-parallel: see keep_experts)
+        self.group: Any = None  # their rank group, whose all-reduce sums the ranks' outputs
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -152,8 +158,25 @@ class MoE(nn.Module):
         self.w13 = self.w2 = None
         self.experts = nn.ModuleList(GatedMLP(hidden, self.inter, False) for _ in range(e))
 
+    def keep_experts(self, rank: int, size: int, group: Any) -> None:
+        """--expert-parallel: keep this rank's experts (an even share, in order) and the shared
+        expert on rank 0 only; the layer's output is then this rank's part, summed by `group`."""
+        e = self.gate.out_features
+        self.lo, self.hi, self.group = rank * e // size, (rank + 1) * e // size, group
+        if self.experts is not None:
+            self.experts = nn.ModuleList(list(self.experts)[self.lo:self.hi])
+        else:
+            assert self.w13 is not None and self.w2 is not None
+            self.w13 = nn.Parameter(self.w13.data[self.lo:self.hi].clone(), requires_grad=False)
+            self.w2 = nn.Parameter(self.w2.data[self.lo:self.hi].clone(), requires_grad=False)
+        if rank:
+            self.shared_expert = self.shared_expert_gate = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        if self.group is not None:  # this rank's experts only, numbered from its first
+            mine = (experts >= self.lo) & (experts < self.hi)
+            weights, experts = weights * mine, torch.where(mine, experts - self.lo, -1)
         if self.experts is not None:
             out = grouped_modules(x, self.experts, weights, experts)
         else:
@@ -161,4 +184,4 @@ class MoE(nn.Module):
             out = grouped_experts(x, self.w13, self.w2, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.group.all_reduce(out.contiguous()) if self.group is not None else out

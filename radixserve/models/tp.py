@@ -31,7 +31,8 @@ from torch import nn
 @dataclass
 class Shard:
     """Rank r's part of a model split N ways: its KV heads [kv_lo, kv_hi) (with the query heads
-    of their groups) and its slice [inter_lo, inter_hi) of the MLP's intermediate size."""
+    of their groups) and its slice [inter_lo, inter_hi) of the MLP's intermediate size (with
+    --expert-parallel: every KV head, and its experts [inter_lo, inter_hi) of each routed layer)."""
 
     rank: int
     size: int
