@@ -968,14 +968,16 @@ def _llama_cpp_sources():
     return Path(found)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                                  "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
 def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_computes(arch, tiny_tokenizer, tmp_path,
                                                                                     monkeypatch):
     """The tiny models converted by llama.cpp's convert_hf_to_gguf.py (its pre-tokenizer check
     told what a tiny trained tokenizer is; nothing else touched): prompt logits and greedy
     tokens against transformers on the folder it was made from (Llama with llama3 rope scaling,
     written by the converter as rope_freqs; Gemma 3 past its window, six layers so its fixed
-    pattern holds, its softmax scale head_dim as llama.cpp's)."""
+    pattern holds, its softmax scale head_dim as llama.cpp's; the mixtures of experts with their
+    3-D expert tensors)."""
     import subprocess
     import sys
 
@@ -991,6 +993,8 @@ def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_compu
         cfg.pop("layer_types")
         cfg.update(num_hidden_layers=6, query_pre_attn_scalar=cfg["head_dim"])
         cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1e6}
+    if arch == "Qwen3MoeForCausalLM":  # llama.cpp's qwen3moe routes every layer
+        cfg["mlp_only_layers"] = []
     folder = make_tiny_model(tmp_path / arch, arch, cfg, tok_dir, 3)
     out = tmp_path / f"{arch}.gguf"
     subprocess.run([sys.executable, "-c", _CONVERTER, str(sources), str(folder), "--outfile", str(out), "--outtype", "f32"],
