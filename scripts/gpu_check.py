@@ -33,7 +33,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 from radixserve_kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
 from radixserve_kernels.extend_attention import extend_attention_ref, extend_attention_triton  # noqa: E402

@@ -350,3 +350,14 @@ def test_a_split_linear_runs_its_parts_in_one_call_as_each_part_computes(ops, dt
     for rows in (1, 3):
         x = torch.randn(rows, 256).to(dtype)
         assert torch.equal(split(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_quantizing_a_moe_folder_leaves_its_routers_float(tiny_moe_models):
+    """--quantization int8 on a Hugging Face MoE folder: the attention's linears become
+    quantized, the routers (and the shared expert's gate) stay float, as llama.cpp keeps them."""
+    from radixserve.models.loader import load_model
+
+    model = load_model(str(tiny_moe_models["Qwen2MoeForCausalLM"]), torch.float32, torch.device("cpu"), "int8").model
+    moe = model.model.layers[0].mlp
+    assert isinstance(model.model.layers[0].self_attn.o_proj, QuantLinear)
+    assert not isinstance(moe.gate, QuantLinear) and not isinstance(moe.shared_expert_gate, QuantLinear)

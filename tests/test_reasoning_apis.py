@@ -104,7 +104,7 @@ def _respond(pieces: list[str], parser: str | None, reason: str = "stop", **body
     plan, _ = responses_plan(b, parser)
     resp = new_response("m", b)
     out = _out(pieces, reason)
-    responses.finish(resp, out, reasoning.read(out, plan), ("rs_1", "msg_1"), Tok(pieces))
+    responses.finish(resp, out, asyncio.run(reasoning.read_answer(out, plan, tok=Tok(pieces))), ("rs_1", "msg_1"))
     return openai.types.responses.Response.model_validate_json(msgspec.json.encode(resp))
 
 

@@ -138,10 +138,10 @@ def _moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         width, renorm, layers = cfg["intermediate_size"], True, tuple(range(n))
     else:
         width = cfg.get("moe_intermediate_size", 0)
-        renorm = bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM"))
+        renorm = bool(cfg.get("norm_topk_prob", False))  # transformers' default for both
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
         layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
-    top_k = cfg.get("num_experts_per_tok", 2)
+    top_k = cfg.get("num_experts_per_tok", {"Qwen3MoeForCausalLM": 8, "Qwen2MoeForCausalLM": 4}.get(arch, 2))  # (transformers')
     if layers and not (0 < top_k <= experts):
         raise ValueError(f"num_experts_per_tok: {top_k} must be between 1 and the {experts} experts")
     if layers and width <= 0:

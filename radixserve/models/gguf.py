@@ -401,7 +401,7 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
         name = hf_name(t.name, model_type)
         shape = tuple(reversed(t.shape))  # GGUF lists the fastest dimension first
         if ".mlp.experts." in name:
-            yield from _experts(file, t, name, shape, cfg)
+            yield from _experts(file, t, name, shape, cfg, fallback)
             continue
         if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp keeps the (1, hidden) gate flat
             shape = (1, shape[0])
@@ -434,11 +434,13 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     file.close()  # the map itself stays until the last view of it (a QuantTensor not packed yet) is gone
 
 
-def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str, Any],
+             fallback: dict[str, int]) -> Iterator[tuple[str, Any]]:
     """A layer's experts' 3-D tensor (experts, out, in), one expert at a time, as
     `...experts.{j}.{gate,up,down}_proj.weight`: a `QuantTensor` view of its blocks for the
-    native kinds (the file's pages released with the last one), else float. A shape that
-    disagrees with the config is refused by name."""
+    native kinds (the file's pages released with the last one), else float (another quantized
+    kind counted in `fallback`, which read_tensors warns of). A shape that disagrees with the
+    config is refused by name."""
     import warnings
 
     import numpy as np
@@ -462,6 +464,8 @@ def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str
             done = functools.partial(file.release, t) if j == n - 1 else None
             yield f"{base}.{j}.{part}.weight", QuantTensor(_NATIVE[kind], raw[j], shape[1], shape[2], release=done)
         return
+    if kind not in _FLOAT:
+        fallback[kind] = fallback.get(kind, 0) + 1
     for j in range(n):
         if kind == "F32":
             value = torch.from_numpy(data[j].view(np.float32).reshape(shape[1:]).copy())

@@ -149,13 +149,16 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
         module, shard, count = target
         shards.setdefault(module, [None] * count)[shard] = t
     split: dict[str, list[Any]] = {}  # a fused group mixing kinds: each part on its own blocks
+    partial: list[str] = []
     for module, parts in list(shards.items()):  # a fused group partly float runs in float
         if any(p is None for p in parts):
-            log.warning("%s: shards of kinds %s are dequantized to float", module, sorted({p.kind for p in parts if p}))
+            partial.append(f"{module} ({', '.join(sorted({p.kind for p in parts if p}))})")
             floats += [(n, p.dequantize()) for n, p in _shard_names(module, parts)]
             del shards[module]
         elif len({p.kind for p in parts}) > 1 or len({p.k for p in parts}) > 1:
             split[module] = shards.pop(module)
+    if partial:  # (once: a MoE file has such a group per expert and layer)
+        log.warning("%d fused groups with shards of other kinds are dequantized to float, e.g. %s", len(partial), partial[0])
     with torch.device("meta"), _no_init():
         model: Any = model_class(arch.architecture)(arch)  # a registry class: its own attributes (model.model, lm_head, load_weights)
         for routed in sorted({m.split(".experts.")[0] for m in [*shards, *split] if ".mlp.experts." in m}):

@@ -86,7 +86,7 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
         picked.append((experts[e], pairs, xe))
     first = picked[0][0]
     ops = getattr(first.gate_up_proj, "native", None)
-    if ops is not None and all(_one_call(m) for m, _, _ in picked):
+    if ops is not None and all(_one_call(m, len(p)) for m, p, _ in picked):
         bits = first.gate_up_proj.act_bits
         hs = ops.qlinear_many([xe.contiguous() for _, _, xe in picked], [m.gate_up_proj.packed for m, _, _ in picked],
                               [m.gate_up_proj.out_features for m, _, _ in picked], bits)
@@ -96,7 +96,7 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     else:
         ys = [m(xe).float() for m, _, xe in picked]
     if x.shape[0] == 1:  # a decode step at batch 1: the weighted sum as one product
-        return (torch.tensor([p[0][1] for _, p, _ in picked]) @ torch.cat(ys))[None].to(x.dtype)
+        return (torch.tensor([p[0][1] for _, p, _ in picked], device=x.device) @ torch.cat(ys))[None].to(x.dtype)
     for (_, pairs, _), y in zip(picked, ys):
         if len(pairs) == 1:
             t, w = pairs[0]
@@ -108,13 +108,14 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     return out.to(x.dtype)
 
 
-def _one_call(expert: nn.Module) -> bool:
-    """Whether an expert's two linears run in qlinear_many: packed quantized weights on the
-    native kernels, integer activations, no bias, gate and up in one kind."""
+def _one_call(expert: nn.Module, rows: int) -> bool:
+    """Whether an expert's two linears run in qlinear_many on `rows` rows: packed quantized
+    weights whose own calls would take the integer kernel for that many rows (QuantLinear.native_rows:
+    a prefill chunk only where it outruns dequantizing), no bias, gate and up in one kind."""
     from radixserve.models.quant import QuantLinear
 
-    return all(isinstance(m, QuantLinear) and m.native is not None and m.act_bits and m.bias is None
-               and m.packed.device.type == "cpu" for m in (expert.gate_up_proj, expert.down_proj))
+    return all(isinstance(m, QuantLinear) and m.native_rows(rows) and m.bias is None
+               for m in (expert.gate_up_proj, expert.down_proj))
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -139,6 +140,7 @@ class MoE(nn.Module):
         e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
         self.gate = nn.Linear(hidden, e, bias=False)
+        self.gate.keep_float = True  # type: ignore[assignment]  # routing logits: --quantization leaves them, as llama.cpp does
         self.w13: nn.Parameter | None = nn.Parameter(torch.empty(e, 2 * inter, hidden))
         self.w2: nn.Parameter | None = nn.Parameter(torch.empty(e, hidden, inter))
         self.experts: nn.ModuleList | None = None  # quantized experts: a gated MLP each (see experts_as_modules)
@@ -150,6 +152,7 @@ class MoE(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden, cfg.shared_expert_intermediate_size, False)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate.keep_float = True  # type: ignore[assignment]
 
     def experts_as_modules(self) -> None:
         """Hold the experts as one gated MLP each (`experts.{j}.gate_up_proj`, `.down_proj`), whose

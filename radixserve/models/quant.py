@@ -200,6 +200,11 @@ class QuantLinear(nn.Module):
         on the portable build (scalar loops). `scripts/quant_roofs.py` measures it."""
         return self.vnni or (self.int_tiles and self.act_bits == 8)
 
+    def native_rows(self, rows: int) -> bool:
+        """Whether `rows` rows run on the native integer kernel (else dequantize + fp32 GEMM)."""
+        return (self.native is not None and bool(self.act_bits) and self.packed.device.type == "cpu"
+                and (rows <= MAX_NATIVE_ROWS or (NATIVE_PREFILL if NATIVE_PREFILL is not None else self.native_prefill)))
+
     def dequantized(self) -> torch.Tensor:
         return dequantize_packed(self.packed, self.out_features, self.in_features)
 
@@ -361,7 +366,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            if type(child) is not nn.Linear or getattr(child, "keep_float", False):  # (a MoE's routers)
                 continue
             head = name == "lm_head"
             setattr(parent, name, quant_linear(child, quantize_int8 if head else quantizer, float_out=head))

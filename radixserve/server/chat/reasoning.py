@@ -236,6 +236,7 @@ class Answer:
     content: str | None
     calls: list[ToolCall] = field(default_factory=list)
     cut: bool = False
+    thought: int = 0  # output tokens that were reasoning (read_answer, given the tokenizer)
 
 
 def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none",
@@ -312,14 +313,17 @@ async def read_long(outs: Sequence[Output], plan: Plan, build: Callable[..., T],
     return work() if sum(len(o.text) for o in outs) <= OFF_LOOP_CHARS else await asyncio.to_thread(work)
 
 
-async def read_answer(out: Output, plan: Plan, streamed: list[ToolCall] | None = None) -> Answer:
+async def read_answer(out: Output, plan: Plan, streamed: list[ToolCall] | None = None, tok: Any = None) -> Answer:
     """One output read as read_long reads it, for a reply that is cheap to build from its answer
-    on the event loop (a Responses object's items, a stream's last delta)."""
-    return await read_long([out], plan, _answer, streamed)
+    on the event loop (a Responses object's items, a stream's last delta); with the tokenizer,
+    its reasoning tokens counted there too (`thought`: a tokenizer without a </think> token
+    decodes the output a few times)."""
+    def counted(a: Answer) -> Answer:
+        if tok is not None and a.reasoning is not None:
+            a.thought = min(reasoning_tokens(tok, out.token_ids), out.completion_tokens)
+        return a
 
-
-def _answer(a: Answer) -> Answer:
-    return a
+    return await read_long([out], plan, counted, streamed)
 
 
 def reasoning_tokens(tok: Any, ids: list[int]) -> int:

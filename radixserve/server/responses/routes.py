@@ -60,8 +60,8 @@ async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
         return await _stream(call, turn, flight)
     out = (await call.state.collect(flight))[0]
     pending: Pending = turn.data
-    a = await reasoning.read_answer(out, turn.plan)  # an engine error is a 500, as in chat
-    finish(pending.resp, out, a, pending.ids, call.state.engine.tokenizer)
+    a = await reasoning.read_answer(out, turn.plan, tok=call.state.engine.tokenizer)  # an engine error is a 500, as in chat
+    finish(pending.resp, out, a, pending.ids)
     await _save(call, turn, out)
     return web.Response(body=msgspec.json.encode(pending.resp), content_type="application/json")
 
@@ -69,15 +69,15 @@ async def reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
 RESPONSES = Api(CreateResponseRequest, RENAME, translate, reply)
 
 
-def finish(resp: ResponseObject, out: Output, a: reasoning.Answer, ids: tuple[str, str], tok: Any) -> None:
-    """Fill in the output items, the status and the usage of a finished request read as `a`."""
+def finish(resp: ResponseObject, out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> None:
+    """Fill in the output items, the status and the usage of a finished request read as `a`
+    (reasoning.read_answer, its reasoning tokens counted)."""
     resp.output = _output_items(out, a, ids)
     resp.status = "completed" if out.finish_reason == "stop" else "incomplete"
     if resp.status == "incomplete":
         resp.incomplete_details = IncompleteDetails("max_output_tokens" if out.finish_reason == "length" else None)
-    thought = 0 if a.reasoning is None else min(reasoning.reasoning_tokens(tok, out.token_ids), out.completion_tokens)
     resp.usage = ResponseUsage(out.prompt_tokens, InputTokensDetails(out.cached_tokens), out.completion_tokens,
-                               OutputTokensDetails(thought), out.prompt_tokens + out.completion_tokens)
+                               OutputTokensDetails(a.thought), out.prompt_tokens + out.completion_tokens)
 
 
 def _output_items(out: Output, a: reasoning.Answer, ids: tuple[str, str]) -> list[OutputItem]:
@@ -111,7 +111,7 @@ async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
     if (err := reasoning.ended_early(out)) is not None:  # failed: never a cut answer as a whole one
         await w.fail(resp, "server_error", err.message)
         return w.response
-    finish(resp, out, await reasoning.read_answer(out, plan, live.streamed_calls()), pending.ids, state.engine.tokenizer)
+    finish(resp, out, await reasoning.read_answer(out, plan, live.streamed_calls(), state.engine.tokenizer), pending.ids)
     try:
         await _save(call, turn, out)
     except ApiError as e:
