@@ -10,7 +10,10 @@ weights; the weighted outputs are added back per token (`index_add_`, one row pe
 The experts' weights are 3-D tensors: `w13` (experts, 2 * inter, hidden) holding each expert's
 gate then up rows, `w2` (experts, hidden, inter), loaded from the per-expert tensors of a hub
 checkpoint (`experts.{j}.gate_proj` / `w1`, `up_proj` / `w3`, `down_proj` / `w2`) or from
-transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`.
+transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`. A GGUF file's quantized
+experts are one gated MLP each instead (`experts_as_modules`: quantized linears over the file's
+blocks), a layer's chosen ones run in two native calls (`qlinear_many`). `--expert-parallel`
+keeps each rank's share of the experts and sums the ranks' outputs (`keep_experts`).
 """
 
 from __future__ import annotations
