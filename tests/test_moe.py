@@ -216,7 +216,7 @@ def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) 
     cfg = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), _GGUF_ARCH[arch])
-    meta = folder.parent / f"{arch}-meta"  # the folder as _llama_metadata reads it: rope_theta at the top
+    meta = path.parent / f"{arch}-meta"  # the folder as _llama_metadata reads it: rope_theta at the top
     shutil.copytree(folder, meta, dirs_exist_ok=True)
     (meta / "config.json").write_text(json.dumps({**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"]}))
     _llama_metadata(w, meta)

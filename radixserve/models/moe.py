@@ -74,14 +74,13 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     gate_up and one packed down on the native kernels, the chosen experts' gate_ups run in one
     native call and their downs in another (`qlinear_many`: one parallel region each, not a
     call per expert), else each expert module in turn."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     rows: dict[int, list[tuple[int, float]]] = {}
     for t, (es, ws) in enumerate(zip(chosen.tolist(), weights.tolist())):
         for e, w in zip(es, ws):
             if e >= 0:  # (-1: another rank's expert)
                 rows.setdefault(e, []).append((t, w))
-    if not rows:
-        return out.to(x.dtype)
+    if not rows:  # (every chosen expert another rank's)
+        return torch.zeros_like(x)
     picked: list[tuple[Any, list[tuple[int, float]], torch.Tensor]] = []  # (expert, its (token, weight)s, its rows)
     for e, pairs in rows.items():
         t = pairs[0][0]
@@ -100,6 +99,7 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
         ys = [m(xe).float() for m, _, xe in picked]
     if x.shape[0] == 1:  # a decode step at batch 1: the weighted sum as one product
         return (torch.tensor([p[0][1] for _, p, _ in picked], device=x.device) @ torch.cat(ys))[None].to(x.dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for (_, pairs, _), y in zip(picked, ys):
         if len(pairs) == 1:
             t, w = pairs[0]

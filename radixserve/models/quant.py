@@ -212,9 +212,8 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
-        if self.native is not None and self.act_bits and x2.dtype in (torch.float32, torch.bfloat16) \
-                and not (torch.is_grad_enabled() and x2.requires_grad) \
-                and (rows <= MAX_NATIVE_ROWS or (NATIVE_PREFILL if NATIVE_PREFILL is not None else self.native_prefill)):
+        if self.native_rows(rows) and x2.dtype in (torch.float32, torch.bfloat16) \
+                and not (torch.is_grad_enabled() and x2.requires_grad):
             x2 = x2.contiguous()
             if rows <= MAX_NATIVE_ROWS:
                 y = self.native.qlinear(x2, self.packed, self.out_features, self.native_bias, self.float_out, False,
@@ -264,10 +263,10 @@ class SplitQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = cast(list[QuantLinear], list(self.parts))
         x2 = x.reshape(-1, x.shape[-1])
-        ops, bits = parts[0].native, parts[0].act_bits
-        if (ops is not None and bits and self.bias is None and x2.shape[0] <= MAX_NATIVE_ROWS
-                and x2.dtype in (torch.float32, torch.bfloat16) and not (torch.is_grad_enabled() and x2.requires_grad)
-                and all(p.native is ops and p.act_bits == bits and not p.float_out for p in parts)):
+        ops, bits, rows = parts[0].native, parts[0].act_bits, x2.shape[0]
+        if (self.bias is None and rows <= MAX_NATIVE_ROWS and x2.dtype in (torch.float32, torch.bfloat16)
+                and not (torch.is_grad_enabled() and x2.requires_grad)
+                and all(p.native is ops and p.native_rows(rows) and p.act_bits == bits and not p.float_out for p in parts)):
             # a few rows (decode): every part in one native call, one parallel region (qlinear_many)
             x2 = x2.contiguous()
             ys = ops.qlinear_many([x2] * len(parts), [p.packed for p in parts], [p.out_features for p in parts], bits)

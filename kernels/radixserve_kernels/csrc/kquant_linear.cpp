@@ -517,21 +517,25 @@ void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, co
   ktile_generic<F>(panel, nb, xr, m, bias, y, n, n0, n);
 }
 
+// Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into y (m, n).
+template <typename O>
+void kfamily_panel_of(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n,
+                      int64_t p, bool vector) {
+  const int64_t nb = packed.size(1);
+  const uint8_t* panel = packed.data_ptr<uint8_t>() + p * nb * packed.size(2);
+  switch (f) {
+    case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+    case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+    case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+    case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+    default: kpanel<Q6_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+  }
+}
+
 template <typename O>
 void kfamily_impl(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
-  const int64_t nb = packed.size(1), bytes = packed.size(2), panels = (n + QPANEL - 1) / QPANEL;
-  const uint8_t* pd = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = pd + p * nb * bytes;
-      switch (f) {
-        case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-        case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-        case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-        case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-        default: kpanel<Q6_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-      }
-    }
+  at::parallel_for(0, (n + QPANEL - 1) / QPANEL, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) kfamily_panel_of(f, packed, xr, m, bias, y, n, p, vector);
   });
 }
 
@@ -607,16 +611,7 @@ void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* 
 
 // Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into fp32 y (m, n).
 void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, float* y, int64_t n, int64_t p, bool generic) {
-  const bool vector = HAS_VEC_KTILE && !generic;
-  const uint8_t* panel = packed.data_ptr<uint8_t>() + p * packed.size(1) * packed.size(2);
-  const int64_t nb = packed.size(1);
-  switch (f) {
-    case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
-    case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
-    case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
-    case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
-    default: kpanel<Q6_K>(panel, nb, xr, m, nullptr, y, p * QPANEL, n, vector); break;
-  }
+  kfamily_panel_of(f, packed, xr, m, nullptr, y, n, p, HAS_VEC_KTILE && !generic);
 }
 
 // y (M, n) = the quantized rows xr times a packed weight of format f, plus bias.

@@ -433,24 +433,28 @@ void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, co
 #endif
 
 
+// Panel p (outputs 16p ..) of a Q4 / Q8 packed weight times xr's m rows, into y (m, n).
+template <typename O>
+void qpanel_of(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, int64_t p,
+               bool vector) {
+  const int64_t kb = packed.size(1), bytes = packed.size(2);
+  const uint8_t* panel = packed.data_ptr<uint8_t>() + p * kb * bytes;
+#if defined(RS_INT_DOT)
+  if (vector) {
+    if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                           : qpanel<4, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    else xr.wide ? qpanel<8, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                 : qpanel<8, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    return;
+  }
+#endif
+  qtile_generic(panel, kb, bytes, xr, 0, m, bias, y, n, p * QPANEL, n);
+}
+
 template <typename O>
 void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
-  const int64_t kb = packed.size(1), bytes = packed.size(2), panels = (n + QPANEL - 1) / QPANEL;
-  const uint8_t* pd = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = pd + p * kb * bytes;
-#if defined(RS_INT_DOT)
-      if (vector) {
-        if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                               : qpanel<4, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-        else xr.wide ? qpanel<8, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                     : qpanel<8, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-        continue;
-      }
-#endif
-      qtile_generic(panel, kb, bytes, xr, 0, m, bias, y, n, p * QPANEL, n);
-    }
+  at::parallel_for(0, (n + QPANEL - 1) / QPANEL, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) qpanel_of(packed, xr, m, bias, y, n, p, vector);
   });
 }
 
@@ -515,23 +519,8 @@ std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at:
       while (q >= start[j + 1]) ++j;
       const int64_t p = q - start[j], m = xs[j].size(0), n = ns[j];
       float* y = ys[j].data_ptr<float>();
-      if (fmt[j] >= 0) {
-        kfamily_panel(packed[j], fmt[j], rows[j], m, y, n, p, false);
-        continue;
-      }
-      const at::Tensor& w = packed[j];
-      const int64_t kb = w.size(1), bytes = w.size(2);
-      const uint8_t* panel = w.data_ptr<uint8_t>() + p * kb * bytes;
-#if defined(RS_INT_DOT)
-      if (HAS_VEC_QTILE) {
-        if (bytes == Q4_BYTES) rows[j].wide ? qpanel<4, true>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n)
-                                            : qpanel<4, false>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n);
-        else rows[j].wide ? qpanel<8, true>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n)
-                          : qpanel<8, false>(panel, kb, rows[j], m, nullptr, y, p * QPANEL, n);
-        continue;
-      }
-#endif
-      qtile_generic(panel, kb, bytes, rows[j], 0, m, nullptr, y, n, p * QPANEL, n);
+      if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], rows[j], m, y, n, p, false);
+      else qpanel_of(packed[j], rows[j], m, nullptr, y, n, p, HAS_VEC_QTILE);
     }
   });
   return ys;
