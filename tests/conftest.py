@@ -192,7 +192,8 @@ CHAT_TEMPLATE = (
 )
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
          "SmolLM3ForCausalLM")
-MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")  # (each also as a GGUF file)
+ALL_MOE_ARCHS = (*MOE_ARCHS, "GptOssForCausalLM")
 
 
 def _train_tokenizer(out: Path) -> int:
@@ -234,7 +235,8 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
         "tie_word_embeddings": arch in ("LlamaForCausalLM", "Gemma3ForCausalLM"),
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
-                       "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral"}[arch],
+                       "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
+                       "GptOssForCausalLM": "gpt_oss"}[arch],
     }
     if arch == "Qwen3MoeForCausalLM":  # 8 experts, top 3 renormalised; the middle layer dense
         cfg.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
@@ -244,6 +246,12 @@ def _config(arch: str, vocab: int, eos: int) -> dict:
                    norm_topk_prob=False, qkv_bias=True)
     elif arch == "MixtralForCausalLM":  # 4 experts as wide as intermediate_size, top 2
         cfg.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
+    elif arch == "GptOssForCausalLM":  # 8 experts, top 4; a window of 8 then full attention; YaRN; a tight clamp
+        cfg.update(num_local_experts=8, num_experts_per_tok=4, intermediate_size=32, sliding_window=8, attention_bias=True,
+                   layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+        return cfg
     if arch == "Gemma3ForCausalLM":  # a window of 8 (prompts of 16 run past it), its own softmax scale
         cfg.update(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=None,
@@ -273,11 +281,13 @@ def make_tiny_model(folder: Path, arch: str, cfg: dict, tok_dir: Path, seed: int
     (folder / "config.json").write_text(json.dumps(cfg))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
-    if arch == "Gemma3ForCausalLM":
+    if arch in ("Gemma3ForCausalLM", "GptOssForCausalLM"):  # parameters transformers starts at 0 made to matter
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") and arch == "Gemma3ForCausalLM":
                     p.normal_(0.0, 0.3)
+                elif name.endswith(("sinks", "bias")) and arch == "GptOssForCausalLM":  # (and the experts' biases)
+                    p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.3)
     model.save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(cfg))  # keep the dialect we wrote
     for f in tok_dir.iterdir():
@@ -307,7 +317,7 @@ def tiny_moe_models(tiny_tokenizer: tuple[Path, int, int]) -> dict[str, Path]:
     """A folder per mixture-of-experts architecture, as `tiny_models`."""
     tok_dir, vocab, eos = tiny_tokenizer
     return {arch: make_tiny_model(tok_dir.parent / arch, arch, _config(arch, vocab, eos), tok_dir, 4321 + i)
-            for i, arch in enumerate(MOE_ARCHS)}
+            for i, arch in enumerate(ALL_MOE_ARCHS)}
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,38 @@ def forward_prompt(model: Any, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def fused_and_layered_logits(model: Any, lens: list[int]) -> tuple[list[torch.Tensor], int]:
+    """The logits of one decode step of len(lens) rows (each with that many tokens of random KV
+    already stored) through the model's fused one-call step and layer by layer, from the same
+    pool; and how many times the fused step ran (1: it took the step)."""
+    from radixserve.batch import SeqView
+
+    arch = model.cfg
+    pool = KVPool(arch.num_layers, 128, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    start = [t.clone() for t in pool.k + pool.v]
+    backend = create_backend("torch", pool, torch.device("cpu"))
+    fused, calls, logits = model.model.fused, [], []
+    run = fused.run
+    fused.run = lambda *a: calls.append(1) or run(*a)
+    try:
+        for on in (True, False):
+            model.model.fused = fused if on else None
+            for t, s in zip(pool.k + pool.v, start):
+                t.copy_(s)
+            seqs = [SeqView(i, 1, n, list(range(32 * i, 32 * i + n + 1))) for i, n in enumerate(lens)]
+            batch = ForwardBatch(torch.tensor([11 + i for i in range(len(lens))]), torch.tensor(lens),
+                                 torch.tensor([s.slots[-1] for s in seqs]), seqs, backend)
+            backend.prepare(batch)
+            with torch.inference_mode():
+                logits.append(model.compute_logits(model(batch)))
+    finally:
+        model.model.fused, fused.run = fused, run
+    return logits, len(calls)
+
+
 def hf_logits_and_greedy(path: Path, ids: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
     from transformers import AutoModelForCausalLM
 

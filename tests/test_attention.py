@@ -206,8 +206,11 @@ def test_the_fused_decode_step_is_offered_only_a_pool_in_the_activations_dtype()
     assert offered == {None: True, torch.int8: True, torch.float8_e4m3fn: True, torch.bfloat16: False}
 
 
-def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int, layer: int = 0) -> torch.Tensor:
-    """Dense softmax per row over the slots at positions (p - window, p], p the row's position."""
+def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int, layer: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense softmax per row over the slots at positions (p - window, p], p the row's position;
+    with `sinks`, each head's sink logit one more score whose share is dropped (transformers' eager
+    gpt-oss attention)."""
     out, row = torch.empty_like(q), 0
     group = q.shape[1] // pool.k[0].shape[1]
     for slots, q_len in spec:
@@ -216,7 +219,8 @@ def _windowed_oracle(pool: KVPool, spec, q: torch.Tensor, window: int, layer: in
             seen = torch.tensor(slots[max(0, p - window + 1) : p + 1])
             k, v = (x.repeat_interleave(group, 1) for x in pool.read(layer, seen))  # (L, heads, dim)
             s = torch.einsum("hd,lhd->hl", q[row], k) * q.shape[-1] ** -0.5
-            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+            p = s.softmax(-1) if sinks is None else torch.cat([s, sinks[:, None]], -1).softmax(-1)[:, :-1]
+            out[row] = torch.einsum("hl,lhd->hd", p, v)
             row += 1
     return out
 
@@ -282,3 +286,39 @@ def test_a_window_pool_is_written_and_read_through_its_own_slots_in_each_backend
     tol = 1e-5 if kv_dtype is None else KV_TOL[kv_dtype]  # a chunk's own rows come unquantized from its inputs
     assert ((got - want).norm() / want.norm()).item() < tol
     assert ((full - _windowed_oracle(pool, spec, q, 10**6, layer=1)).norm() / full.norm()).item() < tol
+
+
+@pytest.mark.parametrize(("name", "native"), [("torch", True), ("torch", False), ("torch_ref", True)],
+                         ids=["torch-native", "torch-gather", "torch_ref"])
+def test_attention_sinks_take_their_share_of_every_softmax_in_each_backend(name, native):
+    """gpt-oss's sink logit per head on decodes (fork groups merged, then the sink applied),
+    scattered slots, chunks over prefixes and a first chunk, in a windowed layer and a full one,
+    against a dense oracle holding the sink as one more score."""
+    heads, kv_heads, dim, window = 6, 2, 32, 24
+    spec = _mixed_spec(random.Random(6), 2048)
+    pool = _random_pool(2048, kv_heads, dim, seed=10)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(1)) * 2
+    backend = create_backend(name, pool, torch.device("cpu"), sinks=True)
+    batch, q, k, v = _batch(spec, backend, heads, kv_heads, dim, seed=4)
+    cpu.set_enabled(native)
+    try:
+        backend.prepare(batch)
+        windowed = backend.forward(q, k, v, 0, batch, window=window, sinks=sinks)
+        full = backend.forward(q, k, v, 0, batch, sinks=sinks)
+    finally:
+        cpu.set_enabled(True)
+    if name == "torch":
+        assert ("dec_lens" in batch.attn_meta) is native and len(batch.attn_meta["dec_groups"]) == 2
+    for got, w in ((windowed, window), (full, 10**6)):
+        want = _windowed_oracle(pool, spec, q, w, sinks=sinks)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert ((full - _windowed_oracle(pool, spec, q, 10**6)).norm() / full.norm()).item() > 1e-2  # (the sinks count)
+
+
+def test_a_model_with_attention_sinks_is_kept_off_the_triton_kernels():
+    from radixserve.attention import resolve_backend_name
+
+    assert resolve_backend_name("auto", torch.device("cuda"), sinks=True) == "torch"
+    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="attention_backend: triton has no attention sinks"):
+        resolve_backend_name("triton", torch.device("cpu"), sinks=True)

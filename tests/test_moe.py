@@ -15,7 +15,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.models.config import ArchConfig
 from radixserve.models.moe import MoE, grouped_experts, route
 from radixserve.models.quant import QuantLinear, set_activations
-from tests.conftest import MOE_ARCHS
+from tests.conftest import ALL_MOE_ARCHS, MOE_ARCHS
 from tests.helpers import hf_logits_and_greedy, our_prompt_logits
 
 IDS = [5, 17, 42, 99, 123, 7, 250, 31, 64, 200, 11, 3, 77, 150, 300, 9, 45, 46, 47, 18]
@@ -49,6 +49,31 @@ def test_the_grouped_expert_step_is_each_tokens_experts_summed(rows):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_the_triton_fused_moe_kernel_is_the_grouped_step(rows, monkeypatch):
+    """Under TRITON_INTERPRET=1, the two grouped GEMMs of radixserve_kernels.fused_moe against
+    grouped_experts (torch): rows sharing an expert, experts no row picks, one row, widths that
+    are no multiple of a tile, and a pair of another rank's expert (-1, weight 0) left out."""
+    from radixserve_kernels.fused_moe import align, fused_moe_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows)
+    e, hidden, inter = 16, 24, 40
+    x = torch.randn(rows, hidden, generator=g)
+    w13, w2 = torch.randn(e, 2 * inter, hidden, generator=g) * 0.2, torch.randn(e, hidden, inter, generator=g) * 0.2
+    logits = torch.randn(rows, e, generator=g)
+    logits[:, 3] += 10
+    weights, experts = route(logits, 2, renormalize=True)
+    weights[0, 1], experts[0, 1] = 0.0, -1
+    ids, tiles = align(experts, e, 16)  # every live pair once, each tile's pairs all of its expert
+    flat = experts.reshape(-1)
+    assert sorted(ids[ids < flat.numel()].tolist()) == [i for i, v in enumerate(flat.tolist()) if v >= 0]
+    for tile, expert in zip(ids.view(-1, 16), tiles.tolist()):
+        assert (flat[tile[tile < flat.numel()]] == expert).all()
+    torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, experts), grouped_experts(x, w13, w2, weights, experts),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_routing_is_the_top_k_of_the_softmax_renormalised_where_asked():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     p = torch.softmax(logits, -1)[0]
@@ -58,7 +83,7 @@ def test_routing_is_the_top_k_of_the_softmax_renormalised_where_asked():
     assert torch.allclose(w, (p[[1, 2]] / p[[1, 2]].sum())[None])
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", ALL_MOE_ARCHS)
 def test_tiny_moe_matches_transformers_whole_in_chunks_and_through_the_cache(arch, tiny_moe_models):
     path = tiny_moe_models[arch]
     ref_logits, ref_tokens = hf_logits_and_greedy(path, IDS, GREEDY.max_new_tokens)
@@ -74,7 +99,7 @@ def test_tiny_moe_matches_transformers_whole_in_chunks_and_through_the_cache(arc
         assert outs[1].token_ids == hf_logits_and_greedy(path, IDS[:12] + [8, 8, 8], GREEDY.max_new_tokens)[1]
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", ALL_MOE_ARCHS)
 def test_the_parameter_count_is_the_models(arch, tiny_moe_models):
     from radixserve.models.loader import load_model
     from radixserve.models.moe import describe
@@ -138,7 +163,7 @@ def test_transformers_5s_fused_expert_tensors_load_as_the_per_expert_ones(tiny_m
     assert torch.equal(our_prompt_logits(folder, IDS), our_prompt_logits(src, IDS))
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", ALL_MOE_ARCHS)
 def test_two_expert_parallel_ranks_give_one_ranks_tokens(arch, tiny_moe_models):
     """Each rank holds half the experts (Qwen2-MoE's shared expert on rank 0), the routed
     layers' outputs summed over the ranks: one rank's greedy tokens, whole and batched."""
@@ -178,6 +203,7 @@ def test_a_served_moe_model_reports_its_experts_and_answers_in_a_json_schema(tin
         e = info["experts"]
         assert (e["experts"], e["experts_per_token"], e["routed_layers"], e["expert_parallel"]) == (6, 2, 2, 1)
         assert e["active_parameters"] == e["parameters"] - 2 * (6 - 2) * 3 * 96 * 32
+        assert e["step_weight_bytes"] == info["weight_bytes"] - 2 * (6 - 2) * 3 * 96 * 32 * 2  # (bf16 experts, unread)
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
         status, body = s.post("/v1/chat/completions", {
             "messages": [{"role": "user", "content": "a number"}], "max_tokens": 40, "temperature": 0,
@@ -313,6 +339,36 @@ def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(
     _moe_gguf(tmp_path / "bad.gguf", tiny_moe_models["Qwen3MoeForCausalLM"], "Qwen3MoeForCausalLM", 8, bad_experts=True)
     with pytest.raises(ModelLoadError, match=r"ffn_\w+_exps.*expert_count"):
         load_model(str(tmp_path / "bad.gguf"), torch.float32, torch.device("cpu"), "auto")
+
+
+@pytest.mark.parametrize("bits", ["int8", "int16"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_the_fused_decode_step_routes_and_runs_the_experts_as_layer_by_layer(ops, arch, bits, tiny_moe_models, tmp_path,
+                                                                              monkeypatch):
+    """A GGUF file's quantized experts in the one-call decode step: routed, grouped and summed
+    in the native call, exactly the logits of moe.grouped_modules layer by layer, at one row
+    (the weighted sum as one product) and at several whose experts overlap (summed per row);
+    Qwen3-MoE's dense middle layer beside its routed ones. Qwen2-MoE's shared expert keeps it
+    layer by layer."""
+    from radixserve.models.linear import pack_linears
+    from radixserve.models.loader import load_model
+    from tests.helpers import fused_and_layered_logits
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_moe_models[arch]
+    cfg = json.loads((folder / "config.json").read_text())
+    _moe_gguf(tmp_path / "moe.gguf", folder, arch, cfg.get("num_experts") or cfg["num_local_experts"])
+    model = load_model(str(tmp_path / "moe.gguf"), torch.float32, torch.device("cpu"), "auto").model.eval()
+    set_activations(model, bits)
+    pack_linears(model, torch.float32, torch.device("cpu"))
+    if arch == "Qwen2MoeForCausalLM":
+        assert not model.fuse_decode()
+        return
+    assert model.fuse_decode()
+    for lens in ([9], [5, 17, 30, 2]):
+        logits, calls = fused_and_layered_logits(model, lens)
+        assert calls == 1
+        assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.parametrize("bits", [8, 16])

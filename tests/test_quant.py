@@ -514,11 +514,9 @@ def test_the_fused_decode_step_runs_qwen2_biases_over_linears_of_mixed_kinds(ops
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from radixserve.attention import create_backend
-    from radixserve.batch import ForwardBatch, SeqView
-    from radixserve.cache.pool import KVPool
     from radixserve.models.config import ArchConfig
     from radixserve.models.loader import _build
+    from tests.helpers import fused_and_layered_logits
 
     cfg = json.loads((tiny_models["Qwen2ForCausalLM"] / "config.json").read_text())
     cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -541,27 +539,8 @@ def test_the_fused_decode_step_runs_qwen2_biases_over_linears_of_mixed_kinds(ops
     assert torch.equal(qkv.parts[2].bias, qkv.bias[-qkv.parts[2].out_features:])
     assert model.fuse_decode()
 
-    lens = [5, 17, 30]
-    pool = KVPool(arch.num_layers, 128, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    for t in pool.k + pool.v:
-        t.copy_(torch.randn(t.shape, generator=g))
-    start = [t.clone() for t in pool.k + pool.v]
-    backend = create_backend("torch", pool, torch.device("cpu"))
-    fused, calls, logits = model.model.fused, [], []
-    run = fused.run
-    fused.run = lambda *a: calls.append(1) or run(*a)
-    for on in (True, False):
-        model.model.fused = fused if on else None
-        for t, s in zip(pool.k + pool.v, start):
-            t.copy_(s)
-        seqs = [SeqView(i, 1, n, list(range(32 * i, 32 * i + n + 1))) for i, n in enumerate(lens)]
-        batch = ForwardBatch(torch.tensor([11, 12, 13]), torch.tensor(lens), torch.tensor([s.slots[-1] for s in seqs]), seqs,
-                             backend)
-        backend.prepare(batch)
-        with torch.inference_mode():
-            logits.append(model.compute_logits(model(batch)))
-    assert calls == [1]
+    logits, calls = fused_and_layered_logits(model, [5, 17, 30])
+    assert calls == 1
     assert torch.equal(logits[0], logits[1])
 
 

@@ -21,7 +21,9 @@ class AttnBackend(ABC):
       `window` > 0 (a sliding-window layer) a query at position p sees positions > p - window
       only (`SeqView.windowed`). Where those layers have a pool of their own (KVPool
       window_slots), they write at `batch.out_for(window)` and their windowed views carry
-      that pool's slots.
+      that pool's slots. `sinks` (heads,): a sink logit in each head's softmax (gpt-oss), in the
+      backends that have them (torch, torch_ref; `resolve_backend_name` keeps a model that has
+      them off the others).
     - The model knows nothing of slots; the backend never frees or allocates them.
     """
 
@@ -37,5 +39,6 @@ class AttnBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, window: int = 0
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

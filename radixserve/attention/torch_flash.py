@@ -100,31 +100,40 @@ class TorchFlashBackend(AttnBackend):
                             pool.k_scale, pool.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.pool.store(layer, batch.out_for(window), k, v)
         meta = self._windowed(batch, window) if window else batch.attn_meta
         out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if sinks is not None else None
         if "dec_rows" in meta:
-            self._decode(q, layer, meta, out)
+            self._decode(q, layer, meta, out, lse)
         for s, prefix, band in meta["extend"]:
             rows = slice(s.q_start, s.q_start + s.q_len)
             read = self.pool.read(layer, prefix) if s.prefix_len else None
             if band is not None:
-                out[rows] = _extend_window(q[rows], k[rows], v[rows], read, band.to(q.dtype))
+                out[rows], lse_rows = _extend_window(q[rows], k[rows], v[rows], read, band.to(q.dtype))
             else:
-                out[rows] = _extend(q[rows], k[rows], v[rows], read)
-        return out
+                out[rows], lse_rows = _extend(q[rows], k[rows], v[rows], read)
+            if lse is not None:
+                lse[rows] = lse_rows
+        return out if lse is None or sinks is None else with_sinks(out, lse, sinks)
 
-    def _decode(self, q: torch.Tensor, layer: int, meta: dict, out: torch.Tensor) -> None:
-        """Each decode row over its own slots, then each fork group's shared prefix merged in."""
+    def _decode(self, q: torch.Tensor, layer: int, meta: dict, out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+        """Each decode row over its own slots, then each fork group's shared prefix merged in;
+        the rows' log-sum-exps into lse_out where it is given."""
         rows, idx, p = meta["dec_rows"], meta["dec_idx"], self.pool
         b, heads, kv_heads, dim = rows.shape[0], q.shape[1], p.k[layer].shape[1], q.shape[2]
         group = heads // kv_heads
         if "dec_lens" in meta:  # the native kernel writes out[rows] itself
-            lse = torch.empty(b, heads) if meta["dec_groups"] else None  # only a fork group's merge needs it
+            want = meta["dec_groups"] or lse_out is not None  # a fork group's merge, or sinks, need it
+            lse = torch.empty(b, heads) if want else None
             ks, vs = (p.k_scale[layer], p.v_scale[layer]) if p.quantized else (None, None)
             decode_attention_cpu(q, p.k[layer], p.v[layer], out, rows, idx, meta["dec_lens"], lse=lse, k_scale=ks, v_scale=vs)
             if lse is None:
+                return
+            if not meta["dec_groups"]:
+                assert lse_out is not None
+                lse_out.index_copy_(0, rows, lse)
                 return
             o, lse = out.index_select(0, rows).view(b, kv_heads, group, dim), lse.view(b, kv_heads, group)
         else:
@@ -138,32 +147,44 @@ class TorchFlashBackend(AttnBackend):
             og, lg = attention_lse(qg, *_heads_first(p.read(layer, g.kv)))
             og = og.view(kv_heads, n, group, dim).transpose(0, 1)
             lg = lg.view(kv_heads, n, group).transpose(0, 1)
-            merged = merge(o.index_select(0, m), lse.index_select(0, m), og, lg)
+            merged, merged_lse = merge(o.index_select(0, m), lse.index_select(0, m), og, lg)
             o.index_copy_(0, m, merged)
+            lse = lse.index_copy(0, m, merged_lse)
         out.index_copy_(0, rows, o.reshape(b, heads, dim))
+        if lse_out is not None:
+            lse_out.index_copy_(0, rows, lse.reshape(b, heads))
 
 
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            prefix: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            prefix: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk attending causally to itself (its k/v as computed) and fully to its prefix's
-    K/V rows (as the pool reads them), if it has one."""
+    K/V rows (as the pool reads them), if it has one: its output (n, heads, dim) and log-sum-exp
+    (n, heads)."""
     qe, ke, ve = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     o, lse = attention_lse(qe, ke, ve, causal=True)
     if prefix is not None:
         op, lp = attention_lse(qe, *_heads_first(prefix))
-        o = merge(o, lse, op, lp)
-    return o[0].transpose(0, 1)
+        o, lse = merge(o, lse, op, lp)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def _extend_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   prefix: tuple[torch.Tensor, torch.Tensor] | None, band: torch.Tensor) -> torch.Tensor:
+                   prefix: tuple[torch.Tensor, torch.Tensor] | None, band: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk over its (windowed) prefix and itself in one pass, under the band mask (`band_bias`:
     query i, at position P + i with P the prefix rows, sees key j where P + i - window < j <= P + i;
-    every query sees itself, so no row is wholly masked)."""
+    every query sees itself, so no row is wholly masked), as _extend returns it."""
     if prefix is not None:
         k, v = torch.cat([prefix[0].to(k.dtype), k]), torch.cat([prefix[1].to(v.dtype), v])
-    return attention_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                         bias=band)[0][0].transpose(0, 1)
+    o, lse = attention_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], bias=band)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head (gpt-oss: a softmax over the keys' scores and the
+    sink, the sink's share dropped) from attention without it: each row's output times
+    sum exp(scores) / (sum exp(scores) + exp(sink)) = sigmoid(lse - sink). out (T, heads, dim),
+    lse (T, heads) fp32, sinks (heads,)."""
+    return (out.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(out.dtype)
 
 
 def band_bias(n: int, length: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -208,12 +229,13 @@ def _fork_groups(dec: list[SeqView], owners: list[int], dev: torch.device) -> tu
     return groups, shared
 
 
-def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two key sets from each part's output and log-sum-exp."""
+def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two key sets from each part's output and log-sum-exp: the
+    union's output and log-sum-exp."""
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
     o = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
-    return o.to(o1.dtype)
+    return o.to(o1.dtype), m + torch.log(w1 + w2)
 
 
 def attention_lse(

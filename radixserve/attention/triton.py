@@ -50,7 +50,9 @@ class TritonBackend(AttnBackend):
                                          _ints([s.prefix_len for s in ext], dev), _table(ext, dev), max(s.q_len for s in ext))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError("the Triton attention kernels have no attention sinks (resolve_backend_name refuses them)")
         meta = self._windowed(batch, window) if window else batch.attn_meta
         out_slots = batch.out_for(window)
         if meta.get("touched") is not None:

@@ -11,11 +11,13 @@ on every server back to back, and the ratio of the first server to each other on
 `--roof`: the first server's decode step against the machine's memory roof, as a weight-bound
 step at batch 1 should be judged: its weights' bytes (`/server_info` `weight_bytes`; every
 weight is read once a step where the embedding is tied to the head, as on SmolLM2 and
-Qwen2.5-1.5B) divided by its step time (the difference of a 2n- and an n-token completion of
-fresh prompts, so prefill and HTTP cancel out; where that difference is below the requests'
-noise, a tiny model's, the whole request's time a token instead, an upper bound, flagged
-`step_is_upper_bound`), beside the read rate of a STREAM-like sum over 1 GiB in this process
-(torch's threads), both printed and kept in `--json` as `memory_roof`.
+Qwen2.5-1.5B; a mixture of experts' `experts.step_weight_bytes` instead, the bytes a step
+reads: the dense layers' and, on average, its chosen experts') divided by its step time (the
+difference of a 2n- and an n-token completion of fresh prompts, so prefill and HTTP cancel out;
+where that difference is below the requests' noise, a tiny model's, the whole request's time a
+token instead, an upper bound, flagged `step_is_upper_bound`), beside the read rate of a
+STREAM-like sum over 1 GiB in this process (torch's threads), both printed and kept in `--json`
+as `memory_roof`.
 Run it on a machine where the servers are the only load.
 
 Greedy, `ignore_eos` where the count must be exact. Caches start cold: every workload's text
@@ -181,7 +183,8 @@ async def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         servers = [Server(session, u, n, k, args.model) for u, n, k in zip(args.url, names, keys)]
         for s in servers:  # a tiny warm-up each, plain and schema-constrained: first-request costs
             await s.complete("Hello", 2)  # (a server's grammar compiler starting up) are not a workload
-            await s.chat_json("Hello")
+            if "json" in chosen:  # (only where it is measured: a chat a random-weight model's noise may fail)
+                await s.chat_json("Hello")
         for w in chosen:
             for s in servers:  # back to back, each on the same kind of fresh text
                 await s.flush()
@@ -216,7 +219,8 @@ async def step_roof(url: str, key: str | None, model: str, seed: int, steps: int
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         s = Server(session, url, "roof", key, model)
         async with session.get(url + "/server_info", headers=bearer(key)) as r:
-            weight_bytes = int((await r.json(content_type=None))["weight_bytes"])
+            info = await r.json(content_type=None)
+        weight_bytes = int((info.get("experts") or {}).get("step_weight_bytes") or info["weight_bytes"])
         await s.complete("Hello", 2)
         step, whole = [], []
         for _ in range(3):

@@ -37,6 +37,7 @@ from radixserve.models import packed_cache
 from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
 from radixserve.models.moe import describe as describe_experts
+from radixserve.models.moe import idle_bytes
 from radixserve.models.quant import set_activations, weight_bytes
 from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
@@ -88,6 +89,8 @@ class Engine(RequestFront):
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
         self.experts = describe_experts(loaded.arch)  # a mixture of experts' layout, or None
+        if self.experts is not None:  # what a decode step at batch 1 reads: the chosen experts' bytes, not all
+            self.experts["step_weight_bytes"] = self.weight_bytes - idle_bytes(loaded.model)
         self.load_seconds, self.load_peak_rss = time.monotonic() - t0, _peak_rss()
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         self.cpu_kernels = kernels.isa() if kernels is not None else ""
@@ -112,7 +115,7 @@ class Engine(RequestFront):
         self.scheduler = Scheduler(cfg.sched, self.cache, self._proposer(), self.arch.context_cost())
         self.sampler = Sampler(self.vocab_size, self.eos_ids, (self.arch.vocab_size + 31) // 32)
         self._grammar_cache = self._new_grammar_cache()  # nothing started yet: see on_idle below
-        backend = create_backend(cfg.attention_backend, self.pool, self.device)
+        backend = create_backend(cfg.attention_backend, self.pool, self.device, loaded.arch.attn_sinks)
         self.runner = ModelRunner(loaded.model, backend, self.sampler, self.device)
         if split:
             self._start_workers(slots, window_slots, loaded.model, backend)

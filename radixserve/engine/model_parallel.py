@@ -279,4 +279,4 @@ def build_rank(spec: WorkerSpec, rank: int, group: Group | None) -> tuple[Any, A
     model: Any = loaded.model
     layers = len(model.model.layers)
     pool = KVPool(layers, spec.num_slots, heads, a.head_dim, spec.dtype, device, spec.kv_dtype, windows, spec.window_slots)
-    return loaded.model, create_backend(spec.attention_backend, pool, device), part
+    return loaded.model, create_backend(spec.attention_backend, pool, device, a.attn_sinks), part

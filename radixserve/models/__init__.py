@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "radixserve.models.llama:LlamaForCausalLM",
+    "GptOssForCausalLM": "radixserve.models.llama:LlamaForCausalLM",  # + attention sinks, YaRN, biased experts
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

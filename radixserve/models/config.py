@@ -47,6 +47,10 @@ class ArchConfig:
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights (Mixtral always; Qwen by config)
     moe_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one expert every token takes, behind a sigmoid gate
+    expert_bias: bool = False  # gpt-oss: biases on the router and on every expert's linears
+    swiglu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (0: plain SiLU gating): gate <= limit, |up| <= limit,
+    swiglu_alpha: float = 0.0  # gate * sigmoid(alpha * gate) * (up + 1)
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
 
     def context_cost(self) -> float:
         """Tokens of context whose attention costs a prefilled token what its linear layers do: a
@@ -123,32 +127,39 @@ class ArchConfig:
         )
 
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
 
 def _moe(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The routing fields: Mixtral routes every layer (the experts as wide as `intermediate_size`);
     Qwen's MoE models route the layers transformers does (not in `mlp_only_layers`, every
-    `decoder_sparse_step`-th) over experts of `moe_intermediate_size`."""
+    `decoder_sparse_step`-th) over experts of `moe_intermediate_size`. gpt-oss routes every layer
+    too (a softmax over the top k logits: the top k renormalised), its router and experts with
+    biases and its SwiGLU clamped, and adds a sink logit to each head's attention."""
     if arch not in MOE_ARCHITECTURES:
         return {}
     n = cfg["num_hidden_layers"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # (transformers 5 writes the latter for both)
-    if arch == "MixtralForCausalLM":
+    oai: dict[str, Any] = {}
+    if arch == "GptOssForCausalLM":
+        oai = dict(expert_bias=True, swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                   swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), attn_sinks=True)
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         width, renorm, layers = cfg["intermediate_size"], True, tuple(range(n))
     else:
         width = cfg.get("moe_intermediate_size", 0)
         renorm = bool(cfg.get("norm_topk_prob", False))  # transformers' default for both
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
         layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
-    top_k = cfg.get("num_experts_per_tok", {"Qwen3MoeForCausalLM": 8, "Qwen2MoeForCausalLM": 4}.get(arch, 2))  # (transformers')
+    top_k = cfg.get("num_experts_per_tok", {"Qwen3MoeForCausalLM": 8, "Qwen2MoeForCausalLM": 4,
+                                             "GptOssForCausalLM": 4}.get(arch, 2))  # (transformers')
     if layers and not (0 < top_k <= experts):
         raise ValueError(f"num_experts_per_tok: {top_k} must be between 1 and the {experts} experts")
     if layers and width <= 0:
         raise ValueError("moe_intermediate_size: the experts' width must be positive")
     shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
     return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=width, norm_topk_prob=renorm,
-                moe_layers=layers, shared_expert_intermediate_size=shared or 0)
+                moe_layers=layers, shared_expert_intermediate_size=shared or 0, **oai)
 
 
 def _nope_layers(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:

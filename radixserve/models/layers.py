@@ -60,7 +60,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling: type {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "yarn":
+        return _yarn(inv, head_dim, theta, scaling)
+    raise ValueError(f"rope_scaling: type {kind!r} is not supported (supported: linear, llama3, yarn)")
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen's long contexts), as transformers computes it: the frequencies that turn
+    fewer than beta_slow times over the original context interpolated by `factor`, those that
+    turn more than beta_fast times kept, a linear ramp between (the cos/sin scale is `rope_mscale`)."""
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    at = lambda turns: head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
+    low, high = at(fast), at(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_mscale(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (`attention_factor`, else 0.1 ln(factor) + 1, or the
+    ratio of two such with mscale / mscale_all_dim); 1 for every other kind."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    m = lambda scale: 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0  # noqa: E731
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return m(scaling["mscale"]) / m(scaling["mscale_all_dim"])
+    return m(1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -86,8 +117,9 @@ class RotaryEmbedding(nn.Module):
             return
         inv = rope_inv_freq(head_dim, theta, scaling, self.freq_factors).to(self.cos.device)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv.device), inv)
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        scale = rope_mscale(scaling)
+        self.cos = freqs.cos() * scale if scale != 1.0 else freqs.cos()
+        self.sin = freqs.sin() * scale if scale != 1.0 else freqs.sin()
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         if tuple(factors.shape) != (self.args[0] // 2,):

@@ -1,6 +1,7 @@
 """The Llama family on the KV pool: Llama (SmolLM2), SmolLM3 (no rope in every fourth layer),
 Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), their mixtures of experts (Qwen3-MoE,
-Qwen2-MoE, Mixtral: routed MLPs, models/moe.py),
+Qwen2-MoE, Mixtral: routed MLPs, models/moe.py), gpt-oss (routed, with a sink logit per head,
+sliding-window layers between full ones, YaRN, biases everywhere),
 and Gemma 3 (q/k RMSNorm, a norm after attention and after the MLP, GELU-tanh, scaled embeddings,
 norm weights as 1 + w, five sliding-window layers per global one, each kind with its own rope base).
 
@@ -41,6 +42,7 @@ class Attention(nn.Module):
         self.window = cfg.layer_windows[layer_id] if cfg.layer_windows else 0
         # the backends scale by head_dim ** -0.5: another softmax scale goes into q
         self.q_scale = cfg.attn_scale * self.head_dim**0.5 if cfg.attn_scale else None
+        self.sinks = nn.Parameter(torch.empty(self.heads)) if cfg.attn_sinks else None  # gpt-oss: a logit per head
 
     def forward(self, rope: Rope | None, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -54,7 +56,7 @@ class Attention(nn.Module):
             q, k = rope_qk(q, k, *rope)
         if self.q_scale is not None:
             q = q * self.q_scale
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch, window=self.window)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -91,20 +93,27 @@ class FusedDecode:
     """Every decoder layer's weights as `radixserve_kernels.cpu` decode_layers takes them, handed to the
     kernels once: a decode-only step (one token per row, no shared-prefix group, few rows) then
     runs all layers in one native call, with the same kernels the per-layer path calls, minus its
-    Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms and linears split by GGUF kind."""
+    Python. Takes Qwen2's q/k/v biases, Qwen3's q/k norms, linears split by GGUF kind, and routed
+    layers whose experts are quantized (a GGUF file's Qwen3-MoE or Mixtral: routed and grouped
+    in the native call as moe.grouped_modules does it)."""
 
-    def __init__(self, model: LlamaModel, linears: list[list[list[Any]]], act_bits: int) -> None:
+    def __init__(self, model: LlamaModel, linears: list[list[list[Any]]], routed: dict[int, MoE], act_bits: int) -> None:
         self.ops: Any = linears[0][0][0].native
         layers = model.decoder_layers()
         attn = layers[0].self_attn
         norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
         parts = [[[(m.packed, m.out_features, m.native_bias) for m in layer] for layer in slot] for slot in linears]
+        inter = next((cast(GatedMLP, layer.mlp).inter for i, layer in enumerate(layers) if i not in routed), 0)
         self.weights = self.ops.decode_weights(
             [layer.input_layernorm.weight for layer in layers],
             [layer.post_attention_layernorm.weight for layer in layers],
             [q.weight for q, _ in norms if q is not None], [k.weight for _, k in norms if k is not None],
-            *parts, attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter, model.norm.eps, attn.head_dim**-0.5,
-            act_bits)
+            *parts, attn.heads, attn.kv_heads, attn.head_dim, inter, model.norm.eps, attn.head_dim**-0.5, act_bits)
+        for i, moe in routed.items():
+            experts = cast(list[GatedMLP], list(cast(nn.ModuleList, moe.experts)))
+            self.ops.decode_moe(self.weights, i, cast(PackedLinear, moe.gate).packed,
+                                [cast(QuantLinear, m.gate_up_proj).packed for m in experts],
+                                [cast(QuantLinear, m.down_proj).packed for m in experts], moe.inter, moe.top_k, moe.renormalize)
 
     @classmethod
     def of(cls, model: LlamaModel) -> FusedDecode | None:
@@ -113,25 +122,53 @@ class FusedDecode:
         Sliding windows: `LlamaModel.forward` takes it only while every row is inside them."""
         cfg = model.cfg
         if (cfg.sandwich_norm or cfg.hidden_act != "silu" or cfg.attn_scale or cfg.local_rope_theta or cfg.nope_layers
-                or cfg.moe_layers):
+                or cfg.attn_sinks):
             return None
         linears: list[list[list[Any]]] = [[], [], [], []]  # qkv, o, gate_up, down: per layer, the parts
-        for layer in model.decoder_layers():
-            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)  # (no routed layers: see above)
-            for held, module in zip(linears, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        routed: dict[int, MoE] = {}
+        bits: set[int] = set()
+        for i, layer in enumerate(model.decoder_layers()):
+            attn, mlp = layer.self_attn, layer.mlp
+            modules: list[nn.Module] = [attn.qkv_proj, attn.o_proj]
+            if isinstance(mlp, MoE):
+                experts = _native_experts(mlp)
+                if experts is None:
+                    return None
+                routed[i] = mlp
+                bits |= {m.act_bits for m in experts}
+                linears[2].append([])
+                linears[3].append([])
+            else:
+                modules += [cast(GatedMLP, mlp).gate_up_proj, cast(GatedMLP, mlp).down_proj]
+            for held, module in zip(linears, modules):
                 parts = _native_parts(module)
                 if parts is None:
                     return None
                 held.append(parts)
-        bits = {m.act_bits for slot in linears for layer in slot for m in layer if isinstance(m, QuantLinear)}
+        bits |= {m.act_bits for slot in linears for layer in slot for m in layer if isinstance(m, QuantLinear)}
         if 0 in bits or len(bits) > 1:  # float activations (dequantized per call), or a mix: layer by layer
             return None
-        return cls(model, linears, bits.pop() if bits else 16) if len(model.layers) else None
+        return cls(model, linears, routed, bits.pop() if bits else 16) if len(model.layers) else None
 
     def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
                                              plan.lens, self.weights, plan.k_scales, plan.v_scales)
         return x, residual
+
+
+def _native_experts(moe: MoE) -> list[QuantLinear] | None:
+    """A routed layer's expert linears where the fused step runs them as moe.grouped_modules
+    would (quantized, native, no bias; a float router panel; no shared expert, not split over
+    ranks), else None."""
+    if moe.experts is None or moe.shared_expert is not None or moe.group is not None:
+        return None
+    gate = moe.gate
+    if not (isinstance(gate, PackedLinear) and gate.native is not None and gate.bias is None):
+        return None
+    linears = [m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)]
+    if not all(isinstance(m, QuantLinear) and m.native is not None and m.bias is None for m in linears):
+        return None
+    return cast(list[QuantLinear], linears)
 
 
 def _native_parts(module: nn.Module) -> list[nn.Module] | None:
@@ -184,6 +221,26 @@ class LlamaModel(nn.Module):
                 x, residual = layer(None if i in self.cfg.nope_layers else local if layer.self_attn.window else rope,
                                     x, residual, batch)
         return self.norm(x, residual)[0]
+
+
+def _gpt_oss(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A gpt-oss checkpoint tensor under our name and layout: the router is `gate`; the experts
+    are stored input-major, (experts, in, out), with each gate output beside its up output
+    (interleaved), where ours are (experts, out, in) with the gate rows then the up rows."""
+    name = name.replace(".mlp.router.", ".mlp.gate.")
+    if name.endswith(("_blocks", "_scales")):
+        raise ValueError(f"checkpoint tensor {name!r}: MXFP4 expert blocks (gpt-oss's released safetensors) are "
+                         "not served yet; a checkpoint with float experts is")
+    if name.endswith("experts.gate_up_proj"):
+        t = tensor.transpose(1, 2)
+        return name, torch.cat([t[:, 0::2], t[:, 1::2]], 1)
+    if name.endswith("experts.gate_up_proj_bias"):
+        return name.replace("experts.gate_up_proj_bias", "b13"), torch.cat([tensor[:, 0::2], tensor[:, 1::2]], 1)
+    if name.endswith("experts.down_proj"):
+        return name, tensor.transpose(1, 2)
+    if name.endswith("experts.down_proj_bias"):
+        return name.replace("experts.down_proj_bias", "b2"), tensor
+    return name, tensor
 
 
 # an expert's HF tensor (Qwen's names, Mixtral's) -> (our 3-D parameter, its half of w13: gate 0, up 1)
@@ -276,6 +333,8 @@ class LlamaForCausalLM(nn.Module):
             if name == ROPE_FREQS:
                 self.model.rotary_emb.set_freq_factors(tensor)
                 continue
+            if self.cfg.attn_sinks:
+                name, tensor = _gpt_oss(name, tensor)
             target, dst, piece, pieces = self._place(name, params)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

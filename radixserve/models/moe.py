@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP blocks: Qwen3-MoE, Qwen2-MoE (a shared expert behind a sigmoid gate)
-and Mixtral, as transformers computes them.
+"""Mixture-of-experts MLP blocks: Qwen3-MoE, Qwen2-MoE (a shared expert behind a sigmoid gate),
+Mixtral and gpt-oss (biases on the router and the experts, a clamped SwiGLU), as transformers
+computes them.
 
 A router (a linear to one logit per expert) picks each token's top k experts by softmax
 probability (fp32), renormalised over the k where the family does (Mixtral always; Qwen by
@@ -13,7 +14,9 @@ checkpoint (`experts.{j}.gate_proj` / `w1`, `up_proj` / `w3`, `down_proj` / `w2`
 transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`. A GGUF file's quantized
 experts are one gated MLP each instead (`experts_as_modules`: quantized linears over the file's
 blocks), a layer's chosen ones run in two native calls (`qlinear_many`). `--expert-parallel`
-keeps each rank's share of the experts and sums the ranks' outputs (`keep_experts`).
+keeps each rank's share of the experts and sums the ranks' outputs (`keep_experts`). On CUDA the
+float experts run in two grouped Triton GEMMs (radixserve_kernels.fused_moe), this module's
+grouped_experts their reference.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from torch import nn
 
 from radixserve.models.config import ArchConfig
 from radixserve.models.layers import GatedMLP
+from radixserve_kernels._triton import use_triton
+from radixserve_kernels.fused_moe import fused_moe_triton
 
 
 def describe(cfg: ArchConfig) -> dict[str, int] | None:
@@ -35,16 +40,34 @@ def describe(cfg: ArchConfig) -> dict[str, int] | None:
     if not cfg.moe_layers:
         return None
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attn = h * (q + 2 * kv) + q * h + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0) + ((q + 2 * kv) if cfg.qkv_bias else 0)
-    expert = 3 * h * cfg.moe_intermediate_size
+    attn = (h * (q + 2 * kv) + q * h + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0) + ((q + 2 * kv) if cfg.qkv_bias else 0)
+            + (h if cfg.o_bias else 0) + (cfg.num_heads if cfg.attn_sinks else 0))
+    inter = cfg.moe_intermediate_size
+    expert = 3 * h * inter + ((2 * inter + h) if cfg.expert_bias else 0)
     shared = 3 * h * cfg.shared_expert_intermediate_size + h if cfg.shared_expert_intermediate_size else 0
     routed = len(cfg.moe_layers)
     dense = (cfg.num_layers - routed) * 3 * h * cfg.intermediate_size
-    mlps = routed * (cfg.num_experts * (expert + h) + shared) + dense
+    router = h + (1 if cfg.expert_bias else 0)  # per expert
+    mlps = routed * (cfg.num_experts * (expert + router) + shared) + dense
     total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h + cfg.num_layers * attn + mlps
     idle = routed * (cfg.num_experts - cfg.experts_per_token) * expert
     return {"experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token, "routed_layers": len(cfg.moe_layers),
             "parameters": total, "active_parameters": total - idle}
+
+
+def idle_bytes(model: nn.Module) -> int:
+    """The bytes of experts a decode step at batch 1 does not read, on average: each routed
+    layer's expert weights (as held: quantized blocks or float tensors) times 1 - top_k / experts.
+    A step reads the model's weight bytes less these (`bench compare --roof` counts those)."""
+    from radixserve.models.quant import weight_bytes
+
+    idle = 0.0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            held = weight_bytes(m.experts) if m.experts is not None else sum(
+                t.untyped_storage().nbytes() for t in (m.w13, m.w2, m.b13, m.b2) if t is not None)
+            idle += held * (1 - m.top_k / m.gate.out_features)
+    return round(idle)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,16 +144,27 @@ def _one_call(expert: nn.Module, rows: int) -> bool:
                for m in (expert.gate_up_proj, expert.down_proj))
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    experts: torch.Tensor) -> torch.Tensor:
+def gated(h: torch.Tensor, inter: int, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """An expert's activation from its gate and up halves: SiLU(gate) * up, or gpt-oss's clamped
+    SwiGLU where `limit` is set (gate <= limit, |up| <= limit, gate * sigmoid(alpha gate) * (up + 1))."""
+    gate, up = h[:, :inter], h[:, inter:]
+    if not limit:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, alpha: float = 0.0,
+                    limit: float = 0.0) -> torch.Tensor:
     """sum over k of weights[t, k] * expert[experts[t, k]](x[t]) for every token t, each expert
-    run once on the rows that chose it (an expert no row chose is never read)."""
+    run once on the rows that chose it (an expert no row chose is never read); the experts'
+    biases b13 (E, 2 * inter), b2 (E, hidden) and activation (`gated`) where the family has them."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     inter = w2.shape[2]
     for e, pairs, tokens in _groups(experts):
-        h = F.linear(x[tokens], w13[e])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e])
+        h = F.linear(x[tokens], w13[e], None if b13 is None else b13[e])
+        y = F.linear(gated(h, inter, alpha, limit), w2[e], None if b2 is None else b2[e])
         out.index_add_(0, tokens, y.float() * weights.reshape(-1)[pairs, None])
     return out.to(x.dtype)
 
@@ -142,10 +176,13 @@ class MoE(nn.Module):
         super().__init__()
         e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.top_k, self.renormalize = cfg.experts_per_token, cfg.norm_topk_prob
-        self.gate = nn.Linear(hidden, e, bias=False)
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate = nn.Linear(hidden, e, bias=cfg.expert_bias)
         self.gate.keep_float = True  # type: ignore[assignment]  # routing logits: --quantization leaves them, as llama.cpp does
         self.w13: nn.Parameter | None = nn.Parameter(torch.empty(e, 2 * inter, hidden))
         self.w2: nn.Parameter | None = nn.Parameter(torch.empty(e, hidden, inter))
+        self.b13 = nn.Parameter(torch.empty(e, 2 * inter)) if cfg.expert_bias else None  # gpt-oss's expert biases
+        self.b2 = nn.Parameter(torch.empty(e, hidden)) if cfg.expert_bias else None
         self.experts: nn.ModuleList | None = None  # quantized experts: a gated MLP each (see experts_as_modules)
         self.inter = inter
         self.lo, self.hi = 0, e  # the experts this rank holds (--expert-parallel: see keep_experts)
@@ -161,6 +198,8 @@ class MoE(nn.Module):
         """Hold the experts as one gated MLP each (`experts.{j}.gate_up_proj`, `.down_proj`), whose
         linears the loader makes quantized ones over a file's blocks, instead of the 3-D float tensors."""
         e, hidden = self.gate.out_features, self.gate.in_features
+        if self.limit or self.b13 is not None:
+            raise ValueError("quantized experts with biases or a clamped SwiGLU (gpt-oss) are not served yet")
         self.w13 = self.w2 = None
         self.experts = nn.ModuleList(GatedMLP(hidden, self.inter, False) for _ in range(e))
 
@@ -175,6 +214,9 @@ class MoE(nn.Module):
             assert self.w13 is not None and self.w2 is not None
             self.w13 = nn.Parameter(self.w13.data[self.lo:self.hi].clone(), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.data[self.lo:self.hi].clone(), requires_grad=False)
+            if self.b13 is not None and self.b2 is not None:
+                self.b13 = nn.Parameter(self.b13.data[self.lo:self.hi].clone(), requires_grad=False)
+                self.b2 = nn.Parameter(self.b2.data[self.lo:self.hi].clone(), requires_grad=False)
         if rank:
             self.shared_expert = self.shared_expert_gate = None
 
@@ -187,7 +229,10 @@ class MoE(nn.Module):
             out = grouped_modules(x, self.experts, weights, experts)
         else:
             assert self.w13 is not None and self.w2 is not None
-            out = grouped_experts(x, self.w13, self.w2, weights, experts)
+            if self.b13 is None and not self.limit and use_triton(x):  # CUDA: two grouped Triton GEMMs
+                out = fused_moe_triton(x, self.w13, self.w2, weights, experts)
+            else:
+                out = grouped_experts(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.alpha, self.limit)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.group.all_reduce(out.contiguous()) if self.group is not None else out

@@ -129,10 +129,20 @@ struct StepLinear {
   std::vector<int64_t> widths;
   std::vector<c10::optional<at::Tensor>> biases;
 };
+// A routed layer's MLP (mixture of experts): its router as a float panel (pack_linear) and each
+// expert's packed quantized gate_up (2 * inter outputs) and down; top-k of the softmax over the
+// experts, renormalised where the family does.
+struct StepMoE {
+  at::Tensor router;
+  std::vector<at::Tensor> gate_up, down;
+  int64_t top_k = 0, inter = 0;
+  bool renorm = false;
+};
 // Every decoder layer's weights, handed over once (models.llama.FusedDecode), not on every step.
 struct DecodeWeights {
   std::vector<at::Tensor> in_norm, post_norm, q_norm, k_norm;  // q/k norms: none, or one per layer (Qwen3)
-  std::vector<StepLinear> qkv, o_proj, gate_up, down;
+  std::vector<StepLinear> qkv, o_proj, gate_up, down;  // a routed layer: no gate_up/down parts, its `moe` instead
+  std::vector<StepMoE> moe;  // one per layer; experts only where routed
   int64_t act_bits = 16;  // quantized linears' activations: 8 or 16 bits (QuantRows)
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
   double eps = 0, scale = 0;
@@ -145,6 +155,8 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
                                               std::vector<LinearParts> gate_up, std::vector<LinearParts> down, int64_t heads,
                                               int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale,
                                               int64_t act_bits);
+void decode_moe(DecodeWeights& w, int64_t layer, at::Tensor router, std::vector<at::Tensor> gate_up,
+                std::vector<at::Tensor> down, int64_t inter, int64_t top_k, bool renorm);
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                                       std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows, at::Tensor table,
                                       at::Tensor lens, const DecodeWeights& w, std::vector<at::Tensor> k_scales,

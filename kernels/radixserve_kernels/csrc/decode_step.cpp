@@ -3,8 +3,15 @@
 // q/k/v biases; Qwen3's q/k norms; linears of mixed GGUF kinds as their parts), run here
 // instead of from Python: the same kernels as the per-op path (so the same numbers), without the
 // ~100 us of Python and dispatch per layer. Torch reference: the same ops called layer by layer
-// (radixserve.models.llama.FusedDecode).
+// (radixserve.models.llama.FusedDecode). Routed layers (a mixture of experts: Qwen3-MoE,
+// Mixtral) route and run their chosen experts here too, as radixserve.models.moe.grouped_modules.
 #include <ATen/ops/cat.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
 
 #include "common.h"
 
@@ -37,13 +44,88 @@ std::vector<StepLinear> step_linears(const std::vector<LinearParts>& layers, int
       l.biases.push_back(bias);
       sum += n;
     }
-    TORCH_CHECK(!parts.empty() && sum == width, "decode_weights: ", what, " parts make ", sum, " outputs, not ", width);
+    // (no parts: a routed layer's MLP, whose experts decode_moe gives)
+    TORCH_CHECK(parts.empty() || sum == width, "decode_weights: ", what, " parts make ", sum, " outputs, not ", width);
     out.push_back(std::move(l));
   }
   return out;
 }
 
+// A routed layer's MLP on h (rows, hidden), as models.moe.grouped_modules computes it: the
+// router's logits, the top k of their fp32 softmax (renormalised where asked), each chosen
+// expert once on its rows (experts in the order the rows first chose them; every gate_up in one
+// qlinear_many, every down in another), the outputs weighted and summed per row in fp32.
+at::Tensor moe_step(const at::Tensor& h, const StepMoE& m, int64_t bits) {
+  const int64_t rows = h.size(0), k = m.top_k, hidden = h.size(1);
+  auto logits = linear(h, m.router, static_cast<int64_t>(m.gate_up.size()), c10::nullopt, false);
+  auto [weights, chosen] = at::topk(at::softmax(logits.to(at::kFloat), -1), k, -1);
+  if (m.renorm) weights = weights.div(weights.sum(-1, true));
+  weights = weights.contiguous();
+  chosen = chosen.contiguous();
+  const float* wp = weights.data_ptr<float>();
+  const int64_t* ep = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> order;                                      // experts, as first chosen
+  std::vector<std::vector<std::pair<int64_t, float>>> pairs(m.gate_up.size());  // each one's (row, weight)s
+  for (int64_t i = 0; i < rows * k; ++i) {
+    if (pairs[ep[i]].empty()) order.push_back(ep[i]);
+    pairs[ep[i]].emplace_back(i / k, wp[i]);
+  }
+  std::vector<at::Tensor> xs, gate_up, down;
+  std::vector<int64_t> counts;
+  std::vector<at::Tensor> tokens;  // each expert's rows (more than one)
+  for (int64_t e : order) {
+    const auto& p = pairs[e];
+    if (p.size() == 1) {
+      xs.push_back(h.narrow(0, p[0].first, 1));
+      tokens.emplace_back();
+    } else {
+      std::vector<int64_t> ts;
+      for (const auto& [t, _] : p) ts.push_back(t);
+      tokens.push_back(at::tensor(ts, at::kLong));
+      xs.push_back(at::index_select(h, 0, tokens.back()));
+    }
+    gate_up.push_back(m.gate_up[e]);
+    down.push_back(m.down[e]);
+    counts.push_back(static_cast<int64_t>(p.size()));
+  }
+  auto hs = qlinear_many(xs, gate_up, std::vector<int64_t>(order.size(), 2 * m.inter), bits);
+  auto acts = silu_and_mul(at::cat(hs)).split_with_sizes(counts);
+  auto ys = qlinear_many(std::vector<at::Tensor>(acts.begin(), acts.end()), down,
+                         std::vector<int64_t>(order.size(), hidden), bits);
+  if (rows == 1) {  // batch 1: the weighted sum as one product
+    std::vector<float> ws;
+    for (int64_t e : order) ws.push_back(pairs[e][0].second);
+    return at::matmul(at::tensor(ws, at::kFloat), at::cat(ys)).unsqueeze(0).to(h.scalar_type());
+  }
+  auto out = at::zeros({rows, hidden}, h.options().dtype(at::kFloat));
+  for (size_t j = 0; j < order.size(); ++j) {
+    const auto& p = pairs[order[j]];
+    if (p.size() == 1) {
+      out.narrow(0, p[0].first, 1).add_(ys[j], p[0].second);
+    } else {
+      std::vector<float> ws;
+      for (const auto& [_, wt] : p) ws.push_back(wt);
+      out.index_add_(0, tokens[j], ys[j].mul(at::tensor(ws, at::kFloat).unsqueeze(1)));
+    }
+  }
+  return out.to(h.scalar_type());
+}
+
 }  // namespace
+
+void decode_moe(DecodeWeights& w, int64_t layer, at::Tensor router, std::vector<at::Tensor> gate_up,
+                std::vector<at::Tensor> down, int64_t inter, int64_t top_k, bool renorm) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(w.moe.size()), "decode_moe: no layer ", layer);
+  TORCH_CHECK(w.gate_up[layer].parts.empty() && w.down[layer].parts.empty(),
+              "decode_moe: layer ", layer, " has a dense MLP (give it no gate_up/down parts)");
+  TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "decode_moe: one gate_up and one down per expert");
+  TORCH_CHECK(top_k >= 1 && top_k <= static_cast<int64_t>(gate_up.size()), "decode_moe: top_k ", top_k,
+              " must be between 1 and the ", gate_up.size(), " experts");
+  for (size_t e = 0; e < gate_up.size(); ++e)
+    TORCH_CHECK(gate_up[e].scalar_type() == at::kByte && down[e].scalar_type() == at::kByte,
+                "decode_moe: experts are packed quantized weights (pack_quant)");
+  w.moe[layer] = StepMoE{std::move(router), std::move(gate_up), std::move(down), top_k, inter, renorm};
+}
 
 std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, std::vector<at::Tensor> post_norm,
                                               std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm,
@@ -66,6 +148,7 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
   w->o_proj = step_linears(o_proj, hidden, "o_proj");
   w->gate_up = step_linears(gate_up, 2 * inter, "gate_up");
   w->down = step_linears(down, hidden, "down");
+  w->moe.resize(layers);
   w->heads = heads;
   w->kv_heads = kv_heads;
   w->head_dim = head_dim;
@@ -131,7 +214,12 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
     auto o = run_linear(attn.view({rows, q_size}), w.o_proj[i], w.act_bits);
     auto r = rms_norm(o, residual, w.post_norm[i], w.eps);
     residual = r[1];
-    x = run_linear(silu_and_mul(run_linear(r[0], w.gate_up[i], w.act_bits)), w.down[i], w.act_bits);
+    if (!w.moe[i].gate_up.empty()) {
+      x = moe_step(r[0], w.moe[i], w.act_bits);
+    } else {
+      TORCH_CHECK(!w.gate_up[i].parts.empty(), "decode_layers: layer ", i, " has neither an MLP nor experts");
+      x = run_linear(silu_and_mul(run_linear(r[0], w.gate_up[i], w.act_bits)), w.down[i], w.act_bits);
+    }
   }
   return {x, residual};
 }
