@@ -331,6 +331,109 @@ def test_a_moe_gguf_with_3d_expert_tensors_computes_what_its_weights_do(arch, ti
         assert e.generate([IDS], GREEDY)[0].token_ids == greedy  # the quantized experts split over two ranks
 
 
+def _gpt_oss_gguf(path, folder) -> dict[str, torch.Tensor]:
+    """The tiny gpt-oss folder as llama.cpp's converter writes it: arch `gpt-oss`, YaRN in the
+    rope metadata, the experts split into gate / up / down 3-D MXFP4 tensors (out, in) with
+    their biases per expert beside them, sinks as attn_sinks; returns the experts' values as
+    the file holds them (MXFP4-rounded), in the folder's names and layout."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from safetensors.torch import load_file
+
+    from tests.test_quant import _llama_metadata
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    state = load_file(str(folder / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    meta = path.parent / "gpt-oss-meta"
+    shutil.copytree(folder, meta, dirs_exist_ok=True)
+    (meta / "config.json").write_text(json.dumps({**cfg, "rope_theta": rope["rope_theta"]}))
+    _llama_metadata(w, meta)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    meant: dict[str, torch.Tensor] = {}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.router": "ffn_gate_inp"}
+
+    def mxfp4(name: str, value: torch.Tensor) -> torch.Tensor:  # (experts, out, in) -> the file's values
+        raw = quants.quantize(value.float().numpy(), QT.MXFP4)
+        w.add_tensor(name, raw, raw_dtype=QT.MXFP4)
+        return torch.from_numpy(quants.dequantize(raw, QT.MXFP4).reshape(value.shape).copy())
+
+    for hf, tensor in state.items():
+        if hf in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                          "lm_head.weight": "output.weight"}[hf], tensor.float().numpy())
+            continue
+        layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+        blk = f"blk.{layer}"
+        if rest == "self_attn.sinks":
+            w.add_tensor(f"{blk}.attn_sinks.weight", tensor.float().numpy())
+        elif rest == "mlp.experts.gate_up_proj":  # (experts, in, 2 out), gate and up interleaved
+            t = tensor.transpose(1, 2)
+            gate, up = mxfp4(f"{blk}.ffn_gate_exps.weight", t[:, 0::2]), mxfp4(f"{blk}.ffn_up_exps.weight", t[:, 1::2])
+            both = torch.empty_like(t)
+            both[:, 0::2], both[:, 1::2] = gate, up
+            meant[hf] = both.transpose(1, 2).contiguous()
+        elif rest == "mlp.experts.down_proj":  # (experts, in, out)
+            meant[hf] = mxfp4(f"{blk}.ffn_down_exps.weight", tensor.transpose(1, 2)).transpose(1, 2).contiguous()
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(f"{blk}.ffn_gate_exps.bias", tensor[:, 0::2].float().numpy().copy())
+            w.add_tensor(f"{blk}.ffn_up_exps.bias", tensor[:, 1::2].float().numpy().copy())
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(f"{blk}.ffn_down_exps.bias", tensor.float().numpy())
+        else:
+            module, _, suffix = rest.rpartition(".")
+            w.add_tensor(f"{blk}.{parts[module]}.{suffix}", tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return meant
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_computes_what_its_weights_do(ops, tiny_moe_models, tmp_path, monkeypatch):
+    """gpt-oss as llama.cpp writes it: MXFP4 experts served from their blocks (quantized linears
+    with the experts' biases and the clamped SwiGLU), YaRN and the alternating window from the
+    metadata, the sinks: transformers' logits and greedy tokens on the same (MXFP4-rounded)
+    weights, through the engine whole and in chunks."""
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.models.loader import load_model
+    from radixserve.models.moe import ClampedExpert
+    from tests.helpers import forward_prompt
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tiny_moe_models["GptOssForCausalLM"]
+    meant = _gpt_oss_gguf(tmp_path / "gpt-oss.gguf", folder)
+    loaded = load_model(str(tmp_path / "gpt-oss.gguf"), torch.float32, torch.device("cpu"), "auto")
+    want = ArchConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    assert (loaded.arch.architecture, loaded.arch.layer_windows, loaded.arch.rope_scaling, loaded.arch.attn_sinks,
+            loaded.arch.swiglu_limit) == ("GptOssForCausalLM", want.layer_windows, want.rope_scaling, True, 7.0)
+    expert = loaded.model.model.layers[0].mlp.experts[0]
+    assert isinstance(expert, ClampedExpert) and expert.gate_up_proj.kind == expert.down_proj.kind == "mxfp4"
+    set_activations(loaded.model, "int16")
+    ref = tmp_path / "ref"  # the file's weights, and its SwiGLU limit: none is written, llama.cpp's 7.0 applies
+    shutil.copytree(folder, ref)
+    save_file({**load_file(str(folder / "model.safetensors")), **meant}, ref / "model.safetensors", metadata={"format": "pt"})
+    (ref / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), "swiglu_limit": 7.0}))
+    theirs, greedy = hf_logits_and_greedy(ref, IDS, GREEDY.max_new_tokens)
+    ours = forward_prompt(loaded.model, IDS)
+    assert (ours - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()
+    with Engine(str(tmp_path / "gpt-oss.gguf"), kv_cache_tokens=1024, activations="int16", chunked_prefill_size=8) as e:
+        assert e.generate([IDS], GREEDY)[0].token_ids == greedy
+
+
 def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(tiny_moe_models, tmp_path, monkeypatch):
     from radixserve.models.gguf import ModelLoadError
     from radixserve.models.loader import load_model

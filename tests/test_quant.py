@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
 
 QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q8_0": QT.Q8_0}  # also on CUDA (kernels/radixserve_kernels/quant_matmul.py)
-KINDS = {**QTYPES, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
+KINDS = {**QTYPES, "mxfp4": QT.MXFP4, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
+PANEL_KINDS = (*QTYPES, "mxfp4")  # the 4- and 8-bit panels (quant_linear.cpp): dequant_ref reads them
 SHAPES = [(1, 32), (37, 64), (100, 96), (16, 576), (33, 160)]  # odd output counts: partial panels
 K_SHAPES = [(1, 256), (37, 512), (16, 768), (33, 256)]  # super-blocks of 256
 
@@ -29,7 +30,7 @@ KIND_SHAPES = [(kind, n, k) for kind in KINDS for n, k in (K_SHAPES if kind.ends
 
 
 # where each kind keeps its fp16 scales, in bytes of its block: random blocks get sane ones
-_FP16_AT = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+_FP16_AT = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.IQ4_NL: (0,)}
 
 
 def random_blocks(qt: QT, n: int, k: int, rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
@@ -79,7 +80,7 @@ def test_pack_then_dequantize_reproduces_gguf_py_bit_for_bit(ops, kind, n, k):
     packed = ops.pack_quant(raw, kind, n, k)
     assert packed.shape == quant.packed_shape(kind, n, k)
     assert torch.equal(ops.dequant_quant(packed, n, k, None), ref)
-    if kind in QTYPES:
+    if kind in PANEL_KINDS:
         assert torch.equal(quant.dequant_ref(packed, n, k), ref)  # the torch path, for devices without the kernels
     rows = torch.tensor([n - 1, 0, n // 2, n - 1])
     assert torch.equal(ops.dequant_quant(packed, n, k, rows), ref[rows])
@@ -121,7 +122,7 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
     for m in (1, 3, 4, 9):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ys = [b.qlinear(x, b.pack_quant(raw, kind, n, k), n, None, True, False, bits) for b in builds]
-        if kind not in QTYPES:
+        if kind not in PANEL_KINDS:
             ys.append(builds[0].qlinear(x, builds[0].pack_quant(raw, kind, n, k), n, None, True, True, bits))
         assert all(torch.equal(ys[0], y) for y in ys[1:]), m
 
@@ -172,7 +173,7 @@ def test_qlinear_takes_bf16_a_bias_and_returns_fp32_logits_when_asked(ops, kind,
 
 def test_the_kernels_refuse_what_they_cannot_run(ops):
     raw, _ = gguf_blocks("q4_1", 16, 64, seed=1)
-    with pytest.raises(RuntimeError, match="kind must be q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k or q6_k"):
+    with pytest.raises(RuntimeError, match="kind must be q4_0, q4_1, q8_0, mxfp4, q5_0, q5_1, q4_k, q5_k or q6_k"):
         ops.pack_quant(raw, "q2_k", 16, 64)
     with pytest.raises(RuntimeError, match="multiple of 256 for q4_k"):
         ops.pack_quant(raw, "q4_k", 16, 64)
@@ -313,17 +314,17 @@ def test_a_gguf_file_is_served_from_its_blocks_as_its_dequantized_weights_are(op
 
     path = tmp_path / "tiny.gguf"
     kinds = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": "q4_0", "ffn_gate": "q8_0",
-             "ffn_up": "q8_0", "ffn_down": "mxfp4", "token_embd": embed_kind}  # mxfp4: not native, dequantized
+             "ffn_up": "q8_0", "ffn_down": "iq4_nl", "token_embd": embed_kind}  # iq4_nl: not native, dequantized
     meant = _write_tiny_gguf(path, tiny_llama, kinds)
     cfg = json.loads((tiny_llama / "config.json").read_text())
     arch = ArchConfig.from_hf(cfg)
     model = _build(arch, torch.float32, torch.device("cpu"), read_tensors(path, cfg)).eval()
-    assert "MXFP4 tensors are dequantized to float" in caplog.text
-    expected = {"q4_1": 2, "q4_0": 2, "q8_0": 2}  # per layer: qkv, o, gate_up (down is the mxfp4 one)
+    assert "IQ4_NL tensors are dequantized to float" in caplog.text
+    expected = {"q4_1": 2, "q4_0": 2, "q8_0": 2}  # per layer: qkv, o, gate_up (down is the iq4_nl one)
     expected[embed_kind] += 2  # the embedding, and the head tied to it
     assert quant.describe(model) == expected
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, quant.QuantLinear)
-    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the mxfp4 one
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)  # the iq4_nl one
     assert model.lm_head.packed is model.model.embed_tokens.packed  # tied: one copy of the blocks
     ref = _build(arch, torch.float32, torch.device("cpu"), iter(meant.items())).eval()
     long_prompt = _check_prefill(model, ref, arch.vocab_size, monkeypatch)

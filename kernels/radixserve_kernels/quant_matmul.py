@@ -4,7 +4,8 @@ the GPU path of `QuantLinear`, with its torch reference.
     x        (M, K) float
     packed   (ceil(N/16), ceil(K/32), 320 | 544) uint8: per panel of 16 outputs and block of 32
              inputs, 4-bit weights (256 bytes of nibbles, 16 fp16 d, 16 fp16 m: w = d*q + m) or
-             8-bit ones (512 bytes of q + 128, 16 fp16 d: w = d*q)
+             8-bit ones (512 bytes of q + 128, 16 fp16 d: w = d*q); dequant_ref also reads
+             MXFP4's 336-byte records (the 4-bit ones, each nibble an index into FP4_LUT)
 
 Each program dequantizes one panel's blocks in registers (weights stay 4.5 or 8.5 bits in
 memory: the whole point) and multiplies a tile of up to BLOCK_M rows with `tl.dot`, fp32
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve_kernels._triton import built, interpreting, next_pow2
+
+FP4_LUT = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0])  # quant_linear.cpp's
 
 
 def dequant_ref(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,8 +44,10 @@ def dequant_ref(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None 
         jj = j % 16
         at = (jj // 4) * 64 + jj % 4
         byte = blk.gather(2, (at.view(1, 1, -1) + 4 * lane.view(-1, 1, 1)).expand(-1, kb, -1)).int()
-        q = torch.where(j < 16, byte & 0xF, byte >> 4).float()
-        w = take(half(256)) * q + take(half(288))
+        q = torch.where(j < 16, byte & 0xF, byte >> 4)
+        if nbytes == 336:  # MXFP4: each nibble stands for an e2m1 value (doubled, plus 12)
+            q = FP4_LUT.to(packed.device)[q]
+        w = take(half(256)) * q.float() + take(half(288))
     return w.reshape(len(rows), kb * 32)[:, :k]
 
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-              "mixtral": "MixtralForCausalLM"}
+              "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 class ModelLoadError(ValueError):
@@ -215,10 +215,14 @@ _ARCH_KEYS = {
                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "mixtral": {"rope.dimension_count": "head_dim", "expert_count": "num_local_experts",
                 "expert_used_count": "num_experts_per_tok"},
+    "gpt-oss": {"attention.key_length": "head_dim", "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+                "expert_feed_forward_length": "intermediate_size", "attention.sliding_window": "sliding_window",
+                "rope.scaling.factor": "_yarn_factor", "rope.scaling.original_context_length": "_yarn_original"},
 }
 # llama.cpp's names for the MoE architectures (transformers' model types), and whether each
 # renormalises its chosen experts' weights as llama.cpp computes it (qwen2moe does not)
-_MOE_TYPES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False), "mixtral": ("mixtral", True)}
+_MOE_TYPES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False), "mixtral": ("mixtral", True),
+              "gpt-oss": ("gpt_oss", True)}
 _TOKEN_KEYS = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
                "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
 
@@ -256,7 +260,24 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         cfg["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
         if model_type == "mixtral":
             cfg["sliding_window"] = None
+    if model_type == "gpt-oss":
+        _gpt_oss_config(cfg)
     return cfg
+
+
+def _gpt_oss_config(cfg: dict[str, Any]) -> None:
+    """What a gpt-oss GGUF leaves implicit, as llama.cpp and transformers' config have it: the
+    windowed layers are the even ones (a window, then full attention), the rope is YaRN (beta
+    32 / 1, not truncated) from the file's factor and original context."""
+    cfg.pop("mlp_only_layers", None)
+    n = cfg.get("num_hidden_layers", 0)
+    cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    factor, original = cfg.pop("_yarn_factor", None), cfg.pop("_yarn_original", None)
+    theta = cfg.pop("rope_theta", 150000.0)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta} if not factor else {
+        "rope_type": "yarn", "factor": float(factor), "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": int(original or 4096), "rope_theta": theta}
+    cfg["attention_bias"] = True
 
 
 def _gguf_tokenizer(gguf_path: Path, model_type: str) -> Any:
@@ -336,6 +357,7 @@ def _hf_config(cfg: dict[str, Any], token_id: Any) -> dict[str, Any]:
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",  # (gpt-oss's names)
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -348,7 +370,7 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ROPE_FREQS = "model.rotary_emb.freq_factors"
-_NATIVE = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
+_NATIVE = {t: t.lower() for t in ("Q4_0", "Q4_1", "Q8_0", "MXFP4", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 _FLOAT = ("F32", "F16", "BF16")
 
 
@@ -448,12 +470,22 @@ def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str
     from gguf import quants
 
     n = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    base, _, part = name.removesuffix(".weight").rpartition(".")
+    if name.endswith(".bias"):  # gpt-oss: (experts, out), one bias per expert, float
+        if len(shape) != 2 or shape[0] != n or t.type.name not in _FLOAT:
+            raise ModelLoadError(f"GGUF tensor {t.name!r} has shape {shape} of {t.type.name}, expected float ({n}, out): one "
+                                 f"bias per expert of the {n} the metadata's expert_count names")
+        base, _, part = name.removesuffix(".bias").rpartition(".")
+        values = _float(file.data(t), t.type.name, shape)
+        for j in range(n):
+            yield f"{base}.{j}.{part}.bias", values[j].clone()
+        file.release(t)
+        return
     if len(shape) != 3 or shape[0] != n:
         raise ModelLoadError(f"GGUF tensor {t.name!r} has shape {shape}, expected ({n}, out, in): one matrix per expert "
                              f"of the {n} the metadata's expert_count names")
     data = file.data(t).reshape(n, -1)
     kind = t.type.name
-    base, _, part = name.removesuffix(".weight").rpartition(".")
     if kind in _NATIVE:
         from radixserve.models.quant import QuantTensor
 
@@ -477,6 +509,17 @@ def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str
             value = torch.from_numpy(quants.dequantize(data[j].reshape(shape[1], -1), t.type).reshape(shape[1:]).copy())
         yield f"{base}.{j}.{part}.weight", value
     file.release(t)
+
+
+def _float(data: Any, kind: str, shape: tuple[int, ...]) -> Any:
+    """A float tensor's bytes (F32, F16 or BF16) as fp32 torch, in `shape`."""
+    import numpy as np
+    import torch
+
+    arr = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]).reshape(shape)
+    if kind == "BF16":
+        return torch.from_numpy(arr.copy()).view(torch.bfloat16).float()
+    return torch.from_numpy(arr.astype(np.float32))
 
 
 def _rope_rows(n: int, heads: int) -> Any:

@@ -227,7 +227,7 @@ def _gpt_oss(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A gpt-oss checkpoint tensor under our name and layout: the router is `gate`; the experts
     are stored input-major, (experts, in, out), with each gate output beside its up output
     (interleaved), where ours are (experts, out, in) with the gate rows then the up rows."""
-    name = name.replace(".mlp.router.", ".mlp.gate.")
+    name = name.replace(".mlp.router.", ".mlp.gate.").replace(".sinks.weight", ".sinks")  # (the latter: a GGUF file's)
     if name.endswith(("_blocks", "_scales")):
         raise ValueError(f"checkpoint tensor {name!r}: MXFP4 expert blocks (gpt-oss's released safetensors) are "
                          "not served yet; a checkpoint with float experts is")
@@ -296,8 +296,10 @@ class LlamaForCausalLM(nn.Module):
         if "experts" in parts:
             at = parts.index("experts")
             base, rest = ".".join(parts[:at]), parts[at + 1:]
-            if len(rest) == 3 and rest[0].isdigit() and rest[1] in _EXPERT and rest[2] == "weight":  # experts.{j}.w1.weight
+            if len(rest) == 3 and rest[0].isdigit() and rest[1] in _EXPERT and rest[2] in ("weight", "bias"):  # experts.{j}.w1.weight
                 which, half = _EXPERT[rest[1]]
+                if rest[2] == "bias":  # (gpt-oss's, from a GGUF file: b13 / b2)
+                    which = which.replace("w", "b")
                 target, j = f"{base}.{which}", int(rest[0])
                 if target in params:
                     p = params[target]

@@ -138,8 +138,9 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     floats: list[tuple[str, torch.Tensor]] = []
     shards: dict[str, list[Any]] = {}  # our module -> its quantized shards, in order
     for name, t in weights:
-        if isinstance(t, quant.QuantTensor) and device.type != "cpu" and t.kind not in quant.TRITON_KINDS:
-            t = t.dequantize()  # no GPU kernel for this kind: float weights there
+        if isinstance(t, quant.QuantTensor) and ((device.type != "cpu" and t.kind not in quant.TRITON_KINDS)
+                                                 or not quant.packable(t)):
+            t = t.dequantize()  # no GPU kernel for this kind (or MXFP4 scales fp16 cannot hold): float weights
         if not isinstance(t, quant.QuantTensor):
             floats.append((name, t))
             continue

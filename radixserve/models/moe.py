@@ -91,47 +91,32 @@ def _groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor
     return [(e, order[a:b], rows[a:b]) for e, a, b in zip(ids.tolist(), bounds, bounds[1:]) if e >= 0]
 
 
-def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tensor, chosen: torch.Tensor,
+                    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> torch.Tensor:
     """grouped_experts over experts held as modules (quantized linears): each chosen one runs
-    once, on its rows. Grouped in Python from the (few) pairs; where every expert is one packed
-    gate_up and one packed down on the native kernels, the chosen experts' gate_ups run in one
-    native call and their downs in another (`qlinear_many`: one parallel region each, not a
-    call per expert), else each expert module in turn."""
-    rows: dict[int, list[tuple[int, float]]] = {}
-    for t, (es, ws) in enumerate(zip(chosen.tolist(), weights.tolist())):
-        for e, w in zip(es, ws):
-            if e >= 0:  # (-1: another rank's expert)
-                rows.setdefault(e, []).append((t, w))
-    if not rows:  # (every chosen expert another rank's)
-        return torch.zeros_like(x)
-    picked: list[tuple[Any, list[tuple[int, float]], torch.Tensor]] = []  # (expert, its (token, weight)s, its rows)
-    for e, pairs in rows.items():
-        t = pairs[0][0]
-        xe = x[t:t + 1] if len(pairs) == 1 else x.index_select(0, torch.tensor([t for t, _ in pairs], device=x.device))
-        picked.append((experts[e], pairs, xe))
-    first = picked[0][0]
-    ops = getattr(first.gate_up_proj, "native", None)
-    if ops is not None and all(_one_call(m, len(p)) for m, p, _ in picked):
-        bits = first.gate_up_proj.act_bits
-        hs = ops.qlinear_many([xe.contiguous() for _, _, xe in picked], [m.gate_up_proj.packed for m, _, _ in picked],
-                              [m.gate_up_proj.out_features for m, _, _ in picked], bits)
-        acts = ops.silu_and_mul(torch.cat(hs)).split([len(p) for _, p, _ in picked])  # one call for every expert's rows
-        ys = ops.qlinear_many(list(acts), [m.down_proj.packed for m, _, _ in picked],
-                              [m.down_proj.out_features for m, _, _ in picked], bits)
-    else:
-        ys = [m(xe).float() for m, _, xe in picked]
-    if x.shape[0] == 1:  # a decode step at batch 1: the weighted sum as one product
-        return (torch.tensor([p[0][1] for _, p, _ in picked], device=x.device) @ torch.cat(ys))[None].to(x.dtype)
+    once, on its rows. Where every chosen expert is one packed gate_up and one packed down on the
+    native kernels, the native `moe_experts` does it all (the chosen experts' gate_ups in one
+    parallel region, their downs in another; the fused decode step calls the same code), else
+    each expert module in turn, grouped here. `packed`: every expert's packed gate_up and down,
+    listed once by the caller (else listed here)."""
+    picked = sorted({e for e in chosen.reshape(-1).tolist() if e >= 0})  # (-1: another rank's expert)
+    first: Any = experts[picked[0]] if picked else None
+    ops = getattr(first.gate_up_proj, "native", None) if first is not None else None
+    if ops is not None and all(_one_call(experts[e], x.shape[0]) for e in picked):
+        if packed is None:
+            packed = _blocks(experts)
+        return ops.moe_experts(x.contiguous(), weights, chosen, *packed, first.inter, first.gate_up_proj.act_bits)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for (_, pairs, _), y in zip(picked, ys):
-        if len(pairs) == 1:
-            t, w = pairs[0]
-            out[t:t + 1].add_(y, alpha=w)
-        else:
-            tokens = torch.tensor([t for t, _ in pairs], device=x.device)
-            scale = torch.tensor([w for _, w in pairs], dtype=torch.float32, device=x.device)[:, None]
-            out.index_add_(0, tokens, y * scale)
+    for e, pairs, tokens in _groups(chosen):
+        y = experts[e](x[tokens]).float()
+        out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
     return out.to(x.dtype)
+
+
+def _blocks(experts: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every expert's packed gate_up and down blocks (each a quantized linear's `packed`)."""
+    held: list[Any] = list(experts)
+    return [m.gate_up_proj.packed for m in held], [m.down_proj.packed for m in held]
 
 
 def _one_call(expert: nn.Module, rows: int) -> bool:
@@ -169,6 +154,17 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return out.to(x.dtype)
 
 
+class ClampedExpert(GatedMLP):
+    """A gpt-oss expert held as modules (quantized linears, with biases): `gated`'s clamped SwiGLU."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float) -> None:
+        super().__init__(hidden, inter, True)
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.gate_up_proj(x), self.inter, self.alpha, self.limit))
+
+
 class MoE(nn.Module):
     """One layer's experts, its router and (Qwen2-MoE) its shared expert."""
 
@@ -187,6 +183,7 @@ class MoE(nn.Module):
         self.inter = inter
         self.lo, self.hi = 0, e  # the experts this rank holds (--expert-parallel: see keep_experts)
         self.group: Any = None  # their rank group, whose all-reduce sums the ranks' outputs
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # quantized experts' blocks, listed once
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -198,10 +195,12 @@ class MoE(nn.Module):
         """Hold the experts as one gated MLP each (`experts.{j}.gate_up_proj`, `.down_proj`), whose
         linears the loader makes quantized ones over a file's blocks, instead of the 3-D float tensors."""
         e, hidden = self.gate.out_features, self.gate.in_features
-        if self.limit or self.b13 is not None:
-            raise ValueError("quantized experts with biases or a clamped SwiGLU (gpt-oss) are not served yet")
         self.w13 = self.w2 = None
-        self.experts = nn.ModuleList(GatedMLP(hidden, self.inter, False) for _ in range(e))
+        if self.b13 is not None or self.limit:  # gpt-oss: biases in each expert's linears, its clamped SwiGLU
+            self.b13 = self.b2 = None
+            self.experts = nn.ModuleList(ClampedExpert(hidden, self.inter, self.alpha, self.limit) for _ in range(e))
+        else:
+            self.experts = nn.ModuleList(GatedMLP(hidden, self.inter, False) for _ in range(e))
 
     def keep_experts(self, rank: int, size: int, group: Any) -> None:
         """--expert-parallel: keep this rank's experts (an even share, in order) and the shared
@@ -226,7 +225,10 @@ class MoE(nn.Module):
             mine = (experts >= self.lo) & (experts < self.hi)
             weights, experts = weights * mine, torch.where(mine, experts - self.lo, -1)
         if self.experts is not None:
-            out = grouped_modules(x, self.experts, weights, experts)
+            if self.packed is None and all(hasattr(m.gate_up_proj, "packed") and hasattr(m.down_proj, "packed")
+                                           for m in self.experts):
+                self.packed = _blocks(self.experts)
+            out = grouped_modules(x, self.experts, weights, experts, self.packed)
         else:
             assert self.w13 is not None and self.w2 is not None
             if self.b13 is None and not self.limit and use_triton(x):  # CUDA: two grouped Triton GEMMs

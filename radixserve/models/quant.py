@@ -67,7 +67,7 @@ ACTIVATIONS = {"auto": 8, "int8": 8, "int16": 16, "float": 0}  # --activations -
 # QuantLinear.native_prefill says; read at each call
 NATIVE_PREFILL: bool | None = {"native": True, "dequant": False}.get(os.environ.get("RADIXSERVE_QUANT_PREFILL", "auto"))
 # kind -> (weights per GGUF block, bytes per packed record: one panel of 16 outputs x one block)
-FORMATS = {"q4_0": (32, 320), "q4_1": (32, 320), "q8_0": (32, 544), "q5_0": (32, 352), "q5_1": (32, 384),
+FORMATS = {"q4_0": (32, 320), "q4_1": (32, 320), "q8_0": (32, 544), "mxfp4": (32, 336), "q5_0": (32, 352), "q5_1": (32, 384),
            "q4_k": (256, 2368), "q5_k": (256, 2880), "q6_k": (256, 3360)}
 TRITON_KINDS = ("q4_0", "q4_1", "q8_0")  # what kernels/radixserve_kernels/quant_matmul.py runs on a GPU
 
@@ -117,6 +117,17 @@ def packed_shape(kind: str, n: int, k: int) -> tuple[int, int, int]:
     """The shape pack_quant gives an (n, k) weight of this kind: (panels, blocks, record bytes)."""
     block, record = FORMATS[kind]
     return (n + PANEL - 1) // PANEL, (k + block - 1) // block, record
+
+
+def packable(q: QuantTensor) -> bool:
+    """Whether pack_quant holds q exactly: an MXFP4 tensor's block scales 2^(e - 128) in fp16's
+    exact range (104 <= e <= 140; a block of zeros takes any), else it loads dequantized."""
+    if q.kind != "mxfp4":
+        return True
+    blocks = q.raw.view(q.n, -1, 17)
+    e, nibbles = blocks[..., 0], blocks[..., 1:]
+    zeros = ((nibbles & 0x77) == 0).all(-1)
+    return bool((((e >= 104) & (e <= 140)) | zeros).all())
 
 
 def pack(q: QuantTensor) -> torch.Tensor:

@@ -155,6 +155,8 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
                                               std::vector<LinearParts> gate_up, std::vector<LinearParts> down, int64_t heads,
                                               int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double scale,
                                               int64_t act_bits);
+at::Tensor moe_experts(at::Tensor h, at::Tensor weights, at::Tensor chosen, std::vector<at::Tensor> gate_up,
+                       std::vector<at::Tensor> down, int64_t inter, int64_t act_bits);
 void decode_moe(DecodeWeights& w, int64_t layer, at::Tensor router, std::vector<at::Tensor> gate_up,
                 std::vector<at::Tensor> down, int64_t inter, int64_t top_k, bool renorm);
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,

@@ -4,10 +4,10 @@
 // instead of from Python: the same kernels as the per-op path (so the same numbers), without the
 // ~100 us of Python and dispatch per layer. Torch reference: the same ops called layer by layer
 // (radixserve.models.llama.FusedDecode). Routed layers (a mixture of experts: Qwen3-MoE,
-// Mixtral) route and run their chosen experts here too, as radixserve.models.moe.grouped_modules.
+// Mixtral) route here and run their chosen experts in moe_experts, which the per-layer path
+// (radixserve.models.moe.grouped_modules) calls too.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/index_select.h>
-#include <ATen/ops/matmul.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/topk.h>
@@ -51,67 +51,75 @@ std::vector<StepLinear> step_linears(const std::vector<LinearParts>& layers, int
   return out;
 }
 
-// A routed layer's MLP on h (rows, hidden), as models.moe.grouped_modules computes it: the
-// router's logits, the top k of their fp32 softmax (renormalised where asked), each chosen
-// expert once on its rows (experts in the order the rows first chose them; every gate_up in one
-// qlinear_many, every down in another), the outputs weighted and summed per row in fp32.
+// A routed layer's MLP on h (rows, hidden): the router's logits, the top k of their fp32 softmax
+// (renormalised where asked: models.moe.route), then moe_experts.
 at::Tensor moe_step(const at::Tensor& h, const StepMoE& m, int64_t bits) {
-  const int64_t rows = h.size(0), k = m.top_k, hidden = h.size(1);
   auto logits = linear(h, m.router, static_cast<int64_t>(m.gate_up.size()), c10::nullopt, false);
-  auto [weights, chosen] = at::topk(at::softmax(logits.to(at::kFloat), -1), k, -1);
+  auto [weights, chosen] = at::topk(at::softmax(logits.to(at::kFloat), -1), m.top_k, -1);
   if (m.renorm) weights = weights.div(weights.sum(-1, true));
+  return moe_experts(h, weights, chosen, m.gate_up, m.down, m.inter, bits);
+}
+
+}  // namespace
+
+// The chosen experts of a routed layer on h (rows, hidden), as models.moe.grouped_modules
+// calls it too: each chosen expert once on its rows (experts in the order the rows first chose
+// them; an expert of -1, another rank's, skipped), every gate_up in one qlinear_many and every
+// down in another, the outputs weighted and summed per row in fp32 (in that order), returned
+// in h's dtype. weights (rows, k) fp32, chosen (rows, k) int64.
+at::Tensor moe_experts(at::Tensor h, at::Tensor weights, at::Tensor chosen, std::vector<at::Tensor> gate_up,
+                       std::vector<at::Tensor> down, int64_t inter, int64_t act_bits) {
+  const int64_t rows = h.size(0), hidden = h.size(1), k = chosen.size(1), experts = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && weights.scalar_type() == at::kFloat && chosen.scalar_type() == at::kLong &&
+                  weights.sizes() == chosen.sizes() && chosen.size(0) == rows && down.size() == gate_up.size(),
+              "moe_experts: contiguous h (rows, hidden), fp32 weights and int64 experts (rows, k), a gate_up and a down per expert");
   weights = weights.contiguous();
   chosen = chosen.contiguous();
   const float* wp = weights.data_ptr<float>();
   const int64_t* ep = chosen.data_ptr<int64_t>();
-  std::vector<int64_t> order;                                      // experts, as first chosen
-  std::vector<std::vector<std::pair<int64_t, float>>> pairs(m.gate_up.size());  // each one's (row, weight)s
+  std::vector<int64_t> order;                                               // experts, as first chosen
+  std::vector<std::vector<std::pair<int64_t, float>>> pairs(experts);  // each one's (row, weight)s
   for (int64_t i = 0; i < rows * k; ++i) {
-    if (pairs[ep[i]].empty()) order.push_back(ep[i]);
-    pairs[ep[i]].emplace_back(i / k, wp[i]);
+    const int64_t e = ep[i];
+    if (e < 0) continue;
+    TORCH_CHECK(e < experts, "moe_experts: expert ", e, " of ", experts);
+    if (pairs[e].empty()) order.push_back(e);
+    pairs[e].emplace_back(i / k, wp[i]);
   }
-  std::vector<at::Tensor> xs, gate_up, down;
+  auto out = at::zeros({rows, hidden}, h.options().dtype(at::kFloat));
+  if (order.empty()) return out.to(h.scalar_type());
+  std::vector<at::Tensor> xs, ups, downs;
   std::vector<int64_t> counts;
-  std::vector<at::Tensor> tokens;  // each expert's rows (more than one)
   for (int64_t e : order) {
     const auto& p = pairs[e];
     if (p.size() == 1) {
       xs.push_back(h.narrow(0, p[0].first, 1));
-      tokens.emplace_back();
     } else {
       std::vector<int64_t> ts;
       for (const auto& [t, _] : p) ts.push_back(t);
-      tokens.push_back(at::tensor(ts, at::kLong));
-      xs.push_back(at::index_select(h, 0, tokens.back()));
+      xs.push_back(at::index_select(h, 0, at::tensor(ts, at::kLong)));
     }
-    gate_up.push_back(m.gate_up[e]);
-    down.push_back(m.down[e]);
+    ups.push_back(gate_up[e]);
+    downs.push_back(down[e]);
     counts.push_back(static_cast<int64_t>(p.size()));
   }
-  auto hs = qlinear_many(xs, gate_up, std::vector<int64_t>(order.size(), 2 * m.inter), bits);
+  auto hs = qlinear_many(xs, ups, std::vector<int64_t>(order.size(), 2 * inter), act_bits);
   auto acts = silu_and_mul(at::cat(hs)).split_with_sizes(counts);
-  auto ys = qlinear_many(std::vector<at::Tensor>(acts.begin(), acts.end()), down,
-                         std::vector<int64_t>(order.size(), hidden), bits);
-  if (rows == 1) {  // batch 1: the weighted sum as one product
-    std::vector<float> ws;
-    for (int64_t e : order) ws.push_back(pairs[e][0].second);
-    return at::matmul(at::tensor(ws, at::kFloat), at::cat(ys)).unsqueeze(0).to(h.scalar_type());
-  }
-  auto out = at::zeros({rows, hidden}, h.options().dtype(at::kFloat));
+  auto ys = qlinear_many(std::vector<at::Tensor>(acts.begin(), acts.end()), downs,
+                         std::vector<int64_t>(order.size(), hidden), act_bits);
+  float* o = out.data_ptr<float>();
   for (size_t j = 0; j < order.size(); ++j) {
+    const float* y = ys[j].data_ptr<float>();
     const auto& p = pairs[order[j]];
-    if (p.size() == 1) {
-      out.narrow(0, p[0].first, 1).add_(ys[j], p[0].second);
-    } else {
-      std::vector<float> ws;
-      for (const auto& [_, wt] : p) ws.push_back(wt);
-      out.index_add_(0, tokens[j], ys[j].mul(at::tensor(ws, at::kFloat).unsqueeze(1)));
+    for (size_t r = 0; r < p.size(); ++r) {
+      float* dst = o + p[r].first * hidden;
+      const float* src = y + r * hidden;
+      const float w = p[r].second;
+      for (int64_t c = 0; c < hidden; ++c) dst[c] += w * src[c];
     }
   }
   return out.to(h.scalar_type());
 }
-
-}  // namespace
 
 void decode_moe(DecodeWeights& w, int64_t layer, at::Tensor router, std::vector<at::Tensor> gate_up,
                 std::vector<at::Tensor> down, int64_t inter, int64_t top_k, bool renorm) {

@@ -42,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_weights", &rs::decode_weights,
         "every decoder layer's weights for decode_layers (in_norm, post_norm, q_norm, k_norm, qkv, o_proj, gate_up, down, "
         "heads, kv_heads, head_dim, inter, eps, scale, act_bits); a linear per layer is [(packed, width, bias or None), ...]");
+  m.def("moe_experts", &rs::moe_experts,
+        "a routed layer's chosen experts, fp32 sums in h's dtype (h, weights, experts, gate_ups, downs, inter, act_bits)");
   m.def("decode_moe", &rs::decode_moe,
         "a routed layer's experts for decode_layers (weights, layer, router panel, gate_ups, downs, inter, top_k, renorm)");
   m.def("decode_layers", &rs::decode_layers, "every decoder layer of a decode-only batch, in one call");

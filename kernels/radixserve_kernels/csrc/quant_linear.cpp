@@ -1,4 +1,4 @@
-// Quantized linears: GGUF Q4_0 / Q4_1 / Q8_0 (and radixserve's own int4 / int8) weights kept
+// Quantized linears: GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 (and radixserve's own int4 / int8) weights kept
 // in their blocks, repacked once into panels of 16 outputs. Torch references:
 // radixserve_kernels.quant_matmul.dequant_ref (the packed layout), gguf-py's dequantize (the values), and
 // tests/test_quant.py's reference_qlinear (the 16-bit-activation dot product).
@@ -17,39 +17,60 @@ namespace {
 //           (high nibble), q in [0, 15]: w = d*q + m (Q4_0 becomes m = -8d, exactly).
 //   8-bit, 544 bytes: 512 bytes q + 128 (byte 64c + 4n + r: weight 4c + r), then 16 fp16 d:
 //           w = d*q.
+//   MXFP4 (gpt-oss's experts), 336 bytes: the 4-bit layout (then 16 bytes of padding, which
+//           tell the format) with each nibble standing for FP4_LUT[nibble] (the e2m1 value,
+//           doubled, plus 12: 0 .. 24, unsigned as the kernels' weights are): w = d*u + m with
+//           d = the block's E8M0 scale 2^(e - 128) and m = -12d, both exact in fp16 for
+//           104 <= e <= 140 (other scales are refused: the caller dequantizes that tensor).
 // The block bytes are GGUF's own, so the repack is exact and dequant_quant reproduces
 // gguf-py's dequantization bit for bit (d*q is exact in fp32, then one rounding for + m).
 // qlinear works in integers, as llama.cpp does on CPU: each row's activations are quantized per
 // block of 32 (to 8 or 16 bits, see QuantRows), and every block's dot product is an integer sum
 // of u8 x s8 products (vpdpbusd), scaled by d * dx. (models/quant.py decides which calls take it:
 // prefill may dequantize the weight once per call and run fp32 GEMM instead.)
-constexpr int64_t Q4_BYTES = 320, Q8_BYTES = 544;
+constexpr int64_t Q4_BYTES = 320, Q8_BYTES = 544, FP4_BYTES = 336;
+// e2m1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) doubled, plus 12
+constexpr uint8_t FP4_LUT[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 inline uint16_t float_to_half_exact(float f) {  // only for values fp16 holds exactly (-8 * an fp16 d)
   return at::Half(f).x;
 }
 
+bool fp4_zeros(const uint8_t* qs) {  // an MXFP4 block's 16 bytes of nibbles all +0 or -0
+  for (int j = 0; j < 16; ++j)
+    if ((qs[j] & 0x7) || (qs[j] & 0x70)) return false;
+  return true;
+}
+
 int64_t quant_bits(const std::string& kind) {
-  if (kind == "q4_0" || kind == "q4_1") return 4;
+  if (kind == "q4_0" || kind == "q4_1" || kind == "mxfp4") return 4;
   if (kind == "q8_0") return 8;
-  TORCH_CHECK(false, "pack_quant: kind must be q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k or q6_k, got ", kind);
+  TORCH_CHECK(false, "pack_quant: kind must be q4_0, q4_1, q8_0, mxfp4, q5_0, q5_1, q4_k, q5_k or q6_k, got ", kind);
 }
 
 }  // namespace
 
-// GGUF blocks (n, k/32 * block bytes) -> panels (ceil(n/16), k/32, 320 or 544).
+// GGUF blocks (n, k/32 * block bytes) -> panels (ceil(n/16), k/32, 320, 336 or 544).
 at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_t k) {
   if (const int f = kfamily_of_kind(kind); f >= 0) return pack_kfamily(raw, f, n, k);
   const int64_t bits = quant_bits(kind);
   TORCH_CHECK(k % QBLOCK == 0, "pack_quant: k must be a multiple of 32, got ", k);
-  const int64_t kb = k / QBLOCK, src_block = kind == "q4_0" ? 18 : kind == "q4_1" ? 20 : 34;
+  const bool fp4 = kind == "mxfp4";
+  const int64_t kb = k / QBLOCK, src_block = kind == "q4_0" ? 18 : kind == "q4_1" ? 20 : fp4 ? 17 : 34;
   auto rc = raw.contiguous();
   TORCH_CHECK(rc.scalar_type() == at::kByte && rc.numel() == n * kb * src_block,
               "pack_quant: ", n, " rows of ", kb, " ", kind, " blocks (", n * kb * src_block, " bytes), got ", rc.numel());
-  const int64_t panels = (n + QPANEL - 1) / QPANEL, bytes = bits == 4 ? Q4_BYTES : Q8_BYTES;
+  const int64_t panels = (n + QPANEL - 1) / QPANEL, bytes = bits == 4 ? (fp4 ? FP4_BYTES : Q4_BYTES) : Q8_BYTES;
   auto out = at::zeros({panels, kb, bytes}, rc.options());
   const uint8_t* src = rc.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  if (fp4) {  // every scale in fp16's exact range (a block of zeros takes any), before anything is written
+    for (int64_t i = 0; i < n * kb; ++i) {
+      const int e = src[i * src_block];
+      TORCH_CHECK((e >= 104 && e <= 140) || fp4_zeros(src + i * src_block + 1), "pack_quant: an mxfp4 block's scale 2^", e - 128,
+                  " is outside what fp16 holds exactly");
+    }
+  }
   if (bits == 8) {  // padding rows: q + 128 = 128 (and d = 0)
     for (int64_t p = 0; p < panels; ++p)
       for (int64_t b = 0; b < kb; ++b) std::memset(dst + (p * kb + b) * bytes, 128, 512);
@@ -61,6 +82,14 @@ at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_
         const uint8_t* s = src + (r * kb + b) * src_block;
         uint8_t* o = dst + (p * kb + b) * bytes;
         uint16_t d;
+        if (fp4) {  // (a block of zeros outside the range: scale 1)
+          d = float_to_half_exact(std::ldexp(1.f, fp4_zeros(s + 1) ? 0 : int(s[0]) - 128));
+          const uint16_t m = float_to_half_exact(-12.f * half_to_float(d));
+          for (int j = 0; j < 16; ++j) o[(j / 4) * 64 + lane * 4 + j % 4] = s[1 + j];
+          std::memcpy(o + 256 + 2 * lane, &d, 2);
+          std::memcpy(o + 288 + 2 * lane, &m, 2);
+          continue;
+        }
         std::memcpy(&d, s, 2);
         if (bits == 8) {
           for (int j = 0; j < 32; ++j) o[(j / 4) * 64 + lane * 4 + j % 4] = uint8_t(int(int8_t(s[2 + j])) + 128);
@@ -88,7 +117,8 @@ int check_quant(const at::Tensor& packed, int64_t n, int64_t k) {
   const bool shaped = packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3;
   const int f = shaped ? kfamily_of_record(packed.size(2)) : -1;
   const int64_t block = f >= 0 ? kfamily_block(f) : QBLOCK;
-  TORCH_CHECK(shaped && (f >= 0 || packed.size(2) == Q4_BYTES || packed.size(2) == Q8_BYTES) && packed.size(0) * QPANEL >= n &&
+  TORCH_CHECK(shaped && (f >= 0 || packed.size(2) == Q4_BYTES || packed.size(2) == FP4_BYTES || packed.size(2) == Q8_BYTES) &&
+                  packed.size(0) * QPANEL >= n &&
                   packed.size(1) * block >= k && (packed.size(1) - 1) * block < k && (f < 0 || k % block == 0),
               "a weight packed by pack_quant for this n and k");
   return f;
@@ -119,7 +149,7 @@ at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<
       for (int64_t b = 0; b < kb; ++b) {
         const uint8_t* blk = pd + (p * kb + b) * bytes;
         uint16_t dh;
-        std::memcpy(&dh, blk + (bytes == Q4_BYTES ? 256 : 512) + 2 * lane, 2);
+        std::memcpy(&dh, blk + (bytes == Q8_BYTES ? 512 : 256) + 2 * lane, 2);
         const float d = half_to_float(dh);
         const int64_t lim = std::min<int64_t>(QBLOCK, k - b * QBLOCK);
 #if defined(RS_AVX512)
@@ -144,8 +174,13 @@ at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<
         std::memcpy(&mbits, blk + 288 + 2 * lane, 2);
         const __m512 mv = _mm512_set1_ps(half_to_float(mbits));
         const __m512i bytes16 = quads(0);
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes16, _mm512_set1_epi32(0xf)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes16, 4));
+        __m512i lo_q = _mm512_and_si512(bytes16, _mm512_set1_epi32(0xf)), hi_q = _mm512_srli_epi32(bytes16, 4);
+        if (bytes == FP4_BYTES) {  // (the 32-bit lanes index the table)
+          const __m512i lut = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)FP4_LUT));
+          lo_q = _mm512_permutexvar_epi32(lo_q, lut);
+          hi_q = _mm512_permutexvar_epi32(hi_q, lut);
+        }
+        const __m512 lo = _mm512_cvtepi32_ps(lo_q), hi = _mm512_cvtepi32_ps(hi_q);
         _mm512_mask_storeu_ps(orow + b * QBLOCK, m0, _mm512_add_ps(_mm512_mul_ps(dv, lo), mv));  // d*q exact, then one rounding
         _mm512_mask_storeu_ps(orow + b * QBLOCK + 16, m1, _mm512_add_ps(_mm512_mul_ps(dv, hi), mv));
         continue;
@@ -158,8 +193,8 @@ at::Tensor dequant_quant(at::Tensor packed, int64_t n, int64_t k, c10::optional<
         std::memcpy(&mh, blk + 288 + 2 * lane, 2);
         const float m = half_to_float(mh);
         for (int64_t j = 0; j < lim; ++j) {
-          const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4];
-          const float q = float(j < 16 ? byte & 0xf : byte >> 4);
+          const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4], nib = j < 16 ? byte & 0xf : byte >> 4;
+          const float q = float(bytes == FP4_BYTES ? FP4_LUT[nib] : nib);
           const float dq = d * q;  // exact; then one rounding, as gguf-py's (d * q) + m
           orow[b * QBLOCK + j] = dq + m;
         }
@@ -275,8 +310,8 @@ void qtile_generic(const uint8_t* panel, int64_t kb, int64_t bytes, const QuantR
           acc[lane] += float(isum) * (half_to_float(dh) * dx);
         } else {
           for (int j = 0; j < 32; ++j) {
-            const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4];
-            isum += int32_t(j < 16 ? byte & 0xf : byte >> 4) * q[j];
+            const uint8_t byte = blk[((j % 16) / 4) * 64 + lane * 4 + j % 4], nib = j < 16 ? byte & 0xf : byte >> 4;
+            isum += int32_t(bytes == FP4_BYTES ? FP4_LUT[nib] : nib) * q[j];
           }
           uint16_t mh;
           std::memcpy(&dh, blk + 256 + 2 * lane, 2);
@@ -292,10 +327,12 @@ void qtile_generic(const uint8_t* panel, int64_t kb, int64_t bytes, const QuantR
 #if defined(RS_AVX512) && defined(__AVX512VNNI__)
 constexpr int64_t QMR = 4;  // rows per tile: 8 weight registers + 2 per row
 
-template <int MR, int BITS, bool W, typename O>
+// LUT: MXFP4's nibbles, each looked up in FP4_LUT (vpshufb) before the dot products.
+template <int MR, int BITS, bool W, bool LUT, typename O>
 void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
-  constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t bytes = BITS == 4 ? (LUT ? FP4_BYTES : Q4_BYTES) : Q8_BYTES;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)FP4_LUT));
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -309,6 +346,10 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
         const __m512i v = _mm512_loadu_si512(blk + 64 * c);
         w[c] = _mm512_and_si512(v, low);
         w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (LUT) {
+          w[c] = _mm512_shuffle_epi8(lut, w[c]);
+          w[4 + c] = _mm512_shuffle_epi8(lut, w[4 + c]);
+        }
       }
       d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 256)));
       mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288)));
@@ -347,10 +388,11 @@ inline __m256i dot_nib(__m256i w, int32_t x4, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), scale);
 }
 
-template <int MR, int BITS, bool W, typename O>
+template <int MR, int BITS, bool W, bool LUT, typename O>
 void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
-  constexpr int64_t bytes = BITS == 4 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t bytes = BITS == 4 ? (LUT ? FP4_BYTES : Q4_BYTES) : Q8_BYTES;
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)FP4_LUT));
   __m256 acc[2][MR];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
@@ -366,7 +408,11 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
       if constexpr (BITS == 4) {
         for (int c = 0; c < 4; ++c) {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * c + 32 * h));
-          const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (LUT) {  // (at most 24: a vpmaddubsw pair stays below 2 * 24 * 128)
+            wl = _mm256_shuffle_epi8(lut, wl);
+            wh = _mm256_shuffle_epi8(lut, wh);
+          }
           for (int m = 0; m < MR; ++m) {
             const int64_t at = (m0 + m) * kb + b;
             const int32_t* hi = reinterpret_cast<const int32_t*>(xr.hi.data() + at * QBLOCK);
@@ -419,14 +465,14 @@ constexpr bool HAS_VEC_QTILE = false;
 #endif
 
 #if defined(RS_INT_DOT)
-template <int BITS, bool W, typename O>
+template <int BITS, bool W, bool LUT, typename O>
 void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
   for (int64_t m0 = 0; m0 < m; m0 += QMR) {
     switch (std::min<int64_t>(QMR, m - m0)) {
-      case 1: qtile<1, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      case 2: qtile<2, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      case 3: qtile<3, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      default: qtile<4, BITS, W>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 1: qtile<1, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 2: qtile<2, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 3: qtile<3, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      default: qtile<4, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
     }
   }
 }
@@ -441,10 +487,12 @@ void qpanel_of(const at::Tensor& packed, const QuantRows& xr, int64_t m, const f
   const uint8_t* panel = packed.data_ptr<uint8_t>() + p * kb * bytes;
 #if defined(RS_INT_DOT)
   if (vector) {
-    if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                           : qpanel<4, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-    else xr.wide ? qpanel<8, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                 : qpanel<8, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true, false>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                           : qpanel<4, false, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    else if (bytes == FP4_BYTES) xr.wide ? qpanel<4, true, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                                 : qpanel<4, false, true>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    else xr.wide ? qpanel<8, true, false>(panel, kb, xr, m, bias, y, p * QPANEL, n)
+                 : qpanel<8, false, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
     return;
   }
 #endif
