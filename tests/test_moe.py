@@ -434,6 +434,45 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_computes_what_its_weights_do(ops, tin
         assert e.generate([IDS], GREEDY)[0].token_ids == greedy
 
 
+def test_gpt_oss_as_released_serves_its_mxfp4_blocks(ops, tiny_moe_models, tmp_path):
+    """gpt-oss's safetensors as OpenAI released them: each layer's experts as MXFP4 blocks and
+    E8M0 scales (`gate_up_proj_blocks` / `_scales`, two e2m1 codes a byte, gate and up rows
+    interleaved), their biases fused: served from the blocks (quantized linears of kind mxfp4),
+    with transformers' logits on the values the blocks hold."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.models.loader import load_model
+    from tests.helpers import forward_prompt
+
+    folder = tiny_moe_models["GptOssForCausalLM"]
+    released, meant = {}, {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            released[name] = t
+            continue
+        w = t.transpose(1, 2).float().numpy()  # (experts, out, in)
+        raw = quants.quantize(w, QT.MXFP4).reshape(*w.shape[:2], -1, 17)  # GGUF's: byte j holds codes j, j + 16
+        meant[name] = torch.from_numpy(quants.dequantize(raw.reshape(*w.shape[:2], -1), QT.MXFP4).reshape(w.shape)).transpose(1, 2)
+        codes = np.concatenate([raw[..., 1:] & 0xF, raw[..., 1:] >> 4], -1)
+        released[f"{name}_blocks"] = torch.from_numpy(codes[..., 0::2] | (codes[..., 1::2] << 4))  # OCP's: codes 2i, 2i + 1
+        released[f"{name}_scales"] = torch.from_numpy(raw[..., 0].copy())
+    for name, state in (("released", released), ("ref", {**released, **{k: v.contiguous() for k, v in meant.items()}})):
+        shutil.copytree(folder, tmp_path / name)
+        if name == "ref":
+            state = {k: v for k, v in state.items() if not k.endswith(("_blocks", "_scales"))}
+        save_file(state, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path / "released"), torch.float32, torch.device("cpu"))
+    expert = loaded.model.model.layers[1].mlp.experts[3]
+    assert expert.gate_up_proj.kind == expert.down_proj.kind == "mxfp4"
+    set_activations(loaded.model, "int16")
+    theirs, _ = hf_logits_and_greedy(tmp_path / "ref", IDS, 1)
+    ours = forward_prompt(loaded.model, IDS)
+    assert (ours - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()
+
+
 def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(tiny_moe_models, tmp_path, monkeypatch):
     from radixserve.models.gguf import ModelLoadError
     from radixserve.models.loader import load_model

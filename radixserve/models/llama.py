@@ -224,22 +224,16 @@ class LlamaModel(nn.Module):
 
 
 def _gpt_oss(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """A gpt-oss checkpoint tensor under our name and layout: the router is `gate`; the experts
+    """A gpt-oss checkpoint tensor under our name and layout: the router is `gate`; float experts
     are stored input-major, (experts, in, out), with each gate output beside its up output
-    (interleaved), where ours are (experts, out, in) with the gate rows then the up rows."""
+    (interleaved), where ours are (experts, out, in) with the gate rows then the up rows. (Their
+    biases and MXFP4 blocks come per expert: moe.gpt_oss_experts.)"""
     name = name.replace(".mlp.router.", ".mlp.gate.").replace(".sinks.weight", ".sinks")  # (the latter: a GGUF file's)
-    if name.endswith(("_blocks", "_scales")):
-        raise ValueError(f"checkpoint tensor {name!r}: MXFP4 expert blocks (gpt-oss's released safetensors) are "
-                         "not served yet; a checkpoint with float experts is")
     if name.endswith("experts.gate_up_proj"):
         t = tensor.transpose(1, 2)
         return name, torch.cat([t[:, 0::2], t[:, 1::2]], 1)
-    if name.endswith("experts.gate_up_proj_bias"):
-        return name.replace("experts.gate_up_proj_bias", "b13"), torch.cat([tensor[:, 0::2], tensor[:, 1::2]], 1)
     if name.endswith("experts.down_proj"):
         return name, tensor.transpose(1, 2)
-    if name.endswith("experts.down_proj_bias"):
-        return name.replace("experts.down_proj_bias", "b2"), tensor
     return name, tensor
 
 

@@ -27,6 +27,7 @@ from radixserve.config import QUANTIZATIONS
 from radixserve.models import SUPPORTED_ARCHITECTURES, ArchConfig, model_class, packed_cache, quant
 from radixserve.models.files import gguf_file, load_tokenizer, resolve_model_dir
 from radixserve.models.gguf import ModelLoadError, ensure_meta, gguf_config_dict, read_tensors
+from radixserve.models.moe import gpt_oss_experts
 from radixserve_kernels import cpu
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,10 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
             log.warning("radixserve's CPU kernels are not available: %s is dequantized to %s", path or "the default model", dtype)
         folder = resolve_model_dir(path)
         arch = read_arch(folder)
-        model = _build(arch, dtype, device, iter_safetensors(folder))
+        weights = iter_safetensors(folder)
+        if arch.architecture == "GptOssForCausalLM":  # its experts' MXFP4 blocks and fused biases, one expert at a time
+            weights = gpt_oss_experts(weights)
+        model = _build(arch, dtype, device, weights)
         if quantization in quant.QUANTIZERS:
             if gguf_file(path) is not None:
                 log.warning("quantization %s: %s is quantized again from its dequantized weights (rounded twice); "

@@ -21,6 +21,7 @@ grouped_experts their reference.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +69,49 @@ def idle_bytes(model: nn.Module) -> int:
                 t.untyped_storage().nbytes() for t in (m.w13, m.w2, m.b13, m.b2) if t is not None)
             idle += held * (1 - m.top_k / m.gate.out_features)
     return round(idle)
+
+
+def gpt_oss_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A gpt-oss checkpoint's experts one by one, as the loader takes them: the released
+    safetensors' MXFP4 `experts.{gate_up,down}_proj_blocks` / `_scales` as a quantized tensor
+    per expert and projection (`experts.{j}.gate_proj.weight`: GGUF's MXFP4 blocks, served from
+    them; gate and up are the even and odd rows of gate_up), and the experts' fused biases as
+    each one's (`experts.{j}.gate_proj.bias`); every other tensor as it is."""
+    from radixserve.models.quant import QuantTensor, mxfp4_blocks
+
+    held: dict[str, torch.Tensor] = {}  # a blocks or scales tensor until its other half comes
+    for name, t in weights:
+        base, _, leaf = name.rpartition(".experts.")
+        if leaf in ("gate_up_proj_bias", "down_proj_bias"):
+            for j in range(t.shape[0]):
+                if leaf == "down_proj_bias":
+                    yield f"{base}.experts.{j}.down_proj.bias", t[j]
+                else:
+                    yield f"{base}.experts.{j}.gate_proj.bias", t[j, 0::2]
+                    yield f"{base}.experts.{j}.up_proj.bias", t[j, 1::2]
+            continue
+        if not leaf.endswith(("_blocks", "_scales")):
+            yield name, t
+            continue
+        proj, _, half = leaf.rpartition("_")
+        other = f"{base}.experts.{proj}_{'scales' if half == 'blocks' else 'blocks'}"
+        if other not in held:
+            held[name] = t
+            continue
+        blocks, scales = (t, held.pop(other)) if half == "blocks" else (held.pop(other), t)
+        if blocks.dim() != 4 or blocks.shape[:3] != scales.shape or blocks.shape[3] != 16:
+            raise ValueError(f"checkpoint tensors {name!r} and {other!r}: MXFP4 blocks (experts, out, in/32, 16) and "
+                             f"scales (experts, out, in/32), got {tuple(blocks.shape)} and {tuple(scales.shape)}")
+        k = blocks.shape[2] * 32
+        for j in range(blocks.shape[0]):
+            rows = mxfp4_blocks(blocks[j], scales[j])
+            if proj == "down_proj":
+                yield f"{base}.experts.{j}.down_proj.weight", QuantTensor("mxfp4", rows, rows.shape[0], k)
+            else:
+                yield f"{base}.experts.{j}.gate_proj.weight", QuantTensor("mxfp4", rows[0::2].contiguous(), rows.shape[0] // 2, k)
+                yield f"{base}.experts.{j}.up_proj.weight", QuantTensor("mxfp4", rows[1::2].contiguous(), rows.shape[0] // 2, k)
+    if held:
+        raise ValueError(f"checkpoint tensor {next(iter(held))!r}: MXFP4 blocks without their scales, or scales without blocks")
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

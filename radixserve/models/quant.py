@@ -119,6 +119,17 @@ def packed_shape(kind: str, n: int, k: int) -> tuple[int, int, int]:
     return (n + PANEL - 1) // PANEL, (k + block - 1) // block, record
 
 
+def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as the OCP checkpoints store it (gpt-oss's safetensors: `blocks` (rows, k/32, 16)
+    bytes holding elements 2i and 2i+1 in their low and high nibbles, `scales` (rows, k/32) E8M0
+    bytes) as GGUF's MXFP4 blocks (rows, k/32 * 17): the scale byte, then 16 bytes holding
+    elements j and j + 16. The same values bit for bit (both are e2m1 codes times 2^(e - 127))."""
+    rows, kb, _ = blocks.shape
+    codes = torch.stack([blocks & 0xF, blocks >> 4], -1).reshape(rows, kb, 32)  # elements in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.reshape(rows, kb, 1), packed], -1).reshape(rows, kb * 17).contiguous()
+
+
 def packable(q: QuantTensor) -> bool:
     """Whether pack_quant holds q exactly: an MXFP4 tensor's block scales 2^(e - 128) in fp16's
     exact range (104 <= e <= 140; a block of zeros takes any), else it loads dequantized."""

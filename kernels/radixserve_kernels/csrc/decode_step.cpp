@@ -107,17 +107,22 @@ at::Tensor moe_experts(at::Tensor h, at::Tensor weights, at::Tensor chosen, std:
   auto acts = silu_and_mul(at::cat(hs)).split_with_sizes(counts);
   auto ys = qlinear_many(std::vector<at::Tensor>(acts.begin(), acts.end()), downs,
                          std::vector<int64_t>(order.size(), hidden), act_bits);
-  float* o = out.data_ptr<float>();
+  // each output row's (job, row of the job's output, weight), in job order: rows summed in parallel, each in that order
+  std::vector<std::vector<std::tuple<size_t, int64_t, float>>> parts(rows);
   for (size_t j = 0; j < order.size(); ++j) {
-    const float* y = ys[j].data_ptr<float>();
     const auto& p = pairs[order[j]];
-    for (size_t r = 0; r < p.size(); ++r) {
-      float* dst = o + p[r].first * hidden;
-      const float* src = y + r * hidden;
-      const float w = p[r].second;
-      for (int64_t c = 0; c < hidden; ++c) dst[c] += w * src[c];
-    }
+    for (size_t r = 0; r < p.size(); ++r) parts[p[r].first].emplace_back(j, static_cast<int64_t>(r), p[r].second);
   }
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* __restrict dst = o + t * hidden;
+      for (const auto& [j, r, w] : parts[t]) {
+        const float* __restrict src = ys[j].data_ptr<float>() + r * hidden;
+        for (int64_t c = 0; c < hidden; ++c) dst[c] += w * src[c];
+      }
+    }
+  });
   return out.to(h.scalar_type());
 }
 
