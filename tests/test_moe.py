@@ -438,7 +438,8 @@ def test_gpt_oss_as_released_serves_its_mxfp4_blocks(ops, tiny_moe_models, tmp_p
     """gpt-oss's safetensors as OpenAI released them: each layer's experts as MXFP4 blocks and
     E8M0 scales (`gate_up_proj_blocks` / `_scales`, two e2m1 codes a byte, gate and up rows
     interleaved), their biases fused: served from the blocks (quantized linears of kind mxfp4),
-    with transformers' logits on the values the blocks hold."""
+    with transformers' logits on the values the blocks hold; with --quantization none, those
+    values in float."""
     import numpy as np
     from gguf import GGMLQuantizationType as QT
     from gguf import quants
@@ -471,6 +472,9 @@ def test_gpt_oss_as_released_serves_its_mxfp4_blocks(ops, tiny_moe_models, tmp_p
     theirs, _ = hf_logits_and_greedy(tmp_path / "ref", IDS, 1)
     ours = forward_prompt(loaded.model, IDS)
     assert (ours - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()
+    plain = load_model(str(tmp_path / "released"), torch.float32, torch.device("cpu"), "none")  # the blocks' values in float
+    assert not any(isinstance(m, QuantLinear) for m in plain.model.modules())
+    assert (forward_prompt(plain.model, IDS) - theirs).abs().max().item() < 1e-4 * theirs.abs().max().item()
 
 
 def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(tiny_moe_models, tmp_path, monkeypatch):
@@ -487,9 +491,9 @@ def test_a_moe_gguf_whose_experts_disagree_with_its_metadata_is_refused_by_name(
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_the_fused_decode_step_routes_and_runs_the_experts_as_layer_by_layer(ops, arch, bits, tiny_moe_models, tmp_path,
                                                                               monkeypatch):
-    """A GGUF file's quantized experts in the one-call decode step: routed, grouped and summed
-    in the native call, exactly the logits of moe.grouped_modules layer by layer, at one row
-    (the weighted sum as one product) and at several whose experts overlap (summed per row);
+    """A GGUF file's quantized experts in the one-call decode step: routed in the native call,
+    exactly the logits of the layer-by-layer path (both run the experts in moe_experts, tested
+    against the experts' own modules below), at one row and at several whose experts overlap;
     Qwen3-MoE's dense middle layer beside its routed ones. Qwen2-MoE's shared expert keeps it
     layer by layer."""
     from radixserve.models.linear import pack_linears
@@ -511,6 +515,40 @@ def test_the_fused_decode_step_routes_and_runs_the_experts_as_layer_by_layer(ops
         logits, calls = fused_and_layered_logits(model, lens)
         assert calls == 1
         assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_is_each_chosen_experts_own_modules_weighted(ops, dtype):
+    """The native chosen-experts step (the fused decode step's and the layer-by-layer path's)
+    against the experts' own modules called one by one: rows sharing an expert, an expert no row
+    chose, a pair of another rank's expert (-1) left out, fp32 and bf16 rows."""
+    from radixserve.models.layers import GatedMLP
+    from tests.test_quant import gguf_blocks
+
+    hidden, inter = 64, 32
+    experts = []
+    for j in range(5):
+        m = GatedMLP(hidden, inter, False)
+        for name, kind, n, k in (("gate_up_proj", "q4_0", 2 * inter, hidden), ("down_proj", "q8_0", hidden, inter)):
+            raw, _ = gguf_blocks(kind, n, k, seed=10 * j + n)
+            q = QuantLinear(n, k, kind, False, packed=ops.pack_quant(raw, kind, n, k))
+            q.finish()
+            q.act_bits = 16
+            setattr(m, name, q)
+        experts.append(m)
+    x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    chosen = torch.tensor([[0, 2], [2, -1], [0, 3], [3, 2]])  # expert 1 and 4: no row
+    weights = torch.rand(4, 2, generator=torch.Generator().manual_seed(2))
+    got = ops.moe_experts(x, weights, chosen, [m.gate_up_proj.packed for m in experts], [m.down_proj.packed for m in experts],
+                          inter, 16)
+    want = torch.zeros(4, hidden)
+    for t in range(4):
+        for k in range(2):
+            if chosen[t, k] >= 0:
+                want[t] += weights[t, k] * experts[int(chosen[t, k])](x[t:t + 1].float())[0]
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=tol, atol=tol * want.abs().max().item())
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -106,6 +106,23 @@ def test_qlinear_is_the_dot_product_with_8_or_16_bit_activations(ops, kind, n, k
         assert (y.double() - exact).abs().max().item() <= (1e-3 if bits == 16 else 5e-2) * scale, bits
 
 
+def test_mxfp4_scales_fp16_cannot_hold_are_refused_and_a_block_of_zeros_takes_any(ops):
+    """MXFP4 packs its block scale 2^(e - 128) and m = -12d as fp16: exact for 104 <= e <= 140.
+    A block of zeros (codes +0 / -0) may carry any scale (the packed one is 1); another scale is
+    refused by pack_quant, and `packable` tells the loader to dequantize that tensor instead."""
+    raw, _ = gguf_blocks("mxfp4", 16, 64, seed=3)
+    zero = raw.clone()
+    zero.view(16, 2, 17)[5, 1] = torch.tensor([0] + [0x88] * 16, dtype=torch.uint8)  # -0s, scale 2^-128
+    q = quant.QuantTensor("mxfp4", zero, 16, 64)
+    assert quant.packable(q)
+    assert torch.equal(ops.dequant_quant(ops.pack_quant(zero, "mxfp4", 16, 64), 16, 64, None), q.dequantize())
+    big = raw.clone()
+    big.view(16, 2, 17)[3, 0, 0] = 150  # 2^22: beyond fp16
+    assert not quant.packable(quant.QuantTensor("mxfp4", big, 16, 64))
+    with pytest.raises(RuntimeError, match="outside what fp16 holds exactly"):
+        ops.pack_quant(big, "mxfp4", 16, 64)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("bits", [8, 16])
 def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(kind, bits):

@@ -266,9 +266,10 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
 
 
 def _gpt_oss_config(cfg: dict[str, Any]) -> None:
-    """What a gpt-oss GGUF leaves implicit, as llama.cpp and transformers' config have it: the
-    windowed layers are the even ones (a window, then full attention), the rope is YaRN (beta
-    32 / 1, not truncated) from the file's factor and original context."""
+    """What a gpt-oss GGUF leaves implicit: the windowed layers are the even ones (a window, then
+    full attention, as llama.cpp and transformers have them), the rope is YaRN from the file's
+    factor and original context with transformers' gpt-oss parameters (beta 32 / 1, the
+    correction range not truncated: llama.cpp's ggml rounds it, a slightly different rope)."""
     cfg.pop("mlp_only_layers", None)
     n = cfg.get("num_hidden_layers", 0)
     cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]

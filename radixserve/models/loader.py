@@ -104,7 +104,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quant
         arch = read_arch(folder)
         weights = iter_safetensors(folder)
         if arch.architecture == "GptOssForCausalLM":  # its experts' MXFP4 blocks and fused biases, one expert at a time
-            weights = gpt_oss_experts(weights)
+            weights = gpt_oss_experts(weights, keep_blocks=quantization == "auto" and cpu.ops() is not None)
         model = _build(arch, dtype, device, weights)
         if quantization in quant.QUANTIZERS:
             if gguf_file(path) is not None:

@@ -71,12 +71,13 @@ def idle_bytes(model: nn.Module) -> int:
     return round(idle)
 
 
-def gpt_oss_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+def gpt_oss_experts(weights: Iterable[tuple[str, Any]], keep_blocks: bool = True) -> Iterator[tuple[str, Any]]:
     """A gpt-oss checkpoint's experts one by one, as the loader takes them: the released
     safetensors' MXFP4 `experts.{gate_up,down}_proj_blocks` / `_scales` as a quantized tensor
     per expert and projection (`experts.{j}.gate_proj.weight`: GGUF's MXFP4 blocks, served from
-    them; gate and up are the even and odd rows of gate_up), and the experts' fused biases as
-    each one's (`experts.{j}.gate_proj.bias`); every other tensor as it is."""
+    them; gate and up are the even and odd rows of gate_up), or dequantized (`keep_blocks` False:
+    `--quantization` other than auto, or no CPU kernels), and the experts' fused biases as each
+    one's (`experts.{j}.gate_proj.bias`); every other tensor as it is."""
     from radixserve.models.quant import QuantTensor, mxfp4_blocks
 
     held: dict[str, torch.Tensor] = {}  # a blocks or scales tensor until its other half comes
@@ -105,11 +106,10 @@ def gpt_oss_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, A
         k = blocks.shape[2] * 32
         for j in range(blocks.shape[0]):
             rows = mxfp4_blocks(blocks[j], scales[j])
-            if proj == "down_proj":
-                yield f"{base}.experts.{j}.down_proj.weight", QuantTensor("mxfp4", rows, rows.shape[0], k)
-            else:
-                yield f"{base}.experts.{j}.gate_proj.weight", QuantTensor("mxfp4", rows[0::2].contiguous(), rows.shape[0] // 2, k)
-                yield f"{base}.experts.{j}.up_proj.weight", QuantTensor("mxfp4", rows[1::2].contiguous(), rows.shape[0] // 2, k)
+            parts = [("down_proj", rows)] if proj == "down_proj" else [("gate_proj", rows[0::2]), ("up_proj", rows[1::2])]
+            for part, raw in parts:
+                q = QuantTensor("mxfp4", raw.contiguous(), raw.shape[0], k)
+                yield f"{base}.experts.{j}.{part}.weight", q if keep_blocks else q.dequantize()
     if held:
         raise ValueError(f"checkpoint tensor {next(iter(held))!r}: MXFP4 blocks without their scales, or scales without blocks")
 
@@ -142,13 +142,15 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     native kernels, the native `moe_experts` does it all (the chosen experts' gate_ups in one
     parallel region, their downs in another; the fused decode step calls the same code), else
     each expert module in turn, grouped here. `packed`: every expert's packed gate_up and down,
-    listed once by the caller (else listed here)."""
-    picked = sorted({e for e in chosen.reshape(-1).tolist() if e >= 0})  # (-1: another rank's expert)
+    listed once by the caller (else listed here, where every expert has them)."""
+    flat = chosen.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0], minlength=len(experts)).tolist()  # (-1: another rank's expert)
+    picked = [e for e, n in enumerate(counts) if n]
     first: Any = experts[picked[0]] if picked else None
     ops = getattr(first.gate_up_proj, "native", None) if first is not None else None
-    if ops is not None and all(_one_call(experts[e], x.shape[0]) for e in picked):
-        if packed is None:
-            packed = _blocks(experts)
+    if packed is None:
+        packed = _blocks(experts)
+    if ops is not None and packed is not None and all(_one_call(experts[e], counts[e]) for e in picked):
         return ops.moe_experts(x.contiguous(), weights, chosen, *packed, first.inter, first.gate_up_proj.act_bits)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e, pairs, tokens in _groups(chosen):
@@ -157,9 +159,12 @@ def grouped_modules(x: torch.Tensor, experts: nn.ModuleList, weights: torch.Tens
     return out.to(x.dtype)
 
 
-def _blocks(experts: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every expert's packed gate_up and down blocks (each a quantized linear's `packed`)."""
+def _blocks(experts: nn.ModuleList) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Every expert's packed gate_up and down blocks (each a quantized linear's `packed`), or None
+    where one of them has none."""
     held: list[Any] = list(experts)
+    if not all(isinstance(getattr(m, "packed", None), torch.Tensor) for e in held for m in (e.gate_up_proj, e.down_proj)):
+        return None
     return [m.gate_up_proj.packed for m in held], [m.down_proj.packed for m in held]
 
 
@@ -269,9 +274,8 @@ class MoE(nn.Module):
             mine = (experts >= self.lo) & (experts < self.hi)
             weights, experts = weights * mine, torch.where(mine, experts - self.lo, -1)
         if self.experts is not None:
-            if self.packed is None and all(hasattr(m.gate_up_proj, "packed") and hasattr(m.down_proj, "packed")
-                                           for m in self.experts):
-                self.packed = _blocks(self.experts)
+            if self.packed is None:
+                self.packed = _blocks(self.experts)  # (listed once, not on every call)
             out = grouped_modules(x, self.experts, weights, experts, self.packed)
         else:
             assert self.w13 is not None and self.w2 is not None

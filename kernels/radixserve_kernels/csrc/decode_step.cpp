@@ -69,10 +69,11 @@ at::Tensor moe_step(const at::Tensor& h, const StepMoE& m, int64_t bits) {
 // in h's dtype. weights (rows, k) fp32, chosen (rows, k) int64.
 at::Tensor moe_experts(at::Tensor h, at::Tensor weights, at::Tensor chosen, std::vector<at::Tensor> gate_up,
                        std::vector<at::Tensor> down, int64_t inter, int64_t act_bits) {
-  const int64_t rows = h.size(0), hidden = h.size(1), k = chosen.size(1), experts = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && weights.scalar_type() == at::kFloat && chosen.scalar_type() == at::kLong &&
-                  weights.sizes() == chosen.sizes() && chosen.size(0) == rows && down.size() == gate_up.size(),
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && chosen.dim() == 2 && weights.scalar_type() == at::kFloat &&
+                  chosen.scalar_type() == at::kLong && weights.sizes() == chosen.sizes() && chosen.size(0) == h.size(0) &&
+                  down.size() == gate_up.size(),
               "moe_experts: contiguous h (rows, hidden), fp32 weights and int64 experts (rows, k), a gate_up and a down per expert");
+  const int64_t rows = h.size(0), hidden = h.size(1), k = chosen.size(1), experts = static_cast<int64_t>(gate_up.size());
   weights = weights.contiguous();
   chosen = chosen.contiguous();
   const float* wp = weights.data_ptr<float>();
