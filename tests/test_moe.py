@@ -226,26 +226,47 @@ _PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
 _EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def _gguf_writer(path, folder, gguf_arch: str):
+    """A GGUF writer for the tiny folder as architecture `gguf_arch`, its llama.cpp metadata and
+    tokenizer written (from a copy of the folder with rope_theta at the top, as _llama_metadata
+    reads it); and the folder's config and tensors."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.test_quant import _llama_metadata
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    meta = path.parent / f"{gguf_arch}-meta"
+    shutil.copytree(folder, meta, dirs_exist_ok=True)
+    (meta / "config.json").write_text(json.dumps({**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"]}))
+    _llama_metadata(w, meta)
+    return w, cfg, load_file(str(folder / "model.safetensors"))
+
+
+def _close(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) -> dict[str, torch.Tensor]:
     """The tiny folder as a GGUF file: its experts stacked per layer as Q8_0 3-D tensors (the
     down projections Q4_0 on Mixtral: a layer's kinds may differ), the
     rest F32, q/k permuted for Mixtral (llama); returns the experts' dequantized values under
     the folder's names (what the file stands for)."""
-    import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as QT
     from gguf import quants
-    from safetensors.torch import load_file
 
-    from tests.test_quant import _llama_metadata, _llama_permute
+    from tests.test_quant import _llama_permute
 
-    cfg = json.loads((folder / "config.json").read_text())
-    state = load_file(str(folder / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), _GGUF_ARCH[arch])
-    meta = path.parent / f"{arch}-meta"  # the folder as _llama_metadata reads it: rope_theta at the top
-    shutil.copytree(folder, meta, dirs_exist_ok=True)
-    (meta / "config.json").write_text(json.dumps({**cfg, "rope_theta": cfg["rope_parameters"]["rope_theta"]}))
-    _llama_metadata(w, meta)
+    w, cfg, state = _gguf_writer(path, folder, _GGUF_ARCH[arch])
     if arch == "Qwen3MoeForCausalLM":
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
@@ -259,11 +280,8 @@ def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) 
     meant: dict[str, torch.Tensor] = {}
     for hf, tensor in state.items():
         arr = tensor.float().numpy()
-        if hf == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", arr)
-            continue
-        if hf in ("model.norm.weight", "lm_head.weight"):
-            w.add_tensor({"model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[hf], arr)
+        if hf in _TOP:
+            w.add_tensor(_TOP[hf], arr)
             continue
         layer, rest = hf.removeprefix("model.layers.").split(".", 1)
         rest = rest.replace("block_sparse_moe.", "mlp.")
@@ -287,10 +305,7 @@ def _moe_gguf(path, folder, arch: str, experts: int, bad_experts: bool = False) 
         for j in range(back.shape[0]):
             meant[f"model.layers.{layer}.mlp.experts.{j}.{names[kind]}.weight"] = torch.from_numpy(back[j].copy())
         w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
     return meant
 
 
@@ -339,18 +354,9 @@ def _gpt_oss_gguf(path, folder) -> dict[str, torch.Tensor]:
     import gguf
     from gguf import GGMLQuantizationType as QT
     from gguf import quants
-    from safetensors.torch import load_file
 
-    from tests.test_quant import _llama_metadata
-
-    cfg = json.loads((folder / "config.json").read_text())
+    w, cfg, state = _gguf_writer(path, folder, "gpt-oss")
     rope = cfg["rope_parameters"]
-    state = load_file(str(folder / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    meta = path.parent / "gpt-oss-meta"
-    shutil.copytree(folder, meta, dirs_exist_ok=True)
-    (meta / "config.json").write_text(json.dumps({**cfg, "rope_theta": rope["rope_theta"]}))
-    _llama_metadata(w, meta)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_expert_count(cfg["num_local_experts"])
@@ -371,9 +377,8 @@ def _gpt_oss_gguf(path, folder) -> dict[str, torch.Tensor]:
         return torch.from_numpy(quants.dequantize(raw, QT.MXFP4).reshape(value.shape).copy())
 
     for hf, tensor in state.items():
-        if hf in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                          "lm_head.weight": "output.weight"}[hf], tensor.float().numpy())
+        if hf in _TOP:
+            w.add_tensor(_TOP[hf], tensor.float().numpy())
             continue
         layer, rest = hf.removeprefix("model.layers.").split(".", 1)
         blk = f"blk.{layer}"
@@ -395,10 +400,7 @@ def _gpt_oss_gguf(path, folder) -> dict[str, torch.Tensor]:
         else:
             module, _, suffix = rest.rpartition(".")
             w.add_tensor(f"{blk}.{parts[module]}.{suffix}", tensor.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
     return meant
 
 

@@ -404,7 +404,6 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
     llama.cpp's rope order); Gemma's norm weights are given as w (the file holds 1 + w)."""
     import warnings
 
-    import numpy as np
     import torch
     from gguf import quants
 
@@ -440,10 +439,7 @@ def read_tensors(gguf_path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, An
             yield name, q if rows is None else q.rows(rows)
             continue
         if kind in _FLOAT:
-            arr = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]).reshape(shape)
-            value = torch.from_numpy(arr.astype(np.float32) if kind == "F16" else arr.copy())
-            if kind == "BF16":
-                value = value.view(torch.bfloat16).float()
+            value = _float(data, kind, shape)
             if norm_shift and name.endswith("norm.weight"):
                 value = value - 1.0
         else:
@@ -466,7 +462,6 @@ def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str
     config is refused by name."""
     import warnings
 
-    import numpy as np
     import torch
     from gguf import quants
 
@@ -500,12 +495,8 @@ def _experts(file: Any, t: Any, name: str, shape: tuple[int, ...], cfg: dict[str
     if kind not in _FLOAT:
         fallback[kind] = fallback.get(kind, 0) + 1
     for j in range(n):
-        if kind == "F32":
-            value = torch.from_numpy(data[j].view(np.float32).reshape(shape[1:]).copy())
-        elif kind == "F16":
-            value = torch.from_numpy(data[j].view(np.float16).reshape(shape[1:]).astype(np.float32))
-        elif kind == "BF16":
-            value = torch.from_numpy(data[j].view(np.int16).reshape(shape[1:]).copy()).view(torch.bfloat16).float()
+        if kind in _FLOAT:
+            value = _float(data[j], kind, shape[1:])
         else:
             value = torch.from_numpy(quants.dequantize(data[j].reshape(shape[1], -1), t.type).reshape(shape[1:]).copy())
         yield f"{base}.{j}.{part}.weight", value
@@ -520,7 +511,7 @@ def _float(data: Any, kind: str, shape: tuple[int, ...]) -> Any:
     arr = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]).reshape(shape)
     if kind == "BF16":
         return torch.from_numpy(arr.copy()).view(torch.bfloat16).float()
-    return torch.from_numpy(arr.astype(np.float32))
+    return torch.from_numpy(arr.astype(np.float32))  # (a copy: the file's map is read-only)
 
 
 def _rope_rows(n: int, heads: int) -> Any:

@@ -232,7 +232,8 @@ class MoE(nn.Module):
         self.inter = inter
         self.lo, self.hi = 0, e  # the experts this rank holds (--expert-parallel: see keep_experts)
         self.group: Any = None  # their rank group, whose all-reduce sums the ranks' outputs
-        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # quantized experts' blocks, listed once
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # quantized experts' blocks (_blocks)
+        self.listed = False  # whether `packed` was listed (once, at the first call: after the weights are in)
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -274,8 +275,8 @@ class MoE(nn.Module):
             mine = (experts >= self.lo) & (experts < self.hi)
             weights, experts = weights * mine, torch.where(mine, experts - self.lo, -1)
         if self.experts is not None:
-            if self.packed is None:
-                self.packed = _blocks(self.experts)  # (listed once, not on every call)
+            if not self.listed:
+                self.packed, self.listed = _blocks(self.experts), True
             out = grouped_modules(x, self.experts, weights, experts, self.packed)
         else:
             assert self.w13 is not None and self.w2 is not None
