@@ -17,7 +17,7 @@ from grammars.spec import GrammarError
 from radixserve import Engine, SamplingParams
 from radixserve.cache.prefix import salt_key
 from radixserve.engine.outputs import Delta, Output
-from radixserve.engine.process import EngineProcess
+from radixserve.engine.process import EngineProcess, _Route
 from radixserve.engine.protocol import (
     Abort,
     AddRequest,
@@ -164,8 +164,11 @@ def test_grammars_compile_in_the_engine_process_and_bad_ones_name_the_field(proc
 
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["n"], int)
     assert sent == ["AddRequest", "AddRequest", "AddRequest", "Abort"]  # one crossing each
-    assert not proc_engine._ahead and not proc_engine._streams
+    assert not proc_engine._ahead  # nobody reads it; its route goes with the engine's final delta for it
     deadline = time.monotonic() + 30
+    while proc_engine._streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not proc_engine._streams
     while proc_engine.stats().kv_in_use_slots and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc_engine.stats().kv_in_use_slots == 0
@@ -222,11 +225,10 @@ def test_a_request_that_breaks_the_forward_fails_alone_and_the_engine_goes_on(pr
         loop = asyncio.get_running_loop()
         got: asyncio.Future[Delta] = loop.create_future()
         with proc_engine._lock:
-            proc_engine._streams["broken"] = (lambda d: loop.call_soon_threadsafe(got.set_result, d)), 1
+            proc_engine._streams["broken"] = _Route("broken", lambda d: loop.call_soon_threadsafe(got.set_result, d), 1)
         proc_engine._send(bad)
         d = await asyncio.wait_for(got, 60)
-        with proc_engine._lock:
-            del proc_engine._streams["broken"]
+        assert "broken" not in proc_engine._streams  # the final delta took its route
         ok = await _collect(proc_engine, proc_engine.make_req([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3)))
         return d, ok
 

@@ -250,10 +250,10 @@ def _get_text(s: ServerProcess, path: str, key: str) -> tuple[int, str]:
 
 
 # -- the disconnect storm ------------------------------------------------------------------------
-async def _vanish(port: int, i: int) -> None:
+async def _vanish(port: int, i: int, **extra: object) -> None:
     """A streaming chat client that leaves as soon as the response starts (or at once)."""
     body = json.dumps({"messages": [{"role": "user", "content": f"storm {i}"}], "stream": True, "max_tokens": 64,
-                       "ignore_eos": True, "rid": f"storm-{i % 5}"}).encode()
+                       "ignore_eos": True, "rid": f"storm-{i % 5}", **extra}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-bob\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -279,11 +279,49 @@ def test_streaming_clients_that_vanish_early_leak_no_ticket_and_shutdown_drains_
         assert info["kv"]["kv_in_use_slots"] == 0, info["kv"]
         for i in range(5):  # no rid is stuck "already in flight"
             body = {"messages": USER, "max_tokens": 2, "rid": f"storm-{i}"}
-            assert s.post("/v1/chat/completions", body, "key-bob")[0] == 200
+            status, out = s.post("/v1/chat/completions", body, "key-bob")
+            assert status == 200, (out, (tmp_path / "server.log").read_text()[-3000:])
     finally:
         code = s.stop()
     log = (tmp_path / "server.log").read_text()
     assert code == 0 and "draining: 0 requests in flight" in log and "drain timeout" not in log, log[-2000:]
+
+
+def test_a_rid_reused_the_moment_its_client_vanished_never_gets_the_old_requests_end(tiny_llama, tmp_path):
+    """Deltas cross from the engine process by rid: a rid reused right after its stream's client
+    left got the old request's last delta (a 503 "aborted") or was refused by the engine as
+    already in flight (a 500). Now the new request waits for the engine to let go of the old
+    one: it is answered whole, or (while the old one is still being torn down) a 400 naming the
+    rid; plain and constrained (sent ahead for their grammar) alike."""
+    import aiohttp
+
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "4096", "--tenants", str(tmp_path / "tenants.toml"),
+                      log=tmp_path / "server.log")
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"]}}}
+    answers: list[tuple[int, dict]] = []
+    try:
+        async def reuse() -> None:
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-bob"}) as http:
+                for k in range(60):
+                    extra = {"response_format": schema} if k % 2 else {}
+                    await _vanish(s.port, 5 * k + 1, **extra)  # rid storm-1; most read the first byte first
+                    body = {"messages": USER, "max_tokens": 8, "rid": "storm-1", **extra}
+                    async with http.post(s.url + "/v1/chat/completions", json=body) as r:
+                        answers.append((r.status, await r.json()))
+
+        asyncio.run(reuse())
+        s.wait_idle("key-alice")
+        _, info = s.get("/server_info?check_integrity=1", "key-alice")
+        assert info["kv"]["kv_in_use_slots"] == 0 and info["integrity"] == "ok", info
+    finally:
+        s.stop()
+    wrong = [(st, out) for st, out in answers
+             if st != 200 and not (st == 400 and out["error"]["param"] == "rid" and "in flight" in out["error"]["message"])]
+    assert not wrong, wrong[:3]
+    assert sum(st == 200 for st, _ in answers) >= 10, answers  # most are answered
+    assert all(out["choices"][0]["finish_reason"] in ("stop", "length") for st, out in answers if st == 200)
 
 
 def test_under_a_mixed_storm_another_tenant_keeps_being_served_and_everything_comes_back(tiny_llama, tmp_path):

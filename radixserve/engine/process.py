@@ -17,6 +17,7 @@ kills its own compile workers; a request that fails inside it fails alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import itertools
 import json
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import aclosing
 from multiprocessing.connection import Connection
@@ -116,7 +117,7 @@ class EngineProcess(RequestFront):
         self.default_max_new_tokens = self.config.default_max_new_tokens
         self._snapshot = EngineStats(kv_total_slots=info.num_slots, kv_free_slots=info.num_slots, kv_dtype=info.kv_dtype,
                                      kv_bytes_per_token=info.kv_bytes_per_token)
-        self._streams: dict[str, tuple[Callable[[Delta], None], int]] = {}  # rid -> (its sink, its prompt length)
+        self._streams: dict[str, _Route] = {}  # rid -> its request's route, until the engine's final delta
         self._calls: dict[int, Future[Reply]] = {}
         self._ahead: dict[str, DeltaStream] = {}  # constrained requests sent by prepare_grammar, not yet submitted
         self._ids = itertools.count(1)
@@ -155,13 +156,16 @@ class EngineProcess(RequestFront):
         here, so the request crosses the socket once."""
         if req.grammar_spec is None:
             return
-        stream = DeltaStream(lambda: self.abort(req.rid))
+        stream = DeltaStream(lambda: self._abort_route(route))
+        route = await self._route(req, stream)
         with self._lock:
-            if self.dead is None:
-                self._streams[req.rid] = stream.sink, req.prompt_len
-                self._ahead[req.rid] = stream
+            self._ahead[req.rid] = stream
+        call = self._call(lambda cid: AddRequest.of(req, cid))
+        call.add_done_callback(lambda f: None if _accepted(f) else self._drop(req.rid, route))  # refused: no delta comes
+        answer = asyncio.wrap_future(call)
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even with nobody awaiting it
         try:
-            reply = await asyncio.wrap_future(self._call(lambda cid: AddRequest.of(req, cid)))
+            reply = await asyncio.shield(answer)  # a client gone mid-call leaves the answer to the callback above
             if reply.error is not None:
                 raise reply.error.exception()
         except BaseException:
@@ -174,30 +178,60 @@ class EngineProcess(RequestFront):
         that lets more than max_backlog deltas pile up has the request aborted)."""
         req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)
         with self._lock:
-            if self.dead is not None:
-                raise EngineDied(f"the engine process is gone: {self.dead}")
             ahead = self._ahead.pop(req.rid, None)  # sent by prepare_grammar
-            stream = ahead or DeltaStream(lambda: self.abort(req.rid))
-            self._streams[req.rid] = stream.sink, req.prompt_len
+            route = self._streams.get(req.rid) if ahead is not None else None
         if ahead is None:
+            stream = DeltaStream(lambda: self._abort_route(mine))
+            route = mine = await self._route(req, stream)
             self._send(AddRequest.of(req))
+        else:  # its deltas (even the final one) are in the stream already
+            stream = ahead
         stream.max_backlog = max_backlog
         try:
             async with aclosing(stream.deltas()) as deltas:  # closed (so aborting) as soon as this is
                 async for d in deltas:
                     yield d
         finally:
+            if route is not None:
+                route.sink = None  # its later deltas go nowhere; the route stays until the engine's final one
+
+    async def _route(self, req: Req, stream: DeltaStream) -> _Route:
+        """Route the rid's deltas to `stream`, once the engine has let go of any earlier request
+        under the same rid (its final delta came): deltas travel by rid, so a rid reused right
+        after its client left would otherwise get the old request's last deltas, or be refused
+        by the engine as already in flight."""
+        while True:
             with self._lock:
-                self._streams.pop(req.rid, None)
+                if self.dead is not None:
+                    raise EngineDied(f"the engine process is gone: {self.dead}")
+                held = self._streams.get(req.rid)
+                if held is None:
+                    route = self._streams[req.rid] = _Route(req.rid, stream.sink, req.prompt_len)
+                    return route
+            await asyncio.shield(asyncio.wrap_future(held.gone))  # shielded: other waiters share the future
 
     def abort(self, rid: str) -> None:
         self._forget(rid)  # sent ahead but never submitted (its client left): nobody will read it
         self._send(Abort(rid))
 
+    def _abort_route(self, route: _Route) -> None:
+        """A stream's own abort: only while the engine still runs its request (never a later one
+        under the same rid)."""
+        with self._lock:
+            current = self._streams.get(route.rid) is route
+        if current:
+            self._send(Abort(route.rid))
+
     def _forget(self, rid: str) -> None:
         with self._lock:
-            if self._ahead.pop(rid, None) is not None:
-                self._streams.pop(rid, None)
+            if self._ahead.pop(rid, None) is not None and (route := self._streams.get(rid)) is not None:
+                route.sink = None
+
+    def _drop(self, rid: str, route: _Route) -> None:
+        with self._lock:
+            if self._streams.get(rid) is route:
+                del self._streams[rid]
+        route.release()
 
     # -- calls --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -273,11 +307,18 @@ class EngineProcess(RequestFront):
     def _dispatch(self, msg: FromEngine) -> None:
         if isinstance(msg, Deltas):
             self._snapshot = msg.stats
+            routed = []
             with self._lock:
-                sinks = [(self._streams.get(d.rid), d) for d in msg.items]
-            for stream, d in sinks:
-                if stream is not None:
-                    _deliver(stream[0], d)
+                for d in msg.items:
+                    if (route := self._streams.get(d.rid)) is not None:
+                        routed.append((route, d))
+                        if d.finished:  # the engine let go of the request: its rid may be used again
+                            del self._streams[d.rid]
+            for route, d in routed:
+                if (sink := route.sink) is not None:
+                    _deliver(sink, d)
+                if d.finished:
+                    route.release()
         elif isinstance(msg, Reply):
             with self._lock:
                 fut = self._calls.pop(msg.call_id, None)
@@ -294,9 +335,11 @@ class EngineProcess(RequestFront):
             log.error("the engine process is gone: %s", why)
             if self.on_death is not None:
                 self.on_death(why)
-        for rid, (sink, prompt_len) in streams.items():
-            out = Output(rid, "", [], "error", prompt_len, 0, 0, error=f"the engine process is gone: {why}")
-            _deliver(sink, Delta(rid, "", finished=True, output=out))
+        for rid, route in streams.items():
+            out = Output(rid, "", [], "error", route.prompt_len, 0, 0, error=f"the engine process is gone: {why}")
+            if (sink := route.sink) is not None:
+                _deliver(sink, Delta(rid, "", finished=True, output=out))
+            route.release()
         for fut in calls.values():
             _resolve(fut, EngineDied(f"the engine process is gone: {why}"))
 
@@ -326,6 +369,25 @@ class EngineProcess(RequestFront):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class _Route:
+    """Where a request's deltas go, from its AddRequest until the engine's final delta for it
+    (`gone` then completes): `sink` is None once its reader left."""
+
+    def __init__(self, rid: str, sink: Callable[[Delta], None], prompt_len: int) -> None:
+        self.rid, self.prompt_len = rid, prompt_len
+        self.sink: Callable[[Delta], None] | None = sink
+        self.gone: Future[None] = Future()
+
+    def release(self) -> None:
+        with contextlib.suppress(InvalidStateError):  # released already (its final delta, a refusal, a death)
+            self.gone.set_result(None)
+
+
+def _accepted(call: Future[Reply]) -> bool:
+    """A call answered without an error."""
+    return not call.cancelled() and call.exception() is None and call.result().error is None
 
 
 def _deliver(sink: Callable[[Delta], None], d: Delta) -> None:

@@ -87,6 +87,7 @@ class Flight:
     arrival: float
     reqs: list[Req] = field(default_factory=list)
     admitted: bool = False  # tokenized, validated and compiled: handed to the route
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)  # what runs its requests (collect, merged)
 
 
 @dataclass
@@ -189,7 +190,12 @@ class ServerState:
             flight.admitted = True
             yield flight
         finally:
-            self._land(flight, rids or [])
+            try:  # its runs end here, not whenever a stream left unclosed is finalized: its rids are free when this returns
+                for task in flight.tasks:
+                    task.cancel()
+                await asyncio.gather(*flight.tasks, return_exceptions=True)
+            finally:
+                self._land(flight, rids or [])
 
     def _land(self, flight: Flight, claimed: list[str]) -> None:
         for req, ticket in zip(flight.reqs, flight.tickets):
@@ -200,7 +206,8 @@ class ServerState:
                 self.admission.leave(ticket)
                 if flight.admitted and not ticket.ran:  # its client left first (a refused request is no abort)
                     self.metrics.observe(None, time.monotonic() - flight.arrival, 0, "abort")
-        for rid in [*claimed, *(r.rid for r in flight.reqs)]:
+        running = {req.rid for req, ticket in zip(flight.reqs, flight.tickets) if ticket.ran}
+        for rid in {*claimed, *(r.rid for r in flight.reqs)} - running:  # a running one's rid is free once its run ends
             self.active.pop(rid, None)
 
     def _make_reqs(self, tenant: Tenant, prompts: Sequence[Prompt | Callable[[], Prompt]], params: Sequence[SamplingParams],
@@ -246,7 +253,8 @@ class ServerState:
             self.usage[ticket.tenant].add(used)
             if (entry := access_log.CURRENT.get()) is not None:
                 entry.completion_tokens = (entry.completion_tokens or 0) + used.completion_tokens
-            self.active.pop(req.rid, None)
+            if self.active.get(req.rid) is req:  # its rid is free only now: the engine was told to abort it first
+                del self.active[req.rid]
 
     async def collect(self, flight: Flight) -> list[Output]:
         """Run requests together to completion (siblings share their prompt through the cache)."""
@@ -259,6 +267,7 @@ class ServerState:
             return out
 
         tasks = [asyncio.ensure_future(one(r, t)) for r, t in zip(flight.reqs, flight.tickets)]
+        flight.tasks += tasks
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -282,6 +291,7 @@ class ServerState:
                     await q.put(None)
 
         tasks = [asyncio.ensure_future(pump(i, r, t)) for i, (r, t) in enumerate(zip(flight.reqs, flight.tickets))]
+        flight.tasks += tasks
         try:
             done = 0
             while done < len(tasks):
