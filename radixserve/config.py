@@ -219,8 +219,9 @@ class ServerConfig:
                                                 "(server/chat/reasoning.py)", ("qwen3", "deepseek_r1"))
     tool_call_parser: str = option("auto", "how the model writes tool calls (tool_choice auto): auto (from its chat "
                                            "template), hermes, llama3_json, mistral (its v11 form where the template "
-                                           "writes [ARGS]) or qwen3_coder (server/chat/tool_parsers.py)",
-                                   ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder"))
+                                           "writes [ARGS]), qwen3_coder or harmony (gpt-oss; its channels also split the "
+                                           "reasoning off) (server/chat/tool_parsers.py)",
+                                   ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "harmony"))
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,20 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+HARMONY_STOPS = ("<|return|>", "<|call|>")  # the end of an answer, and of a turn that calls a tool
+
+
+def harmony_stops(tokenizer: Any) -> set[int]:
+    """A harmony model's (gpt-oss) stop tokens, whatever its file says: a turn ends at its
+    answer or at a call, as gpt-oss's generation_config.json and llama.cpp's end-of-generation
+    tokens have it (a GGUF file names only <|return|>; config.json likewise)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "<|channel|>" not in template:
+        return set()
+    ids = tokenizer.convert_tokens_to_ids(list(HARMONY_STOPS))
+    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+
+
 class Engine(RequestFront):
     """`Engine(model=None, **overrides)`: model None is the default SmolLM2-135M-Instruct;
     overrides are EngineConfig field names (kv_cache_tokens, chunked_prefill_size, ...)."""
@@ -103,6 +117,7 @@ class Engine(RequestFront):
         self.eos_ids = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_ids |= harmony_stops(self.tokenizer)
         a = self.arch
         self.window = max(a.layer_windows, default=0) if not cfg.cache.disable_hybrid_swa_memory else 0
         slots, window_slots = self._pool_slots()

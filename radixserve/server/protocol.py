@@ -4,6 +4,8 @@ source of /openapi.json). Request Structs forbid unknown fields, so a typo is a 
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -266,6 +268,11 @@ class ToolCall(_Out):
     id: str
     function: FunctionCall
     type: str = "function"
+
+
+def new_call(name: str, arguments: Any) -> ToolCall:
+    """A call as a model wrote it: a fresh id, its arguments as JSON text."""
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, json.dumps(arguments)))
 
 
 class ToolCallDelta(_Out):

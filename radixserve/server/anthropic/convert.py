@@ -68,7 +68,8 @@ def conversation(b: CountTokensRequest, reasoning_parser: str | None = None, too
             raise bad(f"messages[{i}].role", f"must be \"user\" or \"assistant\", got {m.role!r} (a system prompt goes in system)")
     if b.messages[0].role != "user":
         raise bad("messages[0].role", "the first message must use the \"user\" role")
-    plan = Plan([], tools.ANTHROPIC_PARAMS, template_kwargs=_thinking(b.thinking, reasoning_parser), tool_format=tool_format)
+    parser = "harmony" if tool_format == "harmony" else reasoning_parser  # a harmony answer's analysis is its reasoning
+    plan = Plan([], tools.ANTHROPIC_PARAMS, template_kwargs=_thinking(b.thinking, parser), tool_format=tool_format)
     if b.system:
         plan.messages.append({"role": "system", "content": _text(b.system, "system")})
     for i, m in enumerate(b.messages):

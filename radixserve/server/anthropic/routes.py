@@ -114,7 +114,8 @@ messages = anthropic_errors(chat_core.route(MESSAGES))
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """The rendered prompt's tokens (system, messages and the offered tools), generating nothing."""
     state, _, _, b = await chat_core.begin(request, CountTokensRequest, admit=False)
-    plan = chat_core.constrain(convert.conversation(b, state.config.reasoning_parser), state.config.reasoning_parser)
+    parser = state.config.reasoning_parser
+    plan = chat_core.constrain(convert.conversation(b, parser, state.tool_format), parser)
     ids = await state.off_loop(chat_core.renderer(state.engine, plan, convert.RENAME))
     return _json(TokenCount(len(ids)))
 

@@ -107,7 +107,7 @@ class LiveBlocks(reasoning.LiveParts):
 
     def __init__(self, sse: EventWriter, plan: Plan, show: bool) -> None:
         calls = tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call)
-        super().__init__(plan.parser, plan.mode != "required", calls)
+        super().__init__(plan.parser, plan.mode != "required", calls, plan.offered)
         self.sse, self.show = sse, show
 
     async def open_reasoning(self) -> None:

@@ -60,7 +60,10 @@ def constrain(plan: Plan, reasoning_parser: str | None, free: bool = True) -> Pl
     offers no tools; the output is split by the reasoning parser unless the template turns
     thinking off. A required call replaces a schema of the API's: refusing the two together is
     the API's, in its own field's name."""
-    if plan.mode == "required":
+    harmony = plan.tool_format == "harmony"
+    if plan.mode == "required" and harmony:  # its call is a message on a channel, not bare JSON
+        plan.tag, plan.call_tag = tools.harmony_tag(plan.callable, required=True), True
+    elif plan.mode == "required":
         plan.schema = tools.call_spec(plan.callable)
     elif plan.mode == "auto" and free and plan.schema is None and plan.tag is None:
         plan.tag = tools.auto_tag(plan.offered, plan.tool_format, plan.one_call)
@@ -71,7 +74,7 @@ def constrain(plan: Plan, reasoning_parser: str | None, free: bool = True) -> Pl
         plan.call_field = (field, tools.error_param(plan.offered, plan.callable, plan.tool_schemas))
     if plan.mode == "none":
         plan.offered = []
-    plan.parser = reasoning.active(reasoning_parser, plan.template_kwargs)
+    plan.parser = "harmony" if harmony else reasoning.active(reasoning_parser, plan.template_kwargs)
     return plan
 
 
@@ -122,7 +125,8 @@ def sampling_params(plan: Plan, s: Sampling) -> list[SamplingParams]:
     """One per choice (of a constrained plan). With a reasoning parser a constraint starts after
     the reasoning; calls marked with special tokens (plan.keep_markers) are decoded with them."""
     constrained = any(x is not None for x in (plan.schema, plan.tag, s.regex, s.ebnf))
-    after = reasoning.grammar_after(plan.parser, constrained)
+    whole = plan.parser == "harmony" and plan.call_tag  # a harmony call tag holds every message, the analysis too
+    after = None if whole else reasoning.grammar_after(plan.parser, constrained)
     s = replace(s, skip_special_tokens=s.skip_special_tokens and not plan.keep_markers)
     return [s.params(i, plan.schema, plan.tag, after) for i in range(s.n)]
 

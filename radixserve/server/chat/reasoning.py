@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.engine.outputs import Output
-from radixserve.server.chat import cut_calls, tools
+from radixserve.server.chat import cut_calls, harmony, tools
 from radixserve.server.chat.call_stream import CallStream
 from radixserve.server.chat.text_scan import partial_tail
 from radixserve.server.errors import ApiError
@@ -113,16 +113,22 @@ def active(parser: str | None, template_kwargs: dict[str, Any] | None) -> str | 
 
 
 def grammar_after(parser: str | None, constrained: bool) -> str | None:
-    """Where a constraint (JSON, a required tool call) starts: after the reasoning, when it is split."""
-    return MARKER if parser and constrained else None
+    """Where a constraint (JSON, a required tool call) starts: after the reasoning, when it is
+    split (in a harmony answer: where its final message starts)."""
+    if not (parser and constrained):
+        return None
+    return harmony.FINAL if parser == "harmony" else MARKER
 
 
-def splitter(parser: str | None) -> ThinkSplitter | None:
-    """A fresh splitter for one choice, or None when there is nothing to split."""
+def splitter(parser: str | None, tools: Sequence[Any] = ()) -> ThinkSplitter | harmony.Splitter | None:
+    """A fresh splitter for one choice, or None when there is nothing to split; a harmony
+    answer's also reads the calls of `tools` (harmony.Splitter.take_calls)."""
+    if parser == "harmony":
+        return harmony.Splitter({t.name: t for t in tools})
     return None if parser is None else ThinkSplitter(PARSERS[parser])
 
 
-def feed(s: ThinkSplitter | None, text: str, final: bool = False) -> tuple[str, str]:
+def feed(s: ThinkSplitter | harmony.Splitter | None, text: str, final: bool = False) -> tuple[str, str]:
     """(reasoning, content) of one delta; `final`: the output ends with it."""
     if s is None:
         return "", text
@@ -143,8 +149,9 @@ class LiveParts:
     blocks) says how a part starts, grows and ends. `live` False: nothing streams (a required
     call, parsed whole at the end)."""
 
-    def __init__(self, parser: str | None, live: bool, calls: CallStream | None = None) -> None:
-        self.split, self.live, self.calls = splitter(parser), live, calls
+    def __init__(self, parser: str | None, live: bool, calls: CallStream | None = None,
+                 offered: Sequence[tools.Tool] = ()) -> None:
+        self.split, self.live, self.calls = splitter(parser, offered), live, calls
         self.parts: list[str] = []
         self.open_key: str | None = None
         self._sent: list[str] = []  # the content streamed so far, in pieces (joined when asked for)
@@ -157,7 +164,7 @@ class LiveParts:
             await self._open("reasoning")
         if thought:
             await self.reasoning_delta(thought)
-        new: list[ToolCall] = []
+        new = self.split.take_calls() if isinstance(self.split, harmony.Splitter) else []
         if self.calls is not None:
             content, new = self.calls.feed(content)
         if content:
@@ -171,6 +178,8 @@ class LiveParts:
             await self.tool_call(len(self.parts) - 1, call)
 
     def streamed_calls(self) -> list[ToolCall]:
+        if isinstance(self.split, harmony.Splitter):
+            return self.split.calls
         return self.calls.calls if self.calls is not None else []
 
     @property
@@ -248,6 +257,12 @@ def answer(text: str, finish_reason: str, parser: str | None, mode: str = "none"
     max_tokens keeps the calls it completed, as a stream sent them, and the call it was writing
     is a call cut short (server.cut_calls), not text; `streamed`: the calls a stream sent, whose
     ids the same calls keep."""
+    if parser == "harmony":  # its calls are messages of their own, read with its channels
+        thought, content, read = harmony.read(text, {t.name: t for t in offered or []} if mode != "none" else {})
+        read = read[:1] if one_call else read
+        for i, sent in enumerate((streamed or [])[: len(read)]):
+            read[i] = sent if sent.function == read[i].function else read[i]
+        return Answer(thought, content, read)
     thought, content = split(text, parser)
     calls: list[ToolCall] = []
     cut: ToolCall | None = None
@@ -320,24 +335,25 @@ async def read_answer(out: Output, plan: Plan, streamed: list[ToolCall] | None =
     decodes the output a few times)."""
     def counted(a: Answer) -> Answer:
         if tok is not None and a.reasoning is not None:
-            a.thought = min(reasoning_tokens(tok, out.token_ids), out.completion_tokens)
+            a.thought = min(reasoning_tokens(tok, out.token_ids, harmony.END if plan.parser == "harmony" else CLOSE),
+                            out.completion_tokens)
         return a
 
     return await read_long([out], plan, counted, streamed)
 
 
-def reasoning_tokens(tok: Any, ids: list[int]) -> int:
-    """How many output tokens were reasoning, its tags included: those up to the first `</think>`
-    (all of them when none closed it). Counted on the tokens the model wrote, not re-tokenized:
-    at the `</think>` token when the vocabulary has one, else at the shortest prefix whose text
-    holds the tag."""
-    close = tok.convert_tokens_to_ids(CLOSE)
+def reasoning_tokens(tok: Any, ids: list[int], end: str = CLOSE) -> int:
+    """How many output tokens were reasoning, its tags included: those up to the first `end`
+    (`</think>`; a harmony answer's first <|end|>, which ends its analysis), all of them when
+    none closed it. Counted on the tokens the model wrote, not re-tokenized: at the `end` token
+    when the vocabulary has one, else at the shortest prefix whose text holds the tag."""
+    close = tok.convert_tokens_to_ids(end)
     if isinstance(close, int) and close != getattr(tok, "unk_token_id", None) and close in ids:
         return ids.index(close) + 1
     lo, hi = 1, len(ids)
-    if not ids or CLOSE not in tok.decode(ids, skip_special_tokens=True):
+    if not ids or end not in tok.decode(ids, skip_special_tokens=end == CLOSE):
         return len(ids)
     while lo < hi:  # the text of ids[:k] holds the tag from some k on
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if CLOSE in tok.decode(ids[:mid], skip_special_tokens=True) else (mid + 1, hi)
+        lo, hi = (lo, mid) if end in tok.decode(ids[:mid], skip_special_tokens=end == CLOSE) else (mid + 1, hi)
     return lo

@@ -15,6 +15,9 @@ not offered, or one that does not parse, stays content.
                  request with tools in auto mode keeps them in the decoded text (tools.keeps_markers).
     qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>,
                  each VALUE read by its parameter's schema type (a string as written)
+    harmony      gpt-oss: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...},
+                 one message of its channels (server.chat.harmony, which also splits the reasoning
+                 off: the analysis channel); always decoded with its special tokens
 
 `FORMATS` is the one table of them: each format's parser, the markers a stream watches for, how
 its calls close, and what the auto-mode constraint (server.chat.tools) and decoding need to know.
@@ -26,11 +29,11 @@ An answer cut short by max_tokens while writing a call: see server.cut_calls."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.server.chat import harmony
 from radixserve.server.chat.text_scan import (
     FENCE,
     TOOL_OPEN,
@@ -42,7 +45,7 @@ from radixserve.server.chat.text_scan import (
     xml_function,
     xml_params,
 )
-from radixserve.server.protocol import FunctionCall, ToolCall
+from radixserve.server.protocol import ToolCall, new_call
 
 Parsed = tuple[str | None, list[ToolCall]]
 
@@ -51,6 +54,8 @@ def for_template(template: str | None) -> str:
     """The parser a chat template's own tool-call format asks for (hermes when it has none: then
     radixserve's system prompt teaches the model the tagged form)."""
     t = template or ""
+    if "<|channel|>" in t:
+        return "harmony"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
     if "<tool_call>" in t:
@@ -66,7 +71,9 @@ def for_server(template: str | None, chosen: str) -> str:
     """How the model writes tool calls: `chosen` (--tool-call-parser), else (auto) its chat
     template's own format where the template takes tools (else the tagged form radixserve's tool
     prompt teaches). Mistral's parser takes the v11 form where the template writes it."""
-    found = for_template(template if template and "tools" in template else None)
+    found = for_template(template if template and ("tools" in template or "<|channel|>" in template) else None)
+    if found == "harmony":  # its channels are its answers' form, tools or not
+        return found
     return found if chosen == "auto" or (chosen == "mistral" and found == "mistral_v11") else chosen
 
 
@@ -74,10 +81,6 @@ def parse(name: str, text: str, tools: list[Any]) -> Parsed:
     """(content left or None, calls) of `text` in parser `name`'s format; `tools` the offered
     ones (`server.chat.tools.Tool`: name and parameters)."""
     return FORMATS[name].parse(text, {t.name: t for t in tools})
-
-
-def new_call(name: str, arguments: Any) -> ToolCall:
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, json.dumps(arguments)))
 
 
 def calls_of(objs: list[Any], tools: dict[str, Any], args_key: str = "arguments") -> list[ToolCall]:
@@ -211,4 +214,5 @@ FORMATS: dict[str, ToolFormat] = {
     "llama3_json": ToolFormat(_llama3_json, ("<|python_tag|>",), whole_answer=True, xgrammar_tag="llama"),
     "mistral": ToolFormat(_mistral, ("[TOOL_CALLS]",), whole_answer=True, special_tokens=True),
     "mistral_v11": ToolFormat(_mistral, ("[TOOL_CALLS]",), whole_answer=True, special_tokens=True),
+    "harmony": ToolFormat(harmony.parse, (), special_tokens=True),  # read by its splitter (reasoning.splitter)
 }

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from radixserve.limits import TooDeep, loads
-from radixserve.server.chat import tool_parsers
+from radixserve.server.chat import harmony, tool_parsers
 from radixserve.server.chat.call_stream import CallStream
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ToolCall
@@ -128,10 +128,14 @@ def auto_tag(offered: list[Tool], fmt: str, one_call: bool = False) -> str | Non
                      (call_schema items; one with `one_call`); nothing after it
         mistral_v11  [TOOL_CALLS] + an offered tool's name + the special token [ARGS] + its
                      arguments, per call
+        harmony      messages on any channel, a commentary to an offered tool held to its schema
+                     (harmony_tag)
 
     None where this xgrammar has no builtin tag for the format."""
     if not offered:
         return None
+    if fmt == "harmony":
+        return harmony_tag(offered, required=False)
     form = tool_parsers.FORMATS[fmt]
     if form.special_tokens:  # Mistral's
         return json.dumps({"type": "structural_tag", "format": _mistral_tags(offered, fmt, one_call)})
@@ -175,11 +179,38 @@ def _mistral_tags(offered: list[Tool], fmt: str, one_call: bool) -> dict[str, An
             "stop_after_first": one_call or fmt == "mistral"}
 
 
+def harmony_tag(offered: list[Tool], required: bool) -> str:
+    """A harmony answer (gpt-oss) with its calls held to the offered tools' schemas; xgrammar
+    matches a special token by its text. Auto: messages on any channel (the analysis, a
+    preamble, the final answer), each call in any of the spellings gpt-oss writes; `required`:
+    an optional analysis, then one call. A call ends the answer (<|call|> is a stop token), so
+    there is never more than one."""
+    h = harmony
+    calls = []
+    for t in offered:
+        args = {"type": "json_schema", "json_schema": _hoisted(t), "max_whitespace_cnt": 2}
+        to = f"to=functions.{t.name}"
+        for begin in (f"{h.CHANNEL}commentary {to} {h.CONSTRAIN}json{h.MESSAGE}",
+                      f"{h.CHANNEL}commentary {to}{h.CONSTRAIN}json{h.MESSAGE}",
+                      f" {to}{h.CHANNEL}commentary {h.CONSTRAIN}json{h.MESSAGE}", f" {to}{h.CHANNEL}commentary json{h.MESSAGE}"):
+            calls.append({"type": "tag", "begin": begin, "content": args, "end": h.CALL})
+    analysis = {"type": "tag", "begin": f"{h.CHANNEL}analysis{h.MESSAGE}", "content": {"type": "any_text"}, "end": h.END}
+    if required:
+        one = {"type": "or", "elements": calls}
+        fmt: dict[str, Any] = {"type": "or", "elements": [one, {"type": "sequence", "elements": [
+            analysis, {"type": "const_string", "value": h.SEPARATOR}, one]}]}
+    else:
+        final = {"type": "tag", "begin": h.FINAL, "content": {"type": "any_text"}, "end": [h.END, h.RETURN]}
+        preamble = {"type": "tag", "begin": f"{h.CHANNEL}commentary{h.MESSAGE}", "content": {"type": "any_text"}, "end": h.END}
+        fmt = {"type": "tags_with_separator", "tags": [analysis, preamble, final, *calls], "separator": h.SEPARATOR}
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
 def keeps_markers(mode: str, fmt: str) -> bool:
     """Whether an answer must be decoded with its special tokens: tool calls in auto mode whose
     format marks them with special tokens (Mistral's [TOOL_CALLS], [ARGS]), which the parser
-    and the call stream read."""
-    return mode == "auto" and tool_parsers.FORMATS[fmt].special_tokens
+    and the call stream read; a harmony answer always (its channels are marked so)."""
+    return fmt == "harmony" or (mode == "auto" and tool_parsers.FORMATS[fmt].special_tokens)
 
 
 _FENCE = '```json\n{\n  "name": "'  # how Qwen2.5-Coder opens a call
@@ -194,8 +225,9 @@ def _hoisted(t: Tool) -> dict[str, Any]:
 
 def schema_field(mode: str, call_tag: bool) -> str | None:
     """The grammar field whose compile errors are the tools' schemas' (error_param, blame): a
-    required call's json_schema, an auto call's structural tag; None when no call is constrained."""
-    return "json_schema" if mode == "required" else "structural_tag" if call_tag else None
+    required call's json_schema, a call's structural tag (auto; a harmony call, required too);
+    None when no call is constrained."""
+    return "structural_tag" if call_tag else "json_schema" if mode == "required" else None
 
 
 CHAT_PARAMS = "tools[{}].function.parameters"  # where each API keeps a tool's parameter schema
@@ -337,7 +369,7 @@ def parse_calls(text: str, tools: list[Tool], fmt: str = "hermes") -> tuple[str 
 def call_stream(mode: str, offered: list[Tool], fmt: str, one_call: bool) -> CallStream | None:
     """What splits a streamed answer's calls from its text as it comes: in auto mode (a required
     call is constrained JSON, parsed at the end; without tools the text is all content)."""
-    return CallStream(fmt, offered, one_call) if mode == "auto" and offered else None
+    return CallStream(fmt, offered, one_call) if mode == "auto" and offered and fmt != "harmony" else None
 
 
 def history_text(tool_calls: list[Any] | None, param: str) -> str:

@@ -225,7 +225,8 @@ class _LiveChoice(reasoning.LiveParts):
     (reasoning, content, and with tools each call as it completes: reasoning.LiveParts)."""
 
     def __init__(self, plan: Plan) -> None:
-        super().__init__(plan.parser, True, tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call))
+        super().__init__(plan.parser, True, tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call),
+                         plan.offered)
         self.plan = plan
         self.delta = ChatDelta()
         self.n_calls = 0

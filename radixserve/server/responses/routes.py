@@ -99,7 +99,7 @@ async def _stream(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
     w = await EventWriter.open(call.request)
     await w.start(resp)
     live = LiveItems(w, plan.parser, pending.ids, plan.mode != "required",
-                     tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call))
+                     tools.call_stream(plan.mode, plan.offered, plan.tool_format, plan.one_call), plan.offered)
     out: Output | None = None
     async with aclosing(state.run(flight.reqs[0], flight.tickets[0], flight.arrival)) as deltas:
         async for d in deltas:

@@ -18,12 +18,14 @@ whole answer shows, e.g. a fenced one, comes at the end). A required call comes 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from radixserve.server.chat import reasoning
 from radixserve.server.chat.call_stream import CallStream
+from radixserve.server.chat.tools import Tool
 from radixserve.server.protocol import ToolCall
 from radixserve.server.responses.protocol import (
     ArgumentsDeltaEvent,
@@ -140,8 +142,8 @@ class LiveItems(reasoning.LiveParts):
     call id (`call_item_id`)."""
 
     def __init__(self, w: EventWriter, parser: str | None, ids: tuple[str, str], live: bool,
-                 calls: CallStream | None = None) -> None:
-        super().__init__(parser, live, calls)
+                 calls: CallStream | None = None, offered: Sequence[Tool] = ()) -> None:
+        super().__init__(parser, live, calls, offered)
         self.w, self.ids = w, ids
         self.thought: list[str] = []
 
