@@ -48,7 +48,7 @@ def main() -> None:
     @torch.inference_mode()
     def step() -> torch.Tensor:
         seqs = [SeqView(i, 1, ctx, list(range(i * (ctx + 8), i * (ctx + 8) + ctx + 1))) for i in range(b)]
-        batch = ForwardBatch(torch.randint(100, 1000, (b,)), torch.full((b,), ctx),
+        batch = ForwardBatch(torch.randint(min(100, eng.vocab_size // 2), min(1000, eng.vocab_size), (b,)), torch.full((b,), ctx),
                              torch.tensor([s.slots[-1] for s in seqs]), seqs, backend)
         backend.prepare(batch)
         return model.compute_logits(model(batch)).argmax(-1)

@@ -345,3 +345,36 @@ def test_an_engine_that_cannot_start_is_a_clean_error_and_leaves_nothing_behind(
         assert "Traceback" not in r.stderr, r.stderr[-2000:]
     # the engine process that failed is gone (its command line holds its options as JSON)
     assert subprocess.run(["pgrep", "-f", 'radixserve.engine.process .*"max_total_tokens": 0']).returncode == 1
+
+
+def test_a_rid_reused_at_once_waits_for_the_old_request_and_an_abort_meanwhile_is_the_new_ones(proc_engine):
+    """Deltas cross by rid: a request under a rid whose last request is still being let go of
+    waits for its final delta (so it never reads that request's end), and an abort of the rid
+    while it waits ends it, not (only) the old one."""
+    from contextlib import aclosing
+
+    long = SamplingParams(max_new_tokens=400, ignore_eos=True, temperature=0)
+
+    async def left_at_once() -> None:
+        async with aclosing(proc_engine.submit(proc_engine.make_req([5, 6, 7], long, "reused"))) as deltas:
+            async for _ in deltas:
+                break  # its client leaves: aborted
+
+    async def run() -> tuple[Output, Output]:
+        await left_at_once()
+        whole = await _collect(proc_engine, proc_engine.make_req([5, 6, 7], SamplingParams(max_new_tokens=5), "reused"))
+        await left_at_once()
+        waiting = asyncio.ensure_future(_collect(proc_engine, proc_engine.make_req([5, 6, 7], long, "reused")))
+        def started() -> bool:  # waiting for the rid, or holding it (the old route's reader has gone)
+            route = proc_engine._streams.get("reused")
+            return "reused" in proc_engine._waiting or (route is not None and route.sink is not None)
+
+        while not waiting.done() and not started():
+            await asyncio.sleep(0)
+        proc_engine.abort("reused")
+        return whole, await asyncio.wait_for(waiting, 60)
+
+    whole, aborted = asyncio.run(run())
+    assert whole.finish_reason == "length" and whole.completion_tokens == 5
+    assert aborted.finish_reason == "abort" and aborted.completion_tokens < 400
+    assert not proc_engine._waiting and not proc_engine._aborted

@@ -35,7 +35,21 @@ CASES = [  # (text, reasoning, content, call names)
     ("Just text, no channels.", None, "Just text, no channels.", []),
     ("<|channel|>analysis<|message|>cut off while thinking", "cut off while thinking", None, []),
     ("<|channel|>analysis<|message|>done<|end|><|start|>assistant<|channel|>fin", "done", None, []),  # a header cut short
+    ("<|channel|>analysis<|message|>A1<|end|><|start|>assistant<|channel|>analysis<|message|>A2<|end|>"
+     "<|start|>assistant" + FINAL, "A1\n\nA2", "It is sunny in Paris.", []),  # messages of a kind: paragraphs
+    ("<|channel|>commentary<|message|>Let me check.<|end|>" + ANALYSIS + FINAL, None,
+     "Let me check.\n\nThe user wants the weather.\n\nIt is sunny in Paris.", []),  # reasoning only before content
+    ("<|channel|>analysis<|message|>A<|start|>assistant" + FINAL, "A", "It is sunny in Paris.", []),  # <|start|> ends one too
 ]
+PLAIN = ["Sure! Here it is.<|channel|>final<|message|>answer", "<|channel|>" + "x" * 300 + "<|message|>answer"]
+
+
+@pytest.mark.parametrize("text", PLAIN)
+def test_text_before_a_header_or_a_header_too_long_is_plain_content_whole_and_streamed(text):
+    assert harmony.read(text, TOOLS) == (None, text, [])
+    s = harmony.Splitter(TOOLS)
+    parts = [s.feed(ch) for ch in text] + [s.flush()]
+    assert "".join(c for _, c in parts) == text and not "".join(r for r, _ in parts)
 
 
 @pytest.mark.parametrize("text, reasoning, content, names", CASES)
@@ -144,6 +158,10 @@ def test_the_constraints_hold_calls_to_the_schema_and_match_the_special_tokens(t
     assert not accepts(False, ANALYSIS + CALL.replace("get_weather", "rm_rf"), harmony.CALL)
     assert not accepts(True, ANALYSIS + FINAL, harmony.RETURN)  # required: a call, not an answer
     assert not accepts(False, "Plain text without a channel.", harmony.RETURN)
+    assert accepts(False, "<|channel|>analysis<|message|>Only thinking.<|end|>", harmony.RETURN)
+    assert not accepts(False, FINAL + "<|end|><|start|>assistant" + ANALYSIS + FINAL, harmony.RETURN)  # reasoning first
+    assert not accepts(False, "<|channel|>analysis<|message|>a <|channel|> in it<|end|><|start|>assistant" + FINAL,
+                       harmony.RETURN)  # no message holds another's markers
 
 
 # -- served: a tiny gpt-oss with harmony's special tokens and a harmony chat template ------------

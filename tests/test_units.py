@@ -241,6 +241,7 @@ def test_the_engines_fast_tokenizer_encodes_and_decodes_as_the_transformers_one(
     template) goes to the transformers tokenizer behind it; a damaged saved file is a miss."""
     import pickle
 
+    from radixserve.engine.engine import harmony_stops
     from radixserve.models import fast_tokenizer as ft
     from radixserve.models.files import load_tokenizer, tokenizer_dir
 
@@ -254,6 +255,7 @@ def test_the_engines_fast_tokenizer_encodes_and_decodes_as_the_transformers_one(
         saved = list((tmp_path / "fast_tokenizers").glob("*.json"))
         fast, full = load_tokenizer(folder, fast=True), load_tokenizer(folder)
         assert isinstance(fast, ft.FastTokenizer) and fast._full is None, folder  # transformers not loaded
+        assert harmony_stops(fast) == set() and fast._full is None  # what the engine asks at its start: no transformers
         for text in texts:
             for special in (True, False):
                 assert fast.encode(text, add_special_tokens=special) == full.encode(text, add_special_tokens=special)

@@ -336,6 +336,8 @@ class DataParallelEngine(RequestFront):
             return
         i = self._placed.pop(rid, None)
         if i is not None:  # routed, never submitted (its client left, or it was refused)
+            if (placed := self.replicas[i].engine) is not None:
+                placed.abort(rid)  # sent ahead for its grammar: it runs there unless told
             self._release(i)
             self._end_handoff(rid)
             return

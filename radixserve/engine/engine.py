@@ -55,14 +55,13 @@ HARMONY_STOPS = ("<|return|>", "<|call|>")  # the end of an answer, and of a tur
 
 
 def harmony_stops(tokenizer: Any) -> set[int]:
-    """A harmony model's (gpt-oss) stop tokens, whatever its file says: a turn ends at its
-    answer or at a call, as gpt-oss's generation_config.json and llama.cpp's end-of-generation
-    tokens have it (a GGUF file names only <|return|>; config.json likewise)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or "<|channel|>" not in template:
-        return set()
-    ids = tokenizer.convert_tokens_to_ids(list(HARMONY_STOPS))
-    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+    """A harmony model's (gpt-oss: its vocabulary has <|channel|>) stop tokens, whatever its
+    file says: a turn ends at its answer or at a call, as gpt-oss's generation_config.json and
+    llama.cpp's end-of-generation tokens have it (a GGUF file names only <|return|>; config.json
+    likewise). NOTE: read from the vocabulary, which a fast-loaded tokenizer has without
+    transformers (its chat template would load them)."""
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for t in HARMONY_STOPS if t in vocab} if "<|channel|>" in vocab else set()
 
 
 class Engine(RequestFront):

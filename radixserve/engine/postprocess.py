@@ -9,6 +9,7 @@ samples; this stage owns each request's stream (its detokenizer and its sink).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,11 +139,15 @@ class PostProcessor:
             self.sampler.release(req.rid)
             if st is None:
                 continue
-            st.detok.flush()
             try:
+                st.detok.flush()
                 self._emit(st, finished=True, output=_output(req, st.detok.text))
-            except Exception:
+            except Exception as e:  # still a final delta: its reader (and its rid) must not wait forever
                 log.exception("delivering the final output of %s failed", req.rid)
+                failed = Output(req.rid, "", [], "error", req.prompt_len, req.output_len, req.cached_tokens,
+                                error=f"internal error while finishing: {e!r}")
+                with contextlib.suppress(Exception):
+                    st.sink(Delta(req.rid, "", finished=True, output=failed))
 
     def abort_all(self) -> None:
         for st in list(self.streams.values()):

@@ -119,7 +119,9 @@ class EngineProcess(RequestFront):
                                      kv_bytes_per_token=info.kv_bytes_per_token)
         self._streams: dict[str, _Route] = {}  # rid -> its request's route, until the engine's final delta
         self._calls: dict[int, Future[Reply]] = {}
-        self._ahead: dict[str, DeltaStream] = {}  # constrained requests sent by prepare_grammar, not yet submitted
+        self._ahead: dict[str, tuple[DeltaStream, _Route]] = {}  # constrained requests sent ahead, not yet submitted
+        self._waiting: dict[str, int] = {}  # rids requests wait for (_route): how many wait
+        self._aborted: set[str] = set()  # ... and those aborted meanwhile
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # streams and calls
         self.dead: str | None = None  # why the engine process is gone
@@ -159,9 +161,11 @@ class EngineProcess(RequestFront):
         stream = DeltaStream(lambda: self._abort_route(route))
         route = await self._route(req, stream)
         with self._lock:
-            self._ahead[req.rid] = stream
+            self._ahead[req.rid] = stream, route
         call = self._call(lambda cid: AddRequest.of(req, cid))
         call.add_done_callback(lambda f: None if _accepted(f) else self._drop(req.rid, route))  # refused: no delta comes
+        if route.aborted:
+            self._abort_route(route)
         answer = asyncio.wrap_future(call)
         answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even with nobody awaiting it
         try:
@@ -179,39 +183,56 @@ class EngineProcess(RequestFront):
         req = prompt if isinstance(prompt, Req) else self.make_req(prompt, params)
         with self._lock:
             ahead = self._ahead.pop(req.rid, None)  # sent by prepare_grammar
-            route = self._streams.get(req.rid) if ahead is not None else None
         if ahead is None:
-            stream = DeltaStream(lambda: self._abort_route(mine))
-            route = mine = await self._route(req, stream)
+            stream = DeltaStream(lambda: self._abort_route(route))
+            route = await self._route(req, stream)
             self._send(AddRequest.of(req))
+            if route.aborted:
+                self._abort_route(route)
         else:  # its deltas (even the final one) are in the stream already
-            stream = ahead
+            stream, route = ahead
         stream.max_backlog = max_backlog
         try:
             async with aclosing(stream.deltas()) as deltas:  # closed (so aborting) as soon as this is
                 async for d in deltas:
                     yield d
         finally:
-            if route is not None:
-                route.sink = None  # its later deltas go nowhere; the route stays until the engine's final one
+            route.sink = None  # its later deltas go nowhere; the route stays until the engine's final one
 
     async def _route(self, req: Req, stream: DeltaStream) -> _Route:
         """Route the rid's deltas to `stream`, once the engine has let go of any earlier request
         under the same rid (its final delta came): deltas travel by rid, so a rid reused right
         after its client left would otherwise get the old request's last deltas, or be refused
-        by the engine as already in flight."""
-        while True:
-            with self._lock:
-                if self.dead is not None:
-                    raise EngineDied(f"the engine process is gone: {self.dead}")
-                held = self._streams.get(req.rid)
-                if held is None:
-                    route = self._streams[req.rid] = _Route(req.rid, stream.sink, req.prompt_len)
-                    return route
-            await asyncio.shield(asyncio.wrap_future(held.gone))  # shielded: other waiters share the future
+        by the engine as already in flight. An abort of the rid meanwhile is the new request's
+        (`aborted`: its caller aborts it once sent)."""
+        rid, waited = req.rid, False
+        try:
+            while True:
+                with self._lock:
+                    if self.dead is not None:
+                        raise EngineDied(f"the engine process is gone: {self.dead}")
+                    held = self._streams.get(rid)
+                    if held is None:
+                        route = self._streams[rid] = _Route(rid, stream.sink, req.prompt_len)
+                        route.aborted = waited and rid in self._aborted
+                        return route
+                    if not waited:
+                        self._waiting[rid] = self._waiting.get(rid, 0) + 1
+                        waited = True
+                await asyncio.shield(asyncio.wrap_future(held.gone))  # shielded: other waiters share the future
+        finally:
+            if waited:
+                with self._lock:
+                    self._waiting[rid] -= 1
+                    if not self._waiting[rid]:
+                        del self._waiting[rid]
+                        self._aborted.discard(rid)
 
     def abort(self, rid: str) -> None:
         self._forget(rid)  # sent ahead but never submitted (its client left): nobody will read it
+        with self._lock:
+            if rid in self._waiting:  # (also) a request waiting for the rid: it is aborted once sent
+                self._aborted.add(rid)
         self._send(Abort(rid))
 
     def _abort_route(self, route: _Route) -> None:
@@ -224,8 +245,8 @@ class EngineProcess(RequestFront):
 
     def _forget(self, rid: str) -> None:
         with self._lock:
-            if self._ahead.pop(rid, None) is not None and (route := self._streams.get(rid)) is not None:
-                route.sink = None
+            if (ahead := self._ahead.pop(rid, None)) is not None:
+                ahead[1].sink = None
 
     def _drop(self, rid: str, route: _Route) -> None:
         with self._lock:
@@ -378,6 +399,7 @@ class _Route:
     def __init__(self, rid: str, sink: Callable[[Delta], None], prompt_len: int) -> None:
         self.rid, self.prompt_len = rid, prompt_len
         self.sink: Callable[[Delta], None] | None = sink
+        self.aborted = False  # aborted while it waited for its rid: abort it once sent
         self.gone: Future[None] = Future()
 
     def release(self) -> None:
@@ -505,28 +527,26 @@ class _Core:
             self.outbox.append(d)
 
         def start() -> None:
+            failed: Exception | None = None
             if entry is not None:
                 try:
                     req.grammar = entry.result(e.grammars().max_wait_s).matcher()
                 except FutureTimeout:
                     assert req.grammar_spec is not None
-                    self._refuse(msg, grammar_errors.timeout(req.grammar_spec, e.config.grammar_compile_timeout))
-                    return
+                    failed = grammar_errors.timeout(req.grammar_spec, e.config.grammar_compile_timeout)
                 except Exception as err:
-                    self._refuse(msg, err)
-                    return
-                finally:
-                    with self.compiling_lock:
-                        aborted = self.compiling.pop(req.rid, False)
-                if aborted:
-                    self._refuse(msg, RuntimeError("aborted while its grammar compiled"))
-                    return
-            try:
-                e.add(req, sink)
-            except ValueError as err:  # a KV hand-off this engine cannot make
-                self._refuse(msg, err)
-                return
-            if msg.call_id:
+                    failed = err
+            with self.compiling_lock:  # an Abort handled meanwhile (it takes this lock) reaches the loop after the Add
+                if self.compiling.pop(req.rid, False) and failed is None:
+                    failed = RuntimeError("aborted while its grammar compiled")
+                if failed is None:
+                    try:
+                        e.add(req, sink)
+                    except Exception as err:  # e.g. a KV hand-off this engine cannot make (ValueError)
+                        failed = err
+            if failed is not None:
+                self._refuse(msg, failed)  # a refused request still ends: a Reply, or its final delta
+            elif msg.call_id:
                 self.send(Reply(msg.call_id))
 
         if entry is None or entry.done():

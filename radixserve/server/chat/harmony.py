@@ -7,11 +7,14 @@ answer is decoded with them: `tools.keeps_markers`). After the prompt's `<|start
     <|start|>assistant<|channel|>final<|message|>THE ANSWER<|return|>
 
 The recipient may also come before the channel (` to=functions.NAME<|channel|>commentary
-json<|message|>`, as gpt-oss's chat template writes calls back). `analysis` is reasoning;
-`final` and a commentary without a recipient are content; a commentary to `functions.NAME` is
-a call of NAME (one of the offered tools, its arguments a JSON object; anything else there
-stays content). `<|call|>` and `<|return|>` end the output (they are stop tokens, so not in its
-text). An output that does not start like a message is plain content.
+json<|message|>`, as gpt-oss's chat template writes calls back). `analysis` is reasoning (until
+the first content: an answer is its reasoning, then its content, so an analysis after that is
+content too); `final` and a commentary without a recipient are content; a commentary to
+`functions.NAME` is a call of NAME (one of the offered tools, its arguments a JSON object;
+anything else there stays content). Two messages of one kind are joined by a blank line.
+`<|call|>` and `<|return|>` end the output (they are stop tokens, so not in its text); a
+message the model ended with `<|start|>` alone ends there. An output that does not start like
+a message (or whose header runs past HEAD_MAX) is plain content, its markers as written.
 
 `Splitter` reads a stream as reasoning.ThinkSplitter does, the calls as each message ends; every
 delta is read in time linear in itself (a header is at most HEAD_MAX characters)."""
@@ -26,7 +29,7 @@ from radixserve.server.protocol import ToolCall, new_call
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 CALL, RETURN = "<|call|>", "<|return|>"
 FINAL = CHANNEL + "final" + MESSAGE  # a constraint on the answer (a JSON schema) starts after it
-ENDS = (END, CALL, RETURN)
+ENDS = (END, CALL, RETURN, START)  # (a message the model ended with <|start|> alone: the next one's header)
 HEADS = (START, CHANNEL, " to=", "to=")  # how a message's header may start
 HEAD_MAX = 256  # a longer header is no header: the rest is plain content
 SEPARATOR = START + "assistant"  # between two messages of one answer, after the first one's <|end|>
@@ -46,6 +49,8 @@ class Splitter:
         self._new = 0  # calls[_new:] not taken yet
         self._held = ""  # text not handed out yet: a header, or what may be the start of an end marker
         self._args: list[str] = []  # the call being read
+        self._wrote = {"r": False, "c": False}  # a message of this kind has text: the next one starts on a new paragraph
+        self._fresh = False  # the open message has written nothing yet
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of one more text delta."""
@@ -81,8 +86,8 @@ class Splitter:
             return False
         if self.state == "head":
             at = h.find(MESSAGE)
-            if at < 0:
-                if not _may_head(h.lstrip()) or len(h) > HEAD_MAX:
+            if at < 0 or at > HEAD_MAX or not _may_head(h[:at].lstrip()):  # (text before a header: no header)
+                if not _may_head(h.lstrip()) or len(h) > HEAD_MAX or at >= 0:
                     self.state = "plain"
                     return True
                 return False
@@ -94,7 +99,7 @@ class Splitter:
             end, marker = min(found)
             self._emit(out, h[:end])
             self._close(out)
-            self._held, self.state = h[end + len(marker):], "head"
+            self._held, self.state = h[end + (0 if marker == START else len(marker)):], "head"
             return True
         keep = max(partial_tail(h, m) for m in ENDS)
         self._emit(out, h[:len(h) - keep])
@@ -105,16 +110,19 @@ class Splitter:
         """A message's header: its channel and recipient."""
         channel = _word(header, CHANNEL)
         self.recipient = _word(header, "to=")
-        if channel == "analysis":
+        if channel == "analysis" and not self._wrote["c"] and not self.calls:
             self.kind, self.saw_reasoning = "r", True
         else:
             self.kind = "call" if self.recipient else "c"
-        self._args = []
+        self._args, self._fresh = [], True
 
     def _emit(self, out: dict[str, list[str]], text: str) -> None:
         if self.kind == "call":
             self._args.append(text)
         elif text:
+            if self._fresh and self._wrote[self.kind]:
+                out[self.kind].append("\n\n")
+            self._fresh, self._wrote[self.kind] = False, True
             out[self.kind].append(text)
 
     def _close(self, out: dict[str, list[str]]) -> None:
@@ -125,11 +133,12 @@ class Splitter:
         args = "".join(self._args)
         name = self.recipient.removeprefix("functions.")
         obj = loads(args) if self.recipient.startswith("functions.") and name in self.tools else None
+        self._args = []
         if isinstance(obj, dict):
             self.calls.append(new_call(name, obj))
         elif args.strip():
-            out["c"].append(args)
-        self._args = []
+            self.kind = "c"
+            self._emit(out, args)
 
 
 def _may_head(text: str) -> bool:

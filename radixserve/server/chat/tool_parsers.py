@@ -72,7 +72,7 @@ def for_server(template: str | None, chosen: str) -> str:
     template's own format where the template takes tools (else the tagged form radixserve's tool
     prompt teaches). Mistral's parser takes the v11 form where the template writes it."""
     found = for_template(template if template and ("tools" in template or "<|channel|>" in template) else None)
-    if found == "harmony":  # its channels are its answers' form, tools or not
+    if found == "harmony" and chosen in ("auto", "harmony"):  # its channels are its answers' form, tools or not
         return found
     return found if chosen == "auto" or (chosen == "mistral" and found == "mistral_v11") else chosen
 

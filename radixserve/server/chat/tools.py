@@ -181,11 +181,13 @@ def _mistral_tags(offered: list[Tool], fmt: str, one_call: bool) -> dict[str, An
 
 def harmony_tag(offered: list[Tool], required: bool) -> str:
     """A harmony answer (gpt-oss) with its calls held to the offered tools' schemas; xgrammar
-    matches a special token by its text. Auto: messages on any channel (the analysis, a
-    preamble, the final answer), each call in any of the spellings gpt-oss writes; `required`:
-    an optional analysis, then one call. A call ends the answer (<|call|> is a stop token), so
-    there is never more than one."""
+    matches a special token by its text. An optional analysis first (the reasoning, as
+    server.chat.harmony reads it), then in auto mode any messages (a preamble, the final answer,
+    a call in any of the spellings gpt-oss writes), in `required` mode one call. No message's
+    text holds another's markers. A call ends the answer (<|call|> is a stop token), so there is
+    never more than one."""
     h = harmony
+    text = {"type": "any_text", "excludes": [h.START, h.CHANNEL, h.MESSAGE]}
     calls = []
     for t in offered:
         args = {"type": "json_schema", "json_schema": _hoisted(t), "max_whitespace_cnt": 2}
@@ -194,16 +196,17 @@ def harmony_tag(offered: list[Tool], required: bool) -> str:
                       f"{h.CHANNEL}commentary {to}{h.CONSTRAIN}json{h.MESSAGE}",
                       f" {to}{h.CHANNEL}commentary {h.CONSTRAIN}json{h.MESSAGE}", f" {to}{h.CHANNEL}commentary json{h.MESSAGE}"):
             calls.append({"type": "tag", "begin": begin, "content": args, "end": h.CALL})
-    analysis = {"type": "tag", "begin": f"{h.CHANNEL}analysis{h.MESSAGE}", "content": {"type": "any_text"}, "end": h.END}
+    analysis = {"type": "tag", "begin": f"{h.CHANNEL}analysis{h.MESSAGE}", "content": text, "end": h.END}
     if required:
-        one = {"type": "or", "elements": calls}
-        fmt: dict[str, Any] = {"type": "or", "elements": [one, {"type": "sequence", "elements": [
-            analysis, {"type": "const_string", "value": h.SEPARATOR}, one]}]}
+        rest: dict[str, Any] = {"type": "or", "elements": calls}
+        alone: list[dict[str, Any]] = []
     else:
-        final = {"type": "tag", "begin": h.FINAL, "content": {"type": "any_text"}, "end": [h.END, h.RETURN]}
-        preamble = {"type": "tag", "begin": f"{h.CHANNEL}commentary{h.MESSAGE}", "content": {"type": "any_text"}, "end": h.END}
-        fmt = {"type": "tags_with_separator", "tags": [analysis, preamble, final, *calls], "separator": h.SEPARATOR}
-    return json.dumps({"type": "structural_tag", "format": fmt})
+        final = {"type": "tag", "begin": h.FINAL, "content": text, "end": [h.END, h.RETURN]}
+        preamble = {"type": "tag", "begin": f"{h.CHANNEL}commentary{h.MESSAGE}", "content": text, "end": h.END}
+        rest = {"type": "tags_with_separator", "tags": [preamble, final, *calls], "separator": h.SEPARATOR}
+        alone = [analysis]  # (an answer of reasoning only)
+    then = {"type": "sequence", "elements": [analysis, {"type": "const_string", "value": h.SEPARATOR}, rest]}
+    return json.dumps({"type": "structural_tag", "format": {"type": "or", "elements": [rest, then, *alone]}})
 
 
 def keeps_markers(mode: str, fmt: str) -> bool:
