@@ -27,6 +27,8 @@ BENCHES = {
                                         "abusive shapes (bombs, floods, idle connections), RSS, 5xx, restarts"),
     "structured": ("radixserve.bench.structured", "JSON-schema coverage, compile time, compliance, constrained speed"),
     "sessions": ("radixserve.bench.sessions", "an agent session's time to first token: pool, disk tier, restart, cold"),
+    "history": ("radixserve.bench.history", "a reasoning agent's turns with the history precompute on and off: cached "
+                                            "tokens, computed tokens, TTFT per turn"),
     "spec": ("radixserve.bench.spec", "speculative decoding from context copies, on vs off: rewrite, JSON, chat"),
     "tools": ("radixserve.bench.tools", "tool calls in auto mode against OpenAI-compatible servers: made, valid, text"),
     # a bench on Ray: above the bench layer, as ray/ is; imports ray when it runs

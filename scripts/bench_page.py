@@ -16,6 +16,7 @@ is replaced by its table, with a plot (SVG, beside the JSON) where a curve says 
               the README's performance table
     sessions  `bench sessions --json`: an agent's returning turn from the pool, the disk tier,
               after a restart, and cold
+    history   `bench history --json`: a reasoning agent's turns, the history precompute on and off
     quality   `bench quality --json` (and `--from-llama-perplexity` for llama.cpp's own runs):
               each fast path's KL divergence from its exact path, one row per runs.json
               `quality-*` entry, in order (docs/quantization.md)
@@ -165,6 +166,29 @@ def sessions(runs: dict[str, dict[str, str]], plots: bool) -> str:
     return "\n".join(lines)
 
 
+def history(runs: dict[str, dict[str, str]], plots: bool) -> str:
+    """A reasoning agent's turns with the history precompute on and off (`bench history`), one
+    table per runs.json `history-*` entry."""
+    out = []
+    for key, run in ((k, r) for k, r in runs.items() if k.startswith("history-")):
+        r = json.loads((BENCH / run["file"]).read_text())
+        lines = [f"**{run['label']}**", "", "| turn | prompt tokens | on: cached | computed | TTFT ms | off: cached | computed | "
+                 "TTFT ms |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        def cells(t: dict[str, Any]) -> str:
+            share = t["cached_tokens"] / t["prompt_tokens"]
+            return f"{t['cached_tokens']:,} ({share:.1%}) | {t['computed_tokens']:,} | {t['ttft_s'] * 1e3:,.0f}"
+
+        for k, (a, b) in enumerate(zip(r["on"]["turns"], r["off"]["turns"])):
+            lines.append(f"| {k + 1} | {a['prompt_tokens']:,} | {cells(a)} | {cells(b)} |")
+        h = r["on"]["history"]
+        same = "identical" if r["answers_same"] else "not identical"
+        lines += ["", f"Returning turns with the precompute on: at least {r['worst_returning_share']:.1%} of each prompt "
+                  f"cached; {h['precomputes']} precomputes computed {h['precomputed_tokens']:,} tokens, {h['hits']} turns hit "
+                  f"them ({h['hit_tokens']:,} tokens); greedy answers on and off {same}.", "", _made(runs[key])]
+        out.append("\n".join(lines))
+    return "\n\n".join(out) or "(no history-* runs in docs/bench/runs.json)"
+
+
 def quality(runs: dict[str, dict[str, str]], plots: bool) -> str:
     """Each fast path against its own exact path on the same file and text (`bench quality`)."""
     rows = [(r, json.loads((BENCH / r["file"]).read_text())) for k, r in runs.items() if k.startswith("quality-")]
@@ -187,9 +211,9 @@ def quality(runs: dict[str, dict[str, str]], plots: bool) -> str:
 
 
 SECTIONS: dict[str, Callable[[dict[str, dict[str, str]], bool], str]] = {
-    "fork": fork, "serving": serving, "compare": compare, "sessions": sessions, "quality": quality}
+    "fork": fork, "serving": serving, "compare": compare, "sessions": sessions, "quality": quality, "history": history}
 QUALITY_PAGE = ROOT / "docs" / "quantization.md"
-PAGES = {PAGE: ("fork", "serving", "sessions"), README: ("compare",), QUALITY_PAGE: ("quality",)}
+PAGES = {PAGE: ("fork", "serving", "sessions", "history"), README: ("compare",), QUALITY_PAGE: ("quality",)}
 
 
 def render(page: str, names: tuple[str, ...], plots: bool, where: Path = PAGE) -> str:

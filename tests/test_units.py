@@ -79,6 +79,23 @@ def test_scheduler_retracts_lowest_priority_newest_first_and_still_finishes():
     assert s.cache.allocator.num_free == 60
 
 
+def test_a_lower_priority_prompt_under_way_lets_a_higher_priority_arrival_go_first():
+    """A long low-priority prompt (a history precompute runs at the lowest) is mid-prefill when a
+    request arrives: the arrival takes the step's budget first, the prompt's chunk what is left."""
+    s = _sched(pool=400)
+    low = Req(list(range(1, 60)), SamplingParams(), priority=-(2**31), max_new_tokens=0)
+    s.add(low)
+    _fake_model(s, s.schedule())
+    assert 0 < low.computed_len < 59
+    high = Req(list(range(100, 110)), SamplingParams(), max_new_tokens=2)
+    s.add(high)
+    plan = s.schedule()
+    assert [it.req for it in plan.items][0] is high and plan.items[0].length == 8  # all of the budget: 8
+    _fake_model(s, plan)
+    _drive(s)
+    assert high.output_len == 2 and low.finish_reason is FinishReason.LENGTH and s.cache.allocator.num_free == 400
+
+
 def test_abort_of_a_waiting_request_finishes_it():
     s = _sched(pool=50)
     r = Req([1, 2, 3], SamplingParams())

@@ -145,16 +145,30 @@ class RequestFront:
         `prefix`: an earlier turn's (text, token ids), as the engine ran it: where the text starts
         with it, its ids are the first ids and only the rest is tokenized, so the prefix cache
         holds the earlier turn. `on_text` is handed the rendered text (what a turn stores)."""
-        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
-                              + len(str(template_kwargs or "")))
-        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        text = self._render(messages, tools, template_kwargs, True)
         if on_text is not None:
             on_text(text)
         head: list[int] = []
         if prefix is not None and text.startswith(prefix[0]):
             head, text = prefix[1], text[len(prefix[0]):]
         return [*head, *self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def turn_prefix_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        template_kwargs: dict[str, Any] | None, sentinel: str) -> list[int] | None:
+        """The token ids of the rendered messages up to where the last message's text (`sentinel`)
+        starts: the prefix every next turn's prompt shares, whatever its text (None: the
+        template does not render that text as given)."""
+        text = self._render(messages, tools, template_kwargs, False)
+        cut = text.find(sentinel)
+        return None if cut < 0 else self.tokenizer.encode(text[:cut], add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                template_kwargs: dict[str, Any] | None, generation_prompt: bool) -> str:
+        self._check_text_fits(sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
+                              + len(str(template_kwargs or "")))
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                      **extra))
 
     def _check_text_fits(self, chars: int) -> None:
         """A text longer than the context window could hold even at the longest token is refused

@@ -288,6 +288,9 @@ class EngineClient(Protocol):
                  template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,
                  on_text: Callable[[str], None] | None = None) -> list[int]: ...
 
+    def turn_prefix_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        template_kwargs: dict[str, Any] | None, sentinel: str) -> list[int] | None: ...
+
     async def prepare_grammar(self, req: Req) -> None: ...  # compile a constrained request's grammar (a GrammarError if it fails)
 
     def submit(self, prompt: Req, params: SamplingParams | None = None, *,

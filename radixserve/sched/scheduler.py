@@ -145,13 +145,17 @@ class Scheduler:
             adder.budget = min(adder.budget, self.cfg.shared_prefill_size)
             adder.context_cost = self.context_cost
         chunking = [r for r in sorted(self.running, key=keep_key) if r.extend_len > 1]
+        # a prompt under way waits for waiting requests of a higher priority (e.g. a history
+        # precompute, at the lowest, for any request): its next chunk takes what they leave
+        top = max((r.priority for r in self.waiting), default=None)
+        later = [r for r in chunking if top is not None and r.priority < top]
+        chunking = [r for r in chunking if r not in later]
         if chunking and self.waiting and adder.can_admit:
             self._admit_others_first(plan, adder, chunking)
-        for req, n in fair_chunks(chunking, adder.budget, adder.cost).items():
-            if n := adder.continue_chunk(req, n):
-                plan.items.append(PlanItem(req, req.computed_len, n))
+        self._continue_chunks(plan, adder, chunking)
         if self.waiting and adder.can_admit:
             self._admit(plan, adder)
+        self._continue_chunks(plan, adder, later)
         self._count_prefill(plan)
         if not plan.items and not self.running and self.waiting and self.cache.let_go_all():
             # Nothing fits while prefixes put back from disk are held for requests further back
@@ -183,6 +187,11 @@ class Scheduler:
             if self._steps - seen > SHARE_LINGER_STEPS:
                 del self._present[tenant]
         return len(self._present) > 1
+
+    def _continue_chunks(self, plan: SchedulePlan, adder: PrefillAdder, chunking: list[Req]) -> None:
+        for req, n in fair_chunks(chunking, adder.budget, adder.cost).items():
+            if n := adder.continue_chunk(req, n):
+                plan.items.append(PlanItem(req, req.computed_len, n))
 
     def _admit_others_first(self, plan: SchedulePlan, adder: PrefillAdder, chunking: list[Req]) -> None:
         """NOTE (tenant fairness): a long prompt's chunks go on step after step, and the next

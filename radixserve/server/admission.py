@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from radixserve.engine.outputs import Output
 from radixserve.server.auth import Tenant
 from radixserve.server.errors import ApiError
 
@@ -19,6 +20,7 @@ class Ticket:
     queued: bool = True
     left: bool = False
     ran: bool = False  # handed to the engine (its run counts its use)
+    out: Output | None = None  # its final output, once it ran to the end
 
 
 def request_priority(tenant: Tenant, requested: int | None) -> int:

@@ -24,8 +24,9 @@ from radixserve.server import access_log, rate_limit
 from radixserve.server.anthropic import routes as anthropic
 from radixserve.server.auth import request_key
 from radixserve.server.body import read_body, too_large
+from radixserve.server.chat.history import HISTORY_HELP, HistoryWarmer
 from radixserve.server.errors import ApiError
-from radixserve.server.metrics import kv_cache_usage
+from radixserve.server.metrics import CountersCollector, kv_cache_usage
 from radixserve.server.openai import chat as openai
 from radixserve.server.openai import completions
 from radixserve.server.openapi import DOCUMENT, openapi_document
@@ -162,6 +163,7 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": e.config.sched.max_running_requests,
         "page_size": e.config.cache.page_size,
         "radix_cache": not e.config.cache.disable_radix_cache,
+        "history": state.history.info() if state.history is not None else None,
         "speculative": _spec_config(e.config.spec, str(e.device)),
         **_kv_pool(e.snapshot()),
         **extra,
@@ -280,6 +282,9 @@ def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[access_log.middleware, errors, rate_limit.middleware],
                           client_max_size=state.config.max_request_bytes)
     app["state"] = state
+    if state.history is None:  # the chat core's history precomputes, counted in /metrics
+        state.history = HistoryWarmer(state)
+        state.metrics.registry.register(CountersCollector("radixserve_history_", state.history.counters, HISTORY_HELP))
     app.router.add_post("/generate", native.generate)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)

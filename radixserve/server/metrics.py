@@ -145,6 +145,18 @@ class _GatewayCollector(Collector):
         yield from families.values()
 
 
+class CountersCollector(Collector):
+    """Counters kept elsewhere (a dataclass of ints), each exported as `{prefix}{field}` (a
+    counter: `_total`), read at scrape time."""
+
+    def __init__(self, prefix: str, counters: Any, help: dict[str, str]) -> None:
+        self.prefix, self.counters, self.help = prefix, counters, help
+
+    def collect(self) -> Iterator[Any]:
+        for name, value in vars(self.counters).items():
+            yield CounterMetricFamily(self.prefix + name, self.help.get(name, name), value=value)
+
+
 class Metrics:
     def __init__(
         self, snapshot: Callable[[], EngineStats], queued: Callable[[], int], slo_ttft_s: float, slo_tpot_s: float,

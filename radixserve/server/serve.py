@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from radixserve.cli_args import add_engine_args, add_flags, add_log_level, engine_kwargs, run_command, scalar_fields
@@ -135,6 +136,22 @@ def main(argv: list[str]) -> int:
     return run_command(run, args)
 
 
+def chat_template(given: str) -> str:
+    """--chat-template: a file's text, or the template itself; refused unless Jinja compiles it."""
+    import jinja2
+
+    path = Path(given).expanduser()
+    looks_like_text = "{{" in given or "{%" in given
+    if not looks_like_text and not path.is_file():
+        raise ValueError(f"chat_template: {given!r} is neither a file nor a Jinja template")
+    text = given if looks_like_text else path.read_text()
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a Jinja template: {e} (line {e.lineno})") from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     """`radixserve serve` in this process (`--ray` is the CLI's: radixserve.ray.serve.run_ray)."""
     resolve_secrets(args)
@@ -147,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.responses_max_stored < 1:
         raise ValueError(f"responses_max_stored: must be a positive integer, got {cfg.responses_max_stored}")
     auth = Auth.from_options(cfg.api_key, cfg.tenants)
+    template = chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     check_port(cfg.host, cfg.port)
     quotas = {t.id: t.max_cached_tokens for t in auth.tenants if t.max_cached_tokens is not None}
     if auth.open and cfg.host not in ("127.0.0.1", "localhost", "::1"):
@@ -162,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
         engine = DataParallelEngine(args.model, routing, **kwargs, tenant_max_cached_tokens=quotas)
     else:
         engine = EngineProcess(args.model, **kwargs, tenant_max_cached_tokens=quotas)  # the model loop in its own process
+    if template is not None:
+        tok = engine.tokenizer
+        (tok.full() if hasattr(type(tok), "full") else tok).chat_template = template  # (a fast tokenizer's: transformers')
     try:
         if not asyncio.run(serve(engine, cfg, auth, t0)):
             return 1  # the engine process died: exit so a supervisor restarts the server
@@ -222,6 +243,8 @@ async def drain(state: Any, timeout: float) -> None:
     """Refuse new requests, let running ones finish, abort what is left at the deadline."""
     adm = state.admission
     adm.draining = True
+    if state.history is not None:  # precomputing the next turns of a server that is going: no more
+        state.history.stop()
     log.info("draining: %d requests in flight, up to %.0f s", adm.in_flight, timeout)
     deadline = time.monotonic() + timeout
     while adm.in_flight and time.monotonic() < deadline:

@@ -122,6 +122,7 @@ class ServerState:
     connections: Any = None  # the server's ConnectionLimits, once it listens
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # tenants' max_requests_per_second
     tool_format: str = "hermes"  # how the model writes tool calls (serve.py: chat.tool_parsers.for_server)
+    history: Any = None  # the chat history precomputes (chat.history.HistoryWarmer: build_app sets it)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -245,6 +246,7 @@ class ServerState:
                         out = d.output
                     yield d
         finally:  # a run ends once: whoever releases the ticket, the request's use is counted here
+            ticket.out = out
             self.admission.leave(ticket)
             reason = out.finish_reason if out is not None else "abort"
             used = out if out is not None else _aborted(req, last, tokens)

@@ -258,7 +258,10 @@ async def serve(request: web.Request, api: Api) -> web.StreamResponse:
     if turn.wrap is not None:
         render = turn.wrap(render)
     async with admit(state, tenant, turn.plan, [render] * len(params), params, turn.options, arrival) as flight:
-        return await api.reply(call, turn, flight)
+        resp = await api.reply(call, turn, flight)
+    if state.history is not None:  # (its runs have ended: each ticket holds its output)
+        state.history.after_turn(tenant, turn.plan, flight, turn.options)
+    return resp
 
 
 def route(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -1,0 +1,173 @@
+"""The next turn's prefix, computed before it comes (`--precompute-history`, on by default).
+
+A reasoning model's chat template drops an earlier turn's reasoning (Qwen3 strips `<think>`,
+DeepSeek-R1 likewise, gpt-oss's harmony its analysis channel), so the next turn's prompt
+leaves the cached one where the last answer began: the answer and everything after it would be
+computed again on every turn. Once a chat answer ends, the server renders the conversation
+as the next request will: the messages, the answer as the client sends it back (its content,
+its calls in the history form; the reasoning gone), and the next message's opening (a user's,
+or a tool's after calls), up to where that message's text would start. It computes that
+prefix's KV into the radix tree as a request of its own: no output, the lowest priority (it
+never goes before a waiting request), in the asking tenant's namespace, at most
+MAX_IN_FLIGHT at a time and only while nothing waits. The returning turn then finds its whole
+history cached and computes only its new message.
+
+Counted in /metrics (radixserve_history_*: tokens precomputed, turns that hit a precomputed
+history and the tokens the hits saved) and /server_info's `history`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from radixserve.engine.outputs import Output
+from radixserve.request import SamplingParams
+from radixserve.server.chat import reasoning, tools
+
+if TYPE_CHECKING:
+    from radixserve.server.auth import Tenant
+    from radixserve.server.chat.core import Plan
+    from radixserve.server.state import Flight, RequestOptions, ServerState
+
+log = logging.getLogger(__name__)
+
+SENTINEL = "RADIXSERVE_NEXT_TURN_8d2f"  # the next message's text: the history form ends where it starts
+PRIORITY = -(2**31)  # below every request's (a request's priority is at least this)
+MAX_IN_FLIGHT = 2
+RECENT = 8  # precomputed histories remembered per namespace, to count the hits they give
+
+
+@dataclass
+class _Warmed:
+    n: int  # tokens of the history form
+    digest: int  # a hash of them
+    computed: int  # of them, those the precompute computed (the rest was cached)
+
+
+@dataclass
+class HistoryCounters:
+    precomputes: int = 0  # histories computed
+    skipped: int = 0  # not computed: requests waited, or MAX_IN_FLIGHT ran
+    failed: int = 0
+    precomputed_tokens: int = 0
+    hits: int = 0  # returning turns whose prompt began with a precomputed history, still cached
+    hit_tokens: int = 0  # of their cached tokens, those the precomputes computed
+
+
+HISTORY_HELP = {
+    "precomputes": "conversations whose next turn's prefix was computed after an answer",
+    "skipped": "answers whose history was not precomputed: requests waited, or enough precomputes ran",
+    "failed": "history precomputes that failed",
+    "precomputed_tokens": "prompt tokens the history precomputes computed",
+    "hits": "returning turns that found their precomputed history cached",
+    "hit_tokens": "of those turns' cached tokens, the ones their history precomputes computed",
+}
+
+
+class HistoryWarmer:
+    """One per server (ServerState.history)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.enabled = state.config.precompute_history
+        self.running = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.recent: dict[tuple[str | None, str | None], deque[_Warmed]] = {}
+        self.counters = HistoryCounters()
+
+    def after_turn(self, tenant: Tenant, plan: Plan, flight: Flight, opts: RequestOptions) -> None:
+        """A chat reply is complete: count a hit it got, and compute its history form (in the
+        background) where it ended whole with one choice."""
+        if not self.enabled or len(flight.tickets) != 1 or not flight.reqs or self.state.admission.draining:
+            return
+        out, req = flight.tickets[0].out, flight.reqs[0]
+        if out is None or out.finish_reason not in ("stop", "length"):
+            return
+        warm = not plan.prefill  # (an answer cut by max_tokens too: a client goes on with what it got)
+        if warm and (self.running >= MAX_IN_FLIGHT or self.state.engine.snapshot().waiting):
+            self.counters.skipped += 1
+            warm = False
+        if warm:
+            self.running += 1  # (counted here: a burst of answers starts at most MAX_IN_FLIGHT)
+        task = asyncio.ensure_future(self._after(tenant, plan, req.token_ids, out, opts, warm))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _after(self, tenant: Tenant, plan: Plan, prompt: list[int], out: Output, opts: RequestOptions,
+                     warm: bool) -> None:
+        ns = (tenant.namespace_key, opts.cache_salt)
+        try:
+            await self.state.off_loop(self._count_hit, ns, prompt, out.cached_tokens)
+            if not warm:
+                return
+            ids = await self.state.off_loop(self._history_ids, plan, out)
+            if ids is None or len(ids) <= out.prompt_tokens // 2:  # (a template that renders no history)
+                return
+            done = await self._compute(tenant, ids, opts)
+            if done is None:
+                return
+            computed = done.prompt_tokens - done.cached_tokens
+            self.counters.precomputes += 1
+            self.counters.precomputed_tokens += computed
+            kept = self.recent.setdefault(ns, deque(maxlen=RECENT))
+            kept.append(_Warmed(len(ids), hash(tuple(ids)), computed))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.counters.failed += 1
+            log.exception("precomputing a conversation's history failed")
+        finally:
+            if warm:
+                self.running -= 1
+
+    def _count_hit(self, ns: tuple[str | None, str | None], prompt: list[int], cached: int) -> None:
+        """A precomputed history this prompt starts with (it is used once): a hit where the
+        request found its precomputed part cached."""
+        kept = self.recent.get(ns)
+        for w in list(kept or ()):
+            if len(prompt) > w.n and hash(tuple(prompt[:w.n])) == w.digest:
+                assert kept is not None
+                kept.remove(w)
+                saved = min(cached, w.n) - (w.n - w.computed)
+                if saved > 0:
+                    self.counters.hits += 1
+                    self.counters.hit_tokens += saved
+                return
+
+    def _history_ids(self, plan: Plan, out: Output) -> list[int] | None:
+        """The conversation with this answer, as the next request will render it, up to where
+        the next message's text starts (None: the template does not render it so)."""
+        a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format,
+                             plan.one_call)
+        calls = [{"function": {"name": c.function.name, "arguments": c.function.arguments}} for c in a.calls]
+        content = "\n".join(x for x in (a.content or "", tools.history_text(calls, "tool_calls")) if x)
+        after = {"role": "tool" if calls else "user", "content": SENTINEL}
+        engine = self.state.engine
+        messages, specs = tools.render([*plan.messages, {"role": "assistant", "content": content}, after], plan.offered,
+                                       getattr(engine.tokenizer, "chat_template", None))
+        return engine.turn_prefix_ids(messages, specs, plan.template_kwargs or None, SENTINEL)
+
+    async def _compute(self, tenant: Tenant, ids: list[int], opts: RequestOptions) -> Output | None:
+        engine = self.state.engine
+        public = min(opts.public_prefix_len, len(ids)) if opts.public_prefix_len else None
+        req = engine.make_req(ids, SamplingParams(max_new_tokens=0), None, PRIORITY, tenant=tenant.id,
+                              cache_salt=opts.cache_salt, public_prefix_len=public, retention=opts.retention,
+                              tenant_key=tenant.namespace_key)
+        engine.route(req, opts.prompt_cache_key)  # data-parallel: the replica that holds the conversation
+        final = None
+        async with aclosing(engine.submit(req)) as deltas:
+            async for d in deltas:
+                final = d.output if d.finished else final
+        return final if final is not None and final.finish_reason not in ("error", "abort") else None
+
+    def info(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "running": self.running, **vars(self.counters)}
+
+    def stop(self) -> None:
+        """The server drains: what is being precomputed is dropped."""
+        for task in list(self.tasks):
+            task.cancel()

@@ -1,0 +1,99 @@
+"""A reasoning model's returning turns find their whole history cached: its template drops the
+last answer's reasoning, so the server computes the conversation as the next turn renders it
+once an answer ends (`--precompute-history`). Four turns on a tiny model whose template opens
+the reasoning and drops it from earlier turns (as DeepSeek-R1's and Qwen3's do): with the
+precompute each returning turn's cached tokens are its whole history, up to its new message;
+without, they stop where the last answer began; the answers are the same either way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+TEMPLATE = (  # DeepSeek-R1's shape: the generation prompt opens the reasoning; an earlier answer is its content only
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] | trim }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_tokenizer, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import _config, make_tiny_model
+
+    root = tmp_path_factory.mktemp("thinking")
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer[0]))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(root / "tokenizer"))
+    cfg = _config("LlamaForCausalLM", len(tok), tiny_tokenizer[2])
+    return make_tiny_model(root / "model", "LlamaForCausalLM", cfg, root / "tokenizer", 5), tok
+
+
+def _session(server, turns: int, extra: dict) -> list[tuple[int, int, str]]:
+    """(prompt tokens, cached tokens, answer) of each turn of a conversation that sends each
+    answer back as the client got it (its content), waiting between turns for what the server
+    does after an answer."""
+    messages = [{"role": "system", "content": "You are terse."}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: what is {turn} plus {turn}?"})
+        status, body = server.post("/v1/chat/completions", {"messages": messages, "temperature": 0, **extra})
+        assert status == 200, body
+        msg, usage = body["choices"][0]["message"], body["usage"]
+        answer = (msg.get("reasoning_content") or "") + "|" + (msg["content"] or "")
+        out.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], answer))
+        messages.append({"role": "assistant", "content": msg["content"] or ""})
+        deadline = time.monotonic() + 30
+        while (server.get("/server_info")[1]["history"] or {}).get("running") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return out
+
+
+# the reasoning split off by the server (the answers all reasoning: the model never closes it), or
+# left in the content a client sends back and dropped by the template (a regex makes the model close it)
+MODES = {"parser": (["--reasoning-parser", "deepseek_r1"], {"max_tokens": 12}),
+         "template": ([], {"max_tokens": 60, "regex": "[a-z ]{20,30}</think>[a-z ]{3,8}"})}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_returning_turns_find_their_whole_history_cached_and_answer_the_same(thinking_model, tmp_path, mode):
+    from server_helpers import ServerProcess
+
+    model, tok = thinking_model
+    args, extra = MODES[mode]
+    runs = {}
+    for flag in ("--precompute-history", "--no-precompute-history"):
+        s = ServerProcess(model, "--kv-cache-tokens", "8192", "--dtype", "float32", *args, flag, log=tmp_path / f"{flag}.log")
+        try:
+            runs[flag] = _session(s, 4, extra)
+            info = s.get("/server_info")[1]
+            page, history = info["page_size"], info["history"]
+        finally:
+            assert s.stop() == 0, (tmp_path / f"{flag}.log").read_text()[-2000:]
+        if flag == "--precompute-history":
+            assert history["enabled"] and history["precomputes"] == 4 and history["hits"] == 3, history
+            assert history["hit_tokens"] > 0 and history["precomputed_tokens"] > 0
+        else:
+            assert not history["enabled"] and history["precomputes"] == 0
+    on, off = runs["--precompute-history"], runs["--no-precompute-history"]
+    assert [a for _, _, a in on] == [a for _, _, a in off]  # the same answers
+    for turn in range(1, 4):
+        prompt, cached, _ = on[turn]
+        new = len(tok.encode(f"Question {turn}: what is {turn} plus {turn}?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                             add_special_tokens=False))
+        assert cached >= prompt - new - page + 1, (turn, on[turn])  # all but its new message (to a page)
+        assert off[turn][1] < cached - 5, (on[turn], off[turn])  # off: only up to where the last answer began
+
+
+def test_a_chat_template_is_a_file_or_the_text_and_a_bad_one_is_refused_by_name(tmp_path):
+    from radixserve.server.serve import chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert chat_template(str(f)) == TEMPLATE and chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(ValueError, match="chat_template: .*neither a file nor a Jinja template"):
+        chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="chat_template: not a Jinja template"):
+        chat_template("{% for m in messages %}{{ m.content }}")  # no endfor
