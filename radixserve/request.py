@@ -31,6 +31,10 @@ MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's range)
 
 
+BACKGROUND = -(2**31)  # the server's own background work (a history precompute): below every request (whose
+# priorities start one above), and out of the cache-hit counters (it is mostly cached by design)
+
+
 class InvalidParam(ValueError):
     """A request parameter the engine refuses: `field` names it (in the engine's names),
     `message` says why; str() reads 'field: message'. Crosses the engine boundary as is."""

@@ -75,7 +75,7 @@ class ServerProcess:
             _, info = self.get("/server_info", key)
             kv = info["kv"]
             idle = (kv["running"] == 0 and kv["waiting"] == 0 and kv["kv_in_use_slots"] == 0 and info["queued"] == 0
-                    and info.get("in_flight", 0) == 0)
+                    and info.get("in_flight", 0) == 0 and not (info.get("history") or {}).get("running"))
             if idle or time.monotonic() > deadline:
                 return kv
             time.sleep(0.05)

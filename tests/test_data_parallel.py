@@ -227,6 +227,7 @@ def test_served_forks_hit_one_replica_streamed_or_whole_and_tenants_stay_apart(d
     hints = info["data_parallel"]["router"]["decisions"].get("hint", 0)
     asyncio.run(ask("key-acme", "Unrelated A", stream=False, hint="agent-42"))
     asyncio.run(ask("key-acme", "Unrelated B", stream=True, hint="agent-42"))
+    dp_server.wait_idle("key-acme")  # (the history precomputes after the answers route by prefix, never by the hint)
     status, info = dp_server.get("/server_info", "key-acme")
     assert info["data_parallel"]["router"]["decisions"].get("hint", 0) == hints + 1
     assert all(r["healthy"] and r["load"] == 0 for r in info["data_parallel"]["replicas"])

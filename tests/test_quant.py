@@ -966,7 +966,7 @@ def _llama_cpp_sources():
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                                  "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+                                  "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"])
 def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_computes(arch, tiny_tokenizer, tmp_path,
                                                                                     monkeypatch):
     """The tiny models converted by llama.cpp's convert_hf_to_gguf.py (its pre-tokenizer check
@@ -974,7 +974,8 @@ def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_compu
     tokens against transformers on the folder it was made from (Llama with llama3 rope scaling,
     written by the converter as rope_freqs; Gemma 3 past its window, six layers so its fixed
     pattern holds, its softmax scale head_dim as llama.cpp's; the mixtures of experts with their
-    3-D expert tensors)."""
+    3-D expert tensors; gpt-oss's float experts, which the converter writes as they are, with
+    their biases, sinks and windows)."""
     import subprocess
     import sys
 
@@ -992,6 +993,9 @@ def test_a_gguf_made_by_llama_cpps_own_converter_is_served_as_transformers_compu
         cfg["rope_parameters"]["full_attention"] = {"rope_type": "default", "rope_theta": 1e6}
     if arch == "Qwen3MoeForCausalLM":  # llama.cpp's qwen3moe routes every layer
         cfg["mlp_only_layers"] = []
+    if arch == "GptOssForCausalLM":  # the released clamp (a GGUF holds none: llama.cpp's 7.0), YaRN as the converter reads it
+        rope = cfg.pop("rope_parameters")
+        cfg.update(swiglu_limit=7.0, rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
     folder = make_tiny_model(tmp_path / arch, arch, cfg, tok_dir, 3)
     out = tmp_path / f"{arch}.gguf"
     subprocess.run([sys.executable, "-c", _CONVERTER, str(sources), str(folder), "--outfile", str(out), "--outtype", "f32"],

@@ -34,9 +34,9 @@ def _help_blocks(text: str) -> dict[str, tuple[str, str]]:
     blocks: dict[str, tuple[str, str]] = {}
     flag = None
     for line in text.splitlines():
-        m = re.match(r"^  (--[\w-]+(?: \S+)*)(?:\s{2,}(.*))?$", line)  # '--flag METAVAR', then the help
+        m = re.match(r"^  (--[\w-]+,?(?: \S+)*)(?:\s{2,}(.*))?$", line)  # '--flag METAVAR' (or '--x, --no-x'), then the help
         if m:
-            flag = m.group(1).split()[0]
+            flag = m.group(1).split()[0].rstrip(",")
             blocks[flag] = (m.group(1), (m.group(2) or "").strip())
         elif flag and line.startswith("    ") and line.strip():
             inv, text_so_far = blocks[flag]

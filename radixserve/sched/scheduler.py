@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixserve.config import SchedConfig
-from radixserve.request import FinishReason, Req, ReqStatus
+from radixserve.request import BACKGROUND, FinishReason, Req, ReqStatus
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.policy import Policy, keep_key
 from radixserve.sched.prefill import PrefillAdder
@@ -153,9 +153,12 @@ class Scheduler:
         if chunking and self.waiting and adder.can_admit:
             self._admit_others_first(plan, adder, chunking)
         self._continue_chunks(plan, adder, chunking)
+        if later and adder.can_admit:  # only those above them go first: the rest come after their chunks
+            floor = max(r.priority for r in later)
+            self._admit(plan, adder, lambda r: r.priority > floor)
+        self._continue_chunks(plan, adder, later)
         if self.waiting and adder.can_admit:
             self._admit(plan, adder)
-        self._continue_chunks(plan, adder, later)
         self._count_prefill(plan)
         if not plan.items and not self.running and self.waiting and self.cache.let_go_all():
             # Nothing fits while prefixes put back from disk are held for requests further back
@@ -246,6 +249,7 @@ class Scheduler:
             gate.add_leader(req)
             if req.retractions == 0:  # what the caller is told; re-admissions don't count
                 req.cached_tokens = req.cached_len
+            if req.retractions == 0 and req.priority != BACKGROUND:  # (a history precompute is no client's prompt)
                 self.counters.prompt_tokens += req.prompt_len
                 self.counters.cached_prompt_tokens += req.cached_tokens
                 self.counters.cached_prompt_tokens_disk += min(req.disk_tokens, req.cached_tokens)

@@ -282,7 +282,7 @@ def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[access_log.middleware, errors, rate_limit.middleware],
                           client_max_size=state.config.max_request_bytes)
     app["state"] = state
-    if state.history is None:  # the chat core's history precomputes, counted in /metrics
+    if getattr(state, "history", False) is None:  # the chat core's history precomputes, counted in /metrics
         state.history = HistoryWarmer(state)
         state.metrics.registry.register(CountersCollector("radixserve_history_", state.history.counters, HISTORY_HELP))
     app.router.add_post("/generate", native.generate)

@@ -32,7 +32,7 @@ PromptCacheRetention = Literal["in_memory", "24h"] | None
 SafetyIdentifier = Annotated[str, Meta(max_length=MAX_RID_CHARS)] | None
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: a handful of switches (enable_thinking, ...)
 # crosses to the engine process as a msgpack int: bounded so a huge one is a 400, not an encoding error
-Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None
+Priority = Annotated[int, Meta(ge=-(2**31) + 1, le=2**31 - 1)] | None  # (-2**31: the server's background work)
 # OpenAI's ranges (chat, completions, Responses); /generate keeps SGLang's (the engine's checks)
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)] | None
 TopP = Annotated[float, Meta(ge=0.0, le=1.0)] | None

@@ -260,7 +260,7 @@ async def serve(request: web.Request, api: Api) -> web.StreamResponse:
     async with admit(state, tenant, turn.plan, [render] * len(params), params, turn.options, arrival) as flight:
         resp = await api.reply(call, turn, flight)
     if state.history is not None:  # (its runs have ended: each ticket holds its output)
-        state.history.after_turn(tenant, turn.plan, flight, turn.options)
+        state.history.after_turn(tenant, turn, flight)
     return resp
 
 

@@ -18,33 +18,39 @@ history and the tokens the hits saved) and /server_info's `history`."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixserve.engine.outputs import Output
-from radixserve.request import SamplingParams
+from radixserve.request import BACKGROUND, SamplingParams
 from radixserve.server.chat import reasoning, tools
 
 if TYPE_CHECKING:
     from radixserve.server.auth import Tenant
-    from radixserve.server.chat.core import Plan
+    from radixserve.server.chat.core import Plan, Turn
     from radixserve.server.state import Flight, RequestOptions, ServerState
 
 log = logging.getLogger(__name__)
 
 SENTINEL = "RADIXSERVE_NEXT_TURN_8d2f"  # the next message's text: the history form ends where it starts
-PRIORITY = -(2**31)  # below every request's (a request's priority is at least this)
 MAX_IN_FLIGHT = 2
 RECENT = 8  # precomputed histories remembered per namespace, to count the hits they give
+MAX_NAMESPACES = 1024  # ... in the namespaces of the latest precomputes
+
+
+def _digest(ids: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
 
 
 @dataclass
 class _Warmed:
     n: int  # tokens of the history form
-    digest: int  # a hash of them
+    digest: bytes  # a hash of them
     computed: int  # of them, those the precompute computed (the rest was cached)
 
 
@@ -76,62 +82,73 @@ class HistoryWarmer:
         self.enabled = state.config.precompute_history
         self.running = 0
         self.tasks: set[asyncio.Task[None]] = set()
-        self.recent: dict[tuple[str | None, str | None], deque[_Warmed]] = {}
+        self.recent: OrderedDict[tuple[str | None, str | None], deque[_Warmed]] = OrderedDict()  # LRU, MAX_NAMESPACES
         self.counters = HistoryCounters()
 
-    def after_turn(self, tenant: Tenant, plan: Plan, flight: Flight, opts: RequestOptions) -> None:
+    def after_turn(self, tenant: Tenant, turn: Turn, flight: Flight) -> None:
         """A chat reply is complete: count a hit it got, and compute its history form (in the
-        background) where it ended whole with one choice."""
+        background) where it ended whole with one choice. Not for a stored Responses turn (its
+        next turn continues the text as the model wrote it, which the cache holds already) nor
+        a prefilled answer."""
         if not self.enabled or len(flight.tickets) != 1 or not flight.reqs or self.state.admission.draining:
             return
         out, req = flight.tickets[0].out, flight.reqs[0]
         if out is None or out.finish_reason not in ("stop", "length"):
             return
-        warm = not plan.prefill  # (an answer cut by max_tokens too: a client goes on with what it got)
+        warm = not (turn.plan.prefill or turn.prefix is not None or turn.rendered is not None)
         if warm and (self.running >= MAX_IN_FLIGHT or self.state.engine.snapshot().waiting):
             self.counters.skipped += 1
             warm = False
-        if warm:
-            self.running += 1  # (counted here: a burst of answers starts at most MAX_IN_FLIGHT)
-        task = asyncio.ensure_future(self._after(tenant, plan, req.token_ids, out, opts, warm))
+        task = asyncio.ensure_future(self._after(tenant, turn.plan, req.token_ids, out, turn.options, warm))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if warm:  # (counted at once: a burst of answers starts at most MAX_IN_FLIGHT; until the task ends, run or not)
+            self.running += 1
+            task.add_done_callback(self._ended)
+
+    def _ended(self, _: asyncio.Task[None]) -> None:
+        self.running -= 1
 
     async def _after(self, tenant: Tenant, plan: Plan, prompt: list[int], out: Output, opts: RequestOptions,
                      warm: bool) -> None:
         ns = (tenant.namespace_key, opts.cache_salt)
+        self._count_hit(ns, prompt, out.cached_tokens)
+        if not warm:
+            return
         try:
-            await self.state.off_loop(self._count_hit, ns, prompt, out.cached_tokens)
-            if not warm:
-                return
             ids = await self.state.off_loop(self._history_ids, plan, out)
-            if ids is None or len(ids) <= out.prompt_tokens // 2:  # (a template that renders no history)
+            if ids is None or len(ids) <= out.prompt_tokens // 2 or len(ids) >= self.state.engine.context_len:
+                self.counters.skipped += 1  # (a template that renders no history; a conversation at the window's end)
                 return
-            done = await self._compute(tenant, ids, opts)
-            if done is None:
-                return
-            computed = done.prompt_tokens - done.cached_tokens
-            self.counters.precomputes += 1
-            self.counters.precomputed_tokens += computed
-            kept = self.recent.setdefault(ns, deque(maxlen=RECENT))
-            kept.append(_Warmed(len(ids), hash(tuple(ids)), computed))
+            done = await self._compute(tenant, prompt, ids, opts)
         except asyncio.CancelledError:
             raise
         except Exception:
             self.counters.failed += 1
             log.exception("precomputing a conversation's history failed")
-        finally:
-            if warm:
-                self.running -= 1
+            return
+        if done is None:
+            return
+        computed = done.prompt_tokens - done.cached_tokens
+        self.counters.precomputes += 1
+        self.counters.precomputed_tokens += computed
+        kept = self.recent.setdefault(ns, deque(maxlen=RECENT))
+        self.recent.move_to_end(ns)
+        kept.append(_Warmed(len(ids), _digest(ids), computed))
+        while len(self.recent) > MAX_NAMESPACES:
+            self.recent.popitem(last=False)
 
     def _count_hit(self, ns: tuple[str | None, str | None], prompt: list[int], cached: int) -> None:
-        """A precomputed history this prompt starts with (it is used once): a hit where the
-        request found its precomputed part cached."""
+        """A precomputed history this prompt starts with (each is used once): a hit where the
+        request found its precomputed part cached. On the event loop: a few hashes of prompt
+        prefixes (at most RECENT)."""
         kept = self.recent.get(ns)
         for w in list(kept or ()):
-            if len(prompt) > w.n and hash(tuple(prompt[:w.n])) == w.digest:
+            if len(prompt) > w.n and _digest(prompt[:w.n]) == w.digest:
                 assert kept is not None
                 kept.remove(w)
+                if not kept:
+                    del self.recent[ns]
                 saved = min(cached, w.n) - (w.n - w.computed)
                 if saved > 0:
                     self.counters.hits += 1
@@ -151,13 +168,16 @@ class HistoryWarmer:
                                        getattr(engine.tokenizer, "chat_template", None))
         return engine.turn_prefix_ids(messages, specs, plan.template_kwargs or None, SENTINEL)
 
-    async def _compute(self, tenant: Tenant, ids: list[int], opts: RequestOptions) -> Output | None:
+    async def _compute(self, tenant: Tenant, prompt: list[int], ids: list[int], opts: RequestOptions) -> Output | None:
         engine = self.state.engine
-        public = min(opts.public_prefix_len, len(ids)) if opts.public_prefix_len else None
-        req = engine.make_req(ids, SamplingParams(max_new_tokens=0), None, PRIORITY, tenant=tenant.id,
+        public = None  # the public prefix the request shared, never more: the answer after it is the tenant's own
+        if opts.public_prefix_len:
+            same = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b), min(len(prompt), len(ids)))
+            public = min(opts.public_prefix_len, same)
+        req = engine.make_req(ids, SamplingParams(max_new_tokens=0), None, BACKGROUND, tenant=tenant.id,
                               cache_salt=opts.cache_salt, public_prefix_len=public, retention=opts.retention,
                               tenant_key=tenant.namespace_key)
-        engine.route(req, opts.prompt_cache_key)  # data-parallel: the replica that holds the conversation
+        engine.route(req)  # data-parallel: by its prefix, to the replica that holds the conversation
         final = None
         async with aclosing(engine.submit(req)) as deltas:
             async for d in deltas:
