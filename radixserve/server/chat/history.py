@@ -87,9 +87,9 @@ class HistoryWarmer:
 
     def after_turn(self, tenant: Tenant, turn: Turn, flight: Flight) -> None:
         """A chat reply is complete: count a hit it got, and compute its history form (in the
-        background) where it ended whole with one choice. Not for a stored Responses turn (its
-        next turn continues the text as the model wrote it, which the cache holds already) nor
-        a prefilled answer."""
+        background) where it ended whole with one choice. Not for a Responses turn (`rendered`:
+        a stored one's next turn continues the text as the model wrote it, which the cache
+        holds already), a stored turn's continuation (`prefix`) nor a prefilled answer."""
         if not self.enabled or len(flight.tickets) != 1 or not flight.reqs or self.state.admission.draining:
             return
         out, req = flight.tickets[0].out, flight.reqs[0]
