@@ -304,7 +304,7 @@ def test_a_rid_reused_the_moment_its_client_vanished_never_gets_the_old_requests
     try:
         async def reuse() -> None:
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-bob"}) as http:
-                for k in range(60):
+                for k in range(30):
                     extra = {"response_format": schema} if k % 2 else {}
                     await _vanish(s.port, 5 * k + 1, **extra)  # rid storm-1; most read the first byte first
                     body = {"messages": USER, "max_tokens": 8, "rid": "storm-1", **extra}
@@ -320,7 +320,7 @@ def test_a_rid_reused_the_moment_its_client_vanished_never_gets_the_old_requests
     wrong = [(st, out) for st, out in answers
              if st != 200 and not (st == 400 and out["error"]["param"] == "rid" and "in flight" in out["error"]["message"])]
     assert not wrong, wrong[:3]
-    assert sum(st == 200 for st, _ in answers) >= 10, answers  # most are answered
+    assert sum(st == 200 for st, _ in answers) >= 5, answers  # many are answered
     assert all(out["choices"][0]["finish_reason"] in ("stop", "length") for st, out in answers if st == 200)
 
 
