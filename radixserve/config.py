@@ -214,7 +214,7 @@ class ServerConfig:
     responses_max_stored: int = option(10000, "stored /v1/responses kept per tenant; past it the tenant's oldest are "
                                               "deleted (a store can never fill the disk)")
     log_requests: bool = option(False, "also write each request's prompt text to the access log (never its API key)")
-    precompute_history: bool = option(True, "chat: once an answer ends, compute the KV of the conversation as the next "
+    precompute_history: bool = option(False, "chat: once an answer ends, compute the KV of the conversation as the next "
                                             "turn will render it (a reasoning model's template drops the reasoning), at "
                                             "the lowest priority, so a returning turn computes only its new message "
                                             "(server/chat/history.py)")

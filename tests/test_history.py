@@ -56,8 +56,9 @@ def test_returning_turns_find_their_whole_history_cached_and_answer_the_same(tin
     args, extra = MODES[mode]
     runs = {}
     for flag in ("--precompute-history", "--no-precompute-history")[: 2 if mode == "template" else 1]:
+        on_flag = [flag] if flag == "--precompute-history" else []  # (off by default)
         s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--dtype", "float32", "--chat-template",
-                          str(tmp_path / "template.jinja"), *args, flag, log=tmp_path / f"{flag}.log")
+                          str(tmp_path / "template.jinja"), *args, *on_flag, log=tmp_path / f"{flag}.log")
         try:
             runs[flag] = _session(s, 4, extra)
             info = s.get("/server_info")[1]

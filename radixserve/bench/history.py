@@ -61,7 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 class Server:
     def __init__(self, args: argparse.Namespace, template: str, precompute: bool) -> None:
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port), "--chat-template", template,
-               "--precompute-history" if precompute else "--no-precompute-history",
+               *(["--precompute-history"] if precompute else []),
                *(["--model", args.model] if args.model else []), *args.serve_arg]
         self.url = f"http://127.0.0.1:{args.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="radixserve-history-server-", suffix=".log", delete=False)

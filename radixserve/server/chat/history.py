@@ -1,4 +1,4 @@
-"""The next turn's prefix, computed before it comes (`--precompute-history`, on by default).
+"""The next turn's prefix, computed before it comes (`--precompute-history`, opt-in).
 
 A reasoning model's chat template drops an earlier turn's reasoning (Qwen3 strips `<think>`,
 DeepSeek-R1 likewise, gpt-oss's harmony its analysis channel), so the next turn's prompt
