@@ -19,16 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from typing import Any
 
 from radixserve.bench.prefix import documentation
+from radixserve.bench.sessions import Server, stream_chat
 
 QWEN3_SHAPED = (
     "{%- for m in messages %}"
@@ -58,59 +53,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-arg", action="append", default=[], help="one more argument for `radixserve serve` (repeat)")
 
 
-class Server:
-    def __init__(self, args: argparse.Namespace, template: str, precompute: bool) -> None:
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port), "--chat-template", template,
-               *(["--precompute-history"] if precompute else []),
-               *(["--model", args.model] if args.model else []), *args.serve_arg]
-        self.url = f"http://127.0.0.1:{args.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="radixserve-history-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    async def ready(self, session: Any, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"bench history: the server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                async with session.get(self.url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            await asyncio.sleep(0.3)
-        raise SystemExit("bench history: the server did not become ready")
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 async def _turn(session: Any, url: str, messages: list[dict[str, Any]], regex: str) -> tuple[float, str, dict[str, Any]]:
     """(seconds to the first content, the whole answer, usage), streamed."""
-    body = {"messages": messages, "max_tokens": 512, "temperature": 0.0, "regex": regex, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first: float | None = None
-    text, usage = "", dict[str, Any]()
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise SystemExit(f"bench history: {r.status} {await r.text()}")
-        async for line in r.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for c in chunk.get("choices", []):
-                piece = c.get("delta", {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter() - t0
-                text += piece
-    return (first if first is not None else time.perf_counter() - t0), text, usage
+    body = {"messages": messages, "max_tokens": 512, "temperature": 0.0, "regex": regex}
+    return await stream_chat(session, url, body, "history")
 
 
 async def _settled(session: Any, url: str) -> dict[str, Any]:
@@ -131,7 +77,7 @@ async def _session(args: argparse.Namespace, template: str, precompute: bool) ->
     while len(system) < args.system_tokens * CHARS_PER_TOKEN:
         system += documentation(rng, 10)
     regex = THINKING.format(lo=args.think_chars // 2, hi=args.think_chars)
-    server = Server(args, template, precompute)
+    server = Server(args, ["--chat-template", template, *(["--precompute-history"] if precompute else [])], "history")
     turns = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:

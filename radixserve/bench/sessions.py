@@ -53,19 +53,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, disk: str, pool_tokens: int | None) -> None:
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port), "--kv-disk-dir", disk,
-               *(["--model", args.model] if args.model else []),
-               *(["--kv-cache-tokens", str(pool_tokens)] if pool_tokens else []), *args.serve_arg]
-        self.url = f"http://127.0.0.1:{args.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="radixserve-sessions-server-", suffix=".log", delete=False)
+    """`radixserve serve` in a process group of its own, for a bench (`bench`: its name in messages)."""
+
+    def __init__(self, args: argparse.Namespace, flags: list[str], bench: str = "sessions") -> None:
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port),
+               *(["--model", args.model] if args.model else []), *flags, *args.serve_arg]
+        self.url, self.bench = f"http://127.0.0.1:{args.port}", bench
+        self.log = tempfile.NamedTemporaryFile(prefix=f"radixserve-{bench}-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @classmethod
+    def on_disk(cls, args: argparse.Namespace, disk: str, pool_tokens: int | None) -> Server:
+        return cls(args, ["--kv-disk-dir", disk, *(["--kv-cache-tokens", str(pool_tokens)] if pool_tokens else [])])
 
     async def ready(self, session: Any, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"bench sessions: the server exited with {self.proc.returncode}; see {self.log.name}")
+                raise SystemExit(f"bench {self.bench}: the server exited with {self.proc.returncode}; see {self.log.name}")
             try:
                 async with session.get(self.url + "/health") as r:
                     if r.status == 200:
@@ -73,7 +78,16 @@ class Server:
             except OSError:
                 pass
             await asyncio.sleep(0.3)
-        raise SystemExit("bench sessions: the server did not become ready")
+        raise SystemExit(f"bench {self.bench}: the server did not become ready")
+
+    def stop(self) -> None:
+        """SIGTERM (its drain), then SIGKILL if it has not gone in a minute."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def kill(self) -> None:
         """kill -9: the server and its engine process, no goodbye (a crash)."""
@@ -103,13 +117,19 @@ async def turn(session: Any, url: str, messages: list[dict[str, Any]], tools: li
                max_tokens: int, salt: str | None = None) -> tuple[float, str, dict[str, Any]]:
     """(seconds to the first content, the whole answer, usage), streamed."""
     body = {"messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, **({"cache_salt": salt} if salt else {})}
+            **({"cache_salt": salt} if salt else {})}
+    return await stream_chat(session, url, body)
+
+
+async def stream_chat(session: Any, url: str, body: dict[str, Any], bench: str = "sessions") -> tuple[float, str, dict[str, Any]]:
+    """A chat request streamed: (seconds to the first content, the whole answer, usage)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first: float | None = None
     text, usage = "", {}
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
-            raise SystemExit(f"bench sessions: {r.status} {await r.text()}")
+            raise SystemExit(f"bench {bench}: {r.status} {await r.text()}")
         async for line in r.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
@@ -169,7 +189,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        probe = Server(args, disk, None)  # first: the context window and a token count, to size the prompt and the pool
+        probe = Server.on_disk(args, disk, None)  # first: the context window and a token count, to size the prompt and the pool
         ask = {"role": "user", "content": "Which tool lists the files? Say why."}
         try:
             await probe.ready(session)
@@ -181,7 +201,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             probe.kill()
         first_turn = [{"role": "system", "content": system}, ask]
-        server = Server(args, disk, int(tokens * 1.6) + 2048)
+        server = Server.on_disk(args, disk, int(tokens * 1.6) + 2048)
         try:
             await server.ready(session)
             await warm(session, server.url, rng)
@@ -213,7 +233,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             bytes_per_token = (await info(session, server.url))["kv_bytes_per_token"]
         finally:
             server.kill()
-        server = Server(args, disk, int(tokens * 1.6) + 2048)
+        server = Server.on_disk(args, disk, int(tokens * 1.6) + 2048)
         try:
             await server.ready(session)
             await warm(session, server.url, rng)
