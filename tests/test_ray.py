@@ -661,13 +661,21 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster: Cluster
     conn, resp = open_stream(cluster.url, "/v1/chat/completions", fork(500, max_tokens=1200, ignore_eos=True, stream=True))
     home = resp.getheader("x-radixserve-replica")
     resp.readline()  # started: bytes reached the client
-    pool = ThreadPoolExecutor(6)
-    waiting = [pool.submit(post, cluster.url, "/v1/chat/completions", fork(600 + i, max_tokens=400, ignore_eos=True))
-               for i in range(6)]
-    kv = wait_kv(cluster, "radixserve", home, lambda kv: kv["running"] + kv["waiting"] >= 7)
-    assert kv["running"] + kv["waiting"] >= 7, kv  # the stream and the 6 requests are on the replica
     info = cluster.stats("radixserve")[home]
-    cluster.kill("radixserve", home)
+    # the replica's engine stops where it is: the stream stays open and the 6 requests stay on the
+    # replica until the kill, however slowly a loaded machine brings them there
+    os.kill(info["engine_pid"], signal.SIGSTOP)
+    try:
+        pool = ThreadPoolExecutor(6)
+        waiting = [pool.submit(post, cluster.url, "/v1/chat/completions", fork(600 + i, max_tokens=400, ignore_eos=True))
+                   for i in range(6)]
+        deadline = time.monotonic() + scaled(60)
+        while (held := in_flight(info["url"])) < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held >= 7, held  # the stream and the 6 requests are in the replica's server
+        cluster.kill("radixserve", home)
+    finally:
+        os.kill(info["engine_pid"], signal.SIGCONT)  # it sees its server gone and exits
     results = [f.result(timeout=TIMEOUT) for f in waiting]
     pool.shutdown()
     assert [s for s, _, _ in results] == [200] * 6, results
@@ -681,6 +689,14 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster: Cluster
     while any(map(alive, (info["server_pid"], info["engine_pid"]))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(info["server_pid"]) and not alive(info["engine_pid"])  # they died with the replica's process
+
+
+def in_flight(server_url: str) -> int:
+    """A replica server's requests in flight or queued, as its own /server_info counts them (no engine asked)."""
+    req = urllib.request.Request(server_url + "/server_info", headers={"Authorization": f"Bearer {ACME}"})
+    with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+        info = json.loads(r.read())
+        return int(info["in_flight"]) + int(info["queued"])
 
 
 def alive(pid: int) -> bool:
