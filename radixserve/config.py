@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import msgspec
+
 from grammars import BACKENDS as GRAMMAR_BACKENDS
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # ModelConfig.quantization
@@ -64,6 +66,48 @@ class ModelConfig:
     disable_cpu_kernels: bool = option(False, "CPU: use torch ops instead of radixserve's native kernels (radixserve_kernels.cpu)")
 
 
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """--kv-events-config: vLLM's KVEventsConfig fields, and radixserve's block_size and
+    data_parallel_rank (engine/kv_events.py says what each does)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    block_size: int | None = None
+    data_parallel_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return (self.publisher or ("zmq" if self.enable_kv_cache_events else "null")) == "zmq"
+
+
+def parse_kv_events(text: str) -> KVEventsConfig:
+    """vLLM's JSON; ValueError naming the field that is wrong."""
+    try:
+        cfg = msgspec.json.decode(text, type=KVEventsConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"kv_events_config: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"kv_events_config: not JSON ({e})") from None
+    if cfg.publisher not in (None, "zmq", "null"):
+        raise ValueError(f"kv_events_config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
+    for name in ("buffer_steps", "hwm", "max_queue_size"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"kv_events_config: {name} must not be negative, got {getattr(cfg, name)}")
+    if cfg.block_size is not None and cfg.block_size < 1:
+        raise ValueError(f"kv_events_config: block_size must be a positive integer, got {cfg.block_size}")
+    for name in ("endpoint", "replay_endpoint"):
+        value = getattr(cfg, name)
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_config: {name} must be a tcp://, ipc:// or inproc:// address, got {value!r}")
+    return cfg
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     kv_cache_tokens: int | None = option(None, "KV pool size in tokens (slots); overrides the memory options")
@@ -91,6 +135,10 @@ class CacheConfig:
                                             "to another and takes another's: shm (one machine) or tcp (set by "
                                             "--disaggregate; unset: no hand-off)", KV_CONNECTORS)
     kv_connector_host: str = option("127.0.0.1", "tcp connector: the address it serves its staged pages on")
+    kv_events_config: str | None = option(None, "KV-cache events for outside routers, vLLM's JSON (e.g. "
+                                                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                                "\"replay_endpoint\": \"tcp://*:5558\"}'): blocks stored and removed, "
+                                                "over ZMQ (engine/kv_events.py)")
 
     def check(self) -> None:
         """The pool's sizing options, refused before a model loads (ValueError naming the option)."""
@@ -109,6 +157,10 @@ class CacheConfig:
         if self.kv_disk_block_tokens < 1 or self.kv_disk_block_tokens % self.page_size:
             raise ValueError(f"kv_disk_block_tokens: must be a positive multiple of page_size ({self.page_size}), "
                              f"got {self.kv_disk_block_tokens}")
+        if self.kv_events_config is not None:
+            if parse_kv_events(self.kv_events_config).enabled and self.disable_radix_cache:
+                raise ValueError("kv_events_config: events tell what the prefix cache holds; it cannot go with "
+                                 "disable_radix_cache")
         if self.kv_disk_dir is not None and self.disable_radix_cache:
             raise ValueError("kv_disk_dir: the disk tier lies under the prefix cache; it cannot go with disable_radix_cache")
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:

@@ -43,6 +43,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from radixserve.cache.disk_guard import DirLock, private_dir
@@ -97,6 +98,7 @@ class DiskStore:
         self._writer = f"{os.getpid()}.{secrets.token_hex(4)}"  # in this store's temporary files' names
         self.corrupt = 0  # blocks found bad (and deleted) by reads
         self.dropped = 0  # writes given up: bigger than the bound or the tenant's quota
+        self.on_removed: Callable[[str], None] | None = None  # told each key forgotten (KV events), under the lock
         self._dir_lock = DirLock(self.root)
         try:
             self._scan()
@@ -162,6 +164,8 @@ class DiskStore:
         e = self._index.remove(key)
         if e is not None and e.path != keep:
             e.path.unlink(missing_ok=True)
+        if e is not None and self.on_removed is not None:
+            self.on_removed(key)
 
     def has(self, key: str) -> bool:
         with self._lock:

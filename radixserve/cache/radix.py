@@ -37,12 +37,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from radixserve.cache.events import FULL, WINDOW, BlockEvents, block_hash, namespace_key
 from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch, common_prefix_len
 
 
 class Node:
     __slots__ = ("ns", "owner", "key", "slots", "parent", "children", "lock_ref", "last_access", "priority", "windowed",
-                 "window_lock", "retain_until")
+                 "window_lock", "retain_until", "blocks")
 
     def __init__(self, ns: Namespace, key: list[int], slots: list[int], parent: Node | None, owner: str | None = None) -> None:
         self.ns = ns
@@ -57,6 +58,7 @@ class Node:
         self.windowed = True  # holds its sliding-window layers' KV (False: dropped, a tombstone)
         self.window_lock = 0  # window locks covering this node (requests whose queries still see it)
         self.retain_until = 0.0  # epoch seconds: a retained prompt's node is evicted after every unretained one
+        self.blocks: list[list[Any]] = []  # KV events on: [end within the key, hash, told with window KV] of each block ending here
 
     def __repr__(self) -> str:
         return f"Node({self.ns}, len={len(self.key)}, lock={self.lock_ref}, t={self.last_access})"
@@ -83,7 +85,9 @@ class RadixCache(PrefixCache):
         self._evict_key = EVICTION_POLICIES[eviction]
         self.quotas: dict[str, int] = dict(quotas or {})  # tenant -> max cached tokens
         self.reach = max(window - 1, 0)  # positions before its own a sliding-window query sees
+        self.window = window
         self._evicted = 0
+        self.events: BlockEvents | None = None  # set to tell what is cached as KV events (cache/events.py)
         self._clear()
 
     def _clear(self) -> None:
@@ -152,6 +156,9 @@ class RadixCache(PrefixCache):
         upper.windowed, upper.window_lock, upper.retain_until = child.windowed, child.window_lock, child.retain_until
         parent.children[(child.ns, self._child_key(child.key, 0))] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
+        if child.blocks:  # each block stays with the node its last token is in
+            upper.blocks = [b for b in child.blocks if b[0] <= n]
+            child.blocks = [[e - n, h, w] for e, h, w in child.blocks if e > n]
         upper.children[(child.ns, self._child_key(child.key, 0))] = child
         return upper
 
@@ -252,6 +259,8 @@ class RadixCache(PrefixCache):
             child.windowed = i >= window_from
             node.children[(child.ns, self._child_key(tokens, i))] = child
             self._account(child, +1)
+            if self.events is not None:
+                self._tell_stored(child, i)
             path.append(child)
             node, i = child, end
         if retain[0]:
@@ -273,6 +282,7 @@ class RadixCache(PrefixCache):
                     at = window_from
                 on_revive(slots[at:end], node.slots)
                 node.windowed = True
+                self._tell_window(node)
                 self._window_tokens += len(node.key)
                 if node.window_lock == 0:
                     self._window_evictable += len(node.key)
@@ -355,6 +365,7 @@ class RadixCache(PrefixCache):
         while heap and len(dropped) < n:
             node = heapq.heappop(heap)[2]
             node.windowed = False
+            self._tell_window(node)
             self._version += 1
             self._window_tokens -= len(node.key)
             self._window_evictable -= len(node.key)
@@ -408,6 +419,9 @@ class RadixCache(PrefixCache):
             del parent.children[(node.ns, self._child_key(node.key, 0))]
             node.parent = None
             self._account(node, -1)
+            if node.blocks and self.events is not None:
+                self.events.removed([h for _, h, _ in node.blocks])
+                self.events.removed([h for _, h, w in node.blocks if w], group=WINDOW)
             self._drop_ns(node.ns)
             self._evicted += len(node.key)
             freed.extend(node.slots)
@@ -428,9 +442,109 @@ class RadixCache(PrefixCache):
     def reset(self) -> list[int]:
         if self.locked_tokens:
             raise RuntimeError(f"cannot reset the prefix cache: {self.locked_tokens} tokens are locked by running requests")
-        slots = [s for node in self._nodes() for s in node.slots]
+        nodes = self._nodes()
+        if self.events is not None:
+            self.events.removed([h for x in nodes for _, h, _ in x.blocks])
+            self.events.removed([h for x in nodes for _, h, w in x.blocks if w], group=WINDOW)
+        slots = [s for node in nodes for s in node.slots]
         self._clear()
         return slots
+
+    # -- KV events (cache/events.py) ---------------------------------------------------------
+    def _tell_stored(self, node: Node, start: int) -> None:
+        """`node` (new, from position `start`) completes the blocks whose last token it holds."""
+        ev = self.events
+        assert ev is not None
+        b = ev.block_size
+        end, first = start + len(node.key), (start // b + 1) * b  # the first block end past start
+        if first > end:
+            return
+        parent, head = self._before(node, first - b, start - (first - b))
+        seq = head + node.key  # from position first - b
+        n = (end - first) // b + 1
+        hashes, prev, key = [], parent, namespace_key(node.ns)
+        for j in range(n):
+            prev = block_hash(prev, key, seq[j * b : (j + 1) * b])
+            hashes.append(prev)
+        node.blocks = [[first + j * b - start, h, False] for j, h in enumerate(hashes)]
+        ev.stored(hashes, parent, seq[: n * b], [(key.hex(),)] * n)
+        if self.reach:
+            for rec in node.blocks:
+                if self._windowed(node, rec[0]):
+                    rec[2] = True
+                    self._tell_one(node, rec, WINDOW)
+
+    def _before(self, node: Node, block_start: int, need: int) -> tuple[int | None, list[int]]:
+        """For a block from `block_start` ending in `node`: the hash of the block before it (None
+        at the root) and its `need` tokens cached above `node`."""
+        head: list[int] = []
+        parent: int | None = None
+        found = block_start == 0
+        p = node.parent
+        while p is not None and p is not self.root and (len(head) < need or not found):
+            if len(head) < need:
+                head = p.key[max(len(p.key) - (need - len(head)), 0) :] + head
+            if not found and p.blocks:
+                parent, found = p.blocks[-1][1], True
+            p = p.parent
+        return parent, head
+
+    def _windowed(self, node: Node, end: int) -> bool:
+        """Every token of the block ending `end` tokens into `node` holds its window KV."""
+        assert self.events is not None
+        need = self.events.block_size - end
+        p: Node | None = node
+        while p is not None and p is not self.root:
+            if not p.windowed:
+                return False
+            if need <= 0:
+                return True
+            p = p.parent
+            if p is not None and p is not self.root:
+                need -= len(p.key)
+        return True
+
+    def _tell_one(self, node: Node, rec: list[Any], group: int) -> None:
+        """A stored event for one block of `node` (its parent's hash and its tokens looked up)."""
+        ev = self.events
+        assert ev is not None
+        i = next(j for j, r in enumerate(node.blocks) if r is rec)
+        b, end = ev.block_size, rec[0]
+        if i:
+            parent, tokens = node.blocks[i - 1][1], node.key[end - b : end]
+        else:
+            parent, head = self._before(node, self._depth(node) + end - b, max(b - end, 0))
+            tokens = head + node.key[max(end - b, 0) : end]
+        ev.stored([rec[1]], parent, tokens, [(namespace_key(node.ns).hex(),)], group=group)
+
+    def _depth(self, node: Node) -> int:
+        d, p = 0, node.parent
+        while p is not None and p is not self.root:
+            d, p = d + len(p.key), p.parent
+        return d
+
+    def _tell_window(self, node: Node) -> None:
+        """`node`'s window KV went or came back: the blocks with a token in it change group 1."""
+        if self.events is None:
+            return
+        self._version += 1
+        b = self.events.block_size
+        stack: list[tuple[Node, int]] = [(node, -len(node.key))]  # (node, its start past `node`'s end)
+        while stack:
+            x, d = stack.pop()
+            for rec in x.blocks:
+                if d + rec[0] - b >= 0:
+                    break  # this block and the later ones start past `node`
+                now = self._windowed(x, rec[0])
+                if now != rec[2]:
+                    rec[2] = now
+                    if now:
+                        self._tell_one(x, rec, WINDOW)
+                    else:
+                        self.events.removed([rec[1]], group=WINDOW)
+            after = d + len(x.key)
+            if after < b - 1:
+                stack.extend((c, after) for c in x.children.values())
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -492,7 +606,31 @@ class RadixCache(PrefixCache):
                f"window-evictable count {self._window_evictable} != {window_evictable} in the tree")
         _check(per_ns == {ns: e[1] for ns, e in self._namespaces.items()}, "namespace node counts do not match the tree")
         _check(+tenants == +self.tenant_tokens, f"per-tenant counts {dict(self.tenant_tokens)} != {dict(tenants)}")
+        if self.events is not None:
+            self._check_blocks(self.events)
         return slots
+
+    def _check_blocks(self, ev: BlockEvents) -> None:
+        """Every block's hash recomputed from the tree's tokens, and the blocks told as stored
+        (the pool's, both groups) exactly the tree's."""
+        b = ev.block_size
+        full: set[int] = set()
+        window: set[int] = set()
+        stack: list[tuple[Node, list[int], int | None]] = [(c, [], None) for c in self.root.children.values()]
+        while stack:
+            x, tail, prev = stack.pop()
+            seq = tail + x.key
+            key = namespace_key(x.ns)
+            want = []
+            for j in range(len(seq) // b):
+                prev = block_hash(prev, key, seq[j * b : (j + 1) * b])
+                want.append([(j + 1) * b - len(tail), prev, self.reach > 0 and self._windowed(x, (j + 1) * b - len(tail))])
+            _check(x.blocks == want, f"{x!r} holds blocks {x.blocks} where its tokens make {want}")
+            full.update(h for _, h, _ in want)
+            window.update(h for _, h, w in want if w)
+            stack.extend((c, seq[len(seq) - len(seq) % b :], prev) for c in x.children.values())
+        _check(ev.live.get((ev.medium, FULL), set()) == full, "the blocks told as stored are not the tree's")
+        _check(ev.live.get((ev.medium, WINDOW), set()) == window, "the blocks told with window KV are not the tree's")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -36,6 +36,7 @@ the path); a producer drops what is never taken after kv_connector.STAGED_TTL_S.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -141,7 +142,7 @@ class DataParallelEngine(RequestFront):
     def _start(self, i: int) -> EngineProcess:
         n = self.router_config.replicas
         return EngineProcess(self._model, env=_replica_env(i, n, self._gpus), tokenizer=self.tokenizer,
-                             **_replica_disk(self.config, self._overrides, i, n))
+                             **_replica_overrides(self.config, self._overrides, i, n))
 
     @property
     def disaggregated(self) -> bool:
@@ -473,13 +474,17 @@ def _split_memory(cfg: EngineConfig, overrides: dict[str, Any], n: int) -> dict[
     return dict(overrides)
 
 
-def _replica_disk(cfg: EngineConfig, overrides: dict[str, Any], i: int, n: int) -> dict[str, Any]:
-    """Replica i of n with a disk tier: a directory of its own under --kv-disk-dir (so a replica
-    restarted there finds its own blocks) and 1/n of --kv-disk-gb."""
-    c = cfg.cache
-    if c.kv_disk_dir is None:
-        return overrides
-    return {**overrides, "kv_disk_dir": os.path.join(c.kv_disk_dir, f"replica-{i}"), "kv_disk_gb": c.kv_disk_gb / n}
+def _replica_overrides(cfg: EngineConfig, overrides: dict[str, Any], i: int, n: int) -> dict[str, Any]:
+    """Replica i of n: with a disk tier, a directory of its own under --kv-disk-dir (so a replica
+    restarted there finds its own blocks) and 1/n of --kv-disk-gb; with KV events, its rank
+    (in each batch, and its endpoints' ports + i)."""
+    c, out = cfg.cache, dict(overrides)
+    if c.kv_disk_dir is not None:
+        out.update(kv_disk_dir=os.path.join(c.kv_disk_dir, f"replica-{i}"), kv_disk_gb=c.kv_disk_gb / n)
+    if c.kv_events_config is not None:
+        events = json.loads(c.kv_events_config)
+        out["kv_events_config"] = json.dumps({**events, "data_parallel_rank": i})
+    return out
 
 
 def _replica_env(i: int, n: int, gpus: list[str]) -> dict[str, str]:

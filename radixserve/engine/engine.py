@@ -18,16 +18,18 @@ import torch
 from grammars.spec import GrammarSpec
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator, WindowedAllocator
+from radixserve.cache.events import BlockEvents
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
-from radixserve.config import EngineConfig
+from radixserve.config import EngineConfig, parse_kv_events
 from radixserve.engine.front import DeltaStream, Prompt, RequestFront
 from radixserve.engine.jump_forward import forced_after
 from radixserve.engine.kv_connector import make_connector
+from radixserve.engine.kv_events import DEFAULT_BLOCK, ZmqPublisher
 from radixserve.engine.kv_handoff import KVHandoff
 from radixserve.engine.kv_tier import KVTier, open_tier
-from radixserve.engine.loop import EngineLoop, Stop
+from radixserve.engine.loop import EngineLoop, Refresh, Stop
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.protocol import EngineStats
@@ -137,11 +139,14 @@ class Engine(RequestFront):
         self.post.jump_forward = not cfg.disable_jump_forward
         self.tier = self._disk_tier(loaded.path)
         self.handoff = self._kv_handoff()
+        self.kv_events = self._kv_events()
         self._loop = EngineLoop(self.scheduler, self.runner, self.post, self.tier, self.handoff)
         self._loop.on_idle = self._grammar_cache.warm
         self._snapshot = self._stats()
         self.on_change: Callable[[], None] | None = None  # after each step or command, on the loop (the engine process sends there)
         self._loop.on_change = self._publish
+        if self.kv_events is not None:
+            self.kv_events.on_batch = self._events_sent
         if loop_thread:
             self._loop.start()
 
@@ -217,6 +222,23 @@ class Engine(RequestFront):
         self._one_pool("kv_disk_dir", "the disk tier")
         facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization, self.activations]
         return open_tier(c, self.pool, Path(path), facts)
+
+    def _kv_events(self) -> ZmqPublisher | None:
+        """The KV events' publisher (--kv-events-config), told by the radix cache and the disk tier."""
+        c = self.config.cache
+        cfg = parse_kv_events(c.kv_events_config) if c.kv_events_config is not None else None
+        if cfg is None or not cfg.enabled:
+            return None
+        prefix = self.cache.prefix
+        assert isinstance(prefix, RadixCache)  # CacheConfig.check refused disable_radix_cache
+        block = cfg.block_size or (c.page_size if c.page_size > 1 else DEFAULT_BLOCK)
+        if self.tier is not None and self.tier.block % block:
+            raise ValueError(f"kv_events_config: block_size ({block}) must divide kv_disk_block_tokens ({self.tier.block})")
+        events = BlockEvents(block, "GPU" if self.device.type == "cuda" else "CPU", self.window)
+        prefix.events = events
+        if self.tier is not None:
+            self.tier.tell(events)
+        return ZmqPublisher(cfg, events)
 
     def _one_pool(self, option: str, what: str) -> None:
         """`what` moves a token's KV as one pool's rows (KVPool.gather): refuse a sliding-window pool
@@ -442,10 +464,25 @@ class Engine(RequestFront):
             kv_window_free_slots=self.cache.windowed.window.num_free if self.cache.windowed is not None else 0,
             kv_window_cached_tokens=prefix.window_tokens if self.cache.windowed is not None else 0,
             kv_pool_bytes=self.pool.nbytes,
+            **(self._event_stats() if self.kv_events is not None else {}),
             **(self.tier.stats() if self.tier is not None else {}),
             **(self.handoff.stats() if self.handoff is not None else {}),
             **vars(c),
         )
+
+    def _events_sent(self) -> None:
+        """A batch of KV events went out: an idle loop publishes the stats that count them (a busy
+        one does after its next step)."""
+        if not self.scheduler.has_work:
+            self._loop.inbox.put(Refresh())
+
+    def _event_stats(self) -> dict[str, int]:
+        assert self.kv_events is not None
+        counts = self.kv_events.events.counts()
+        medium = self.kv_events.events.medium.lower()
+        return {"kv_events_batches": self.kv_events.published, "kv_events_blocks": counts.get(f"{medium}_blocks", 0),
+                "kv_events_window_blocks": counts.get(f"{medium}_window_blocks", 0),
+                "kv_events_disk_blocks": counts.get("disk_blocks", 0)}
 
     def flush_cache(self, keep_disk: bool = False) -> int:
         """Drop every cached prefix, the disk tier's blocks too unless `keep_disk` (then the
@@ -459,11 +496,20 @@ class Engine(RequestFront):
                     f"flush_cache: refused while {len(s.running)} requests are running and "
                     f"{len(s.waiting) + len(self._loop.loading)} waiting; retry when idle"
                 )
-            if self.tier is not None:
-                self.tier.flush()
-                if not keep_disk:
-                    self.tier.store.clear()
-            return self.cache.flush()
+            events = self.kv_events.events if self.kv_events is not None else None
+            whole = self.tier is None or not keep_disk
+            if events is not None and whole:
+                events.mute(True)  # one AllBlocksCleared says it all
+            try:
+                if self.tier is not None:
+                    self.tier.flush()
+                    if not keep_disk:
+                        self.tier.store.clear()
+                return self.cache.flush()
+            finally:
+                if events is not None and whole:
+                    events.mute(False)
+                    events.cleared()
 
     def check_integrity(self) -> None:
         """Raise RuntimeError unless every KV page is free, cached or owned by one request."""
@@ -479,6 +525,8 @@ class Engine(RequestFront):
             self.tier.close()
         if self.handoff is not None:
             self.handoff.close()
+        if self.kv_events is not None:
+            self.kv_events.close()  # after the disk tier's last writes, which it tells
         self.runner.close()
         self._grammar_cache.shutdown()  # kills its compile workers
         packed_cache.wait()  # a first start's packed weights, still being written for the next

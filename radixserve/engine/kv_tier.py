@@ -44,7 +44,9 @@ import torch
 
 from radixserve.cache.disk import DiskStore, block_keys
 from radixserve.cache.disk_guard import load_key, private_dir
+from radixserve.cache.events import BlockEvents, chain, namespace_key
 from radixserve.cache.pool import KVPool
+from radixserve.cache.prefix import Namespace
 from radixserve.config import CacheConfig
 from radixserve.models.files import file_digest
 from radixserve.models.gguf import cache_root
@@ -123,6 +125,12 @@ class KVTier:
         self.written_tokens = 0  # tokens written to the store
         self.skipped_tokens = 0  # tokens not written: the writer was too far behind, or the store had no room
         self.loaded_tokens = 0  # tokens put back into the pool from the store
+        self.events: BlockEvents | None = None
+
+    def tell(self, events: BlockEvents) -> None:
+        """Tell the blocks written and removed as KV events (cache/events.py; medium DISK)."""
+        self.events = events
+        self.store.on_removed = events.disk_removed
 
     # -- keys -------------------------------------------------------------------------------
     def keys(self, req: Req, upto: int | None = None) -> list[str]:
@@ -136,12 +144,16 @@ class KVTier:
         `slots`: write their whole blocks that the store lacks; a retained request's blocks (of
         its retained prompt tokens) are kept until its retention ends."""
         b, ns, retained = self.block, CacheManager.namespace(req), req.retained_tokens
-        for i, key in enumerate(self.keys(req, upto)):
+        keys = self.keys(req, upto)
+        told = self._told(ns, req.token_ids[: len(keys) * b])
+        for i, key in enumerate(keys):
             until = req.retain_until if i * b < retained else 0.0
             with self._lock:
                 if key in self._pending or self.store.has(key):
                     if until:
                         self._writes.put(("retain", key, until))
+                    if told is not None and key not in self._pending:  # e.g. found on disk at the start
+                        self._writes.put(("tell", key, told(i)))
                     continue
                 if self._pending_bytes + self.block_bytes > self.max_pending_bytes:
                     self.skipped_tokens += b
@@ -149,7 +161,21 @@ class KVTier:
                 self._pending.add(key)
                 self._pending_bytes += self.block_bytes
             payload = self.pool.gather(slots[i * b : (i + 1) * b])
-            self._writes.put(("put", key, ns, req.token_ids[i * b : (i + 1) * b], payload, until))
+            self._writes.put(("put", key, ns, req.token_ids[i * b : (i + 1) * b], payload, until,
+                              told(i) if told is not None else None))
+
+    def _told(self, ns: Namespace, tokens: list[int]) -> Callable[[int], tuple[Any, ...]] | None:
+        """With KV events: disk block i's event blocks (hashes, parent, tokens, namespace key)."""
+        if self.events is None:
+            return None
+        e, key = self.events.block_size, namespace_key(ns)
+        hashes = chain(None, key, tokens, e)
+        k = self.block // e
+
+        def told(i: int) -> tuple[Any, ...]:
+            return hashes[i * k : (i + 1) * k], hashes[i * k - 1] if i else None, tokens[i * self.block : (i + 1) * self.block], key
+
+        return told
 
     def _write_loop(self) -> None:
         while (job := self._writes.get()) is not None:
@@ -157,13 +183,19 @@ class KVTier:
                 if job[0] == "retain":
                     self.store.retain(job[1], job[2])
                     continue
-                _, key, ns, tokens, payload, until = job
+                if job[0] == "tell":
+                    if self.events is not None and self.store.has(job[1]):
+                        self.events.disk_stored(job[1], *job[2])
+                    continue
+                _, key, ns, tokens, payload, until, told = job
                 try:
                     ok = self.store.put(key, ns, self.fingerprint, tokens, memoryview(payload.numpy()), until)
                 finally:
                     with self._lock:
                         self._pending.discard(key)
                         self._pending_bytes -= self.block_bytes
+                if ok and told is not None and self.events is not None:
+                    self.events.disk_stored(key, *told)
                 with self._lock:
                     if ok:
                         self.written_tokens += len(tokens)

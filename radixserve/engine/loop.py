@@ -1,7 +1,7 @@
 """The engine loop: drain commands, schedule, run, post-process (engine.postprocess), stream.
 
 Callers talk to it only through `inbox` (commands in: Add, Abort, Stop; Loaded from the disk
-tier's or the KV hand-off's reader) and per-request sinks (deltas out). It runs on its own
+tier's or the KV hand-off's reader; Refresh from the KV events' publisher) and per-request sinks (deltas out). It runs on its own
 thread in-process, or on the main thread of the engine process.
 """
 
@@ -54,7 +54,12 @@ class Loaded:
     source: KVTier | KVHandoff
 
 
-Command = Add | Abort | Stop | Loaded
+@dataclass(frozen=True)
+class Refresh:
+    """Something the stats count changed off the loop (the KV events published while it idles)."""
+
+
+Command = Add | Abort | Stop | Loaded | Refresh
 
 
 class EngineLoop:
@@ -159,6 +164,8 @@ class EngineLoop:
             except Exception:  # the request computes what it could not put back
                 log.exception("putting %s's KV into the pool failed (a miss)", req.rid)
             self.scheduler.add(req)
+        elif isinstance(cmd, Refresh):
+            pass  # the stats are published after every command
         elif isinstance(cmd, Abort):
             if (left := self.loading.pop(cmd.rid, None)) is not None:
                 left.finish(FinishReason.ABORT)

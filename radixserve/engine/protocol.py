@@ -76,6 +76,10 @@ class EngineStats:
     kv_disk_corrupt_blocks: int = 0  # found torn or corrupt by a read: misses, deleted
     kv_exported_tokens: int = 0  # prefill/decode hand-off (--kv-connector): prompt tokens' KV published for another engine
     kv_imported_tokens: int = 0  # taken from another engine and put into the pool
+    kv_events_batches: int = 0  # --kv-events-config: batches published
+    kv_events_blocks: int = 0  # blocks told as stored in the KV pool (a subscriber's count)
+    kv_events_window_blocks: int = 0  # of those, told as holding their sliding-window KV (group 1)
+    kv_events_disk_blocks: int = 0  # blocks told as stored on the disk tier
     kv_staged_handoffs: int = 0  # published and not yet taken, as of the engine's last step (dropped after kv_connector.STAGED_TTL_S)
 
     @classmethod
