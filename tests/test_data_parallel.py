@@ -103,6 +103,35 @@ def test_bench_route_counts_less_prefill_under_prefix_affinity_than_round_robin(
     assert route.index_bytes_per_block(replicas=2, blocks=1000) > 0
 
 
+def test_an_outside_router_fed_only_kv_events_routes_forks_and_turns_to_their_cache(tiny_llama, tmp_path):
+    """Each replica publishes on its own sockets (ipc suffixes by rank), its rank in each batch;
+    a router that reads only those events computes less than round robin."""
+    import json
+
+    from radixserve.bench import route
+    from radixserve.cli import build_parser
+    from radixserve.engine.kv_events import offset_endpoint
+    from radixserve.routing.kv_events import EventView
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay})
+    args = build_parser().parse_args(["bench", "route", "--agents", "2", "--branches", "4", "--system-tokens", "400",
+                                      "--conversations", "3", "--turns", "3", "--output-len", "4", "--policies", "round_robin"])
+    with _engine(tiny_llama, kv_events_config=config) as e:
+        view = EventView({i: (offset_endpoint(pub, i), offset_endpoint(replay, i)) for i in range(2)})
+        try:
+            r = route.measure(e, args, view)
+        finally:
+            view.close()
+        assert view.ranks == {0: {0}, 1: {1}}
+        stats = [x.engine.stats() for x in e.replicas]
+    for workload in ("fork", "multi_turn"):
+        ext, rr = r[f"{workload}/kv_events"], r[f"{workload}/round_robin"]
+        assert ext["prompt_tokens"] == rr["prompt_tokens"] > 0
+        assert ext["prefill_tokens_computed"] < rr["prefill_tokens_computed"], (workload, ext, rr)
+    assert all(s.kv_events_batches > 0 and s.kv_events_blocks > 0 for s in stats)
+
+
 def test_a_killed_replica_fails_its_started_stream_and_retries_what_had_not_started(tiny_llama):
     with _engine(tiny_llama, max_running_requests=1) as e:
         e.router = make_router(RouterConfig(data_parallel=2, router_policy="round_robin"))

@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import json
 import random
+import tempfile
+import time
 import tracemalloc
 from typing import Any
 
@@ -41,6 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--external", action="store_true",
+                   help="also route by a router outside the engines that sees only their KV events (kv_events: "
+                        "routing/kv_events.py), the replicas publishing them on ipc:// sockets")
     p.add_argument("--json", default=None, help="write the figures to this file")
 
 
@@ -87,8 +92,10 @@ def multi_turn(engine: Any, args: argparse.Namespace) -> None:
             history[c] = r.token_ids[: r.prompt_len] + o.token_ids + tok.encode("<|im_end|>\n")
 
 
-def _measure(engine: Any, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _measure(engine: Any, workload: Any, args: argparse.Namespace, view: Any = None) -> dict[str, Any]:
     engine.flush_cache()
+    if view is not None:
+        time.sleep(0.3)  # the flush's events reach the outside router's view
     before = [r.engine.stats() for r in engine.replicas]
     workload(engine, args)
     after = [r.engine.stats() for r in engine.replicas]
@@ -114,17 +121,23 @@ def index_bytes_per_block(replicas: int = 8, blocks: int = 20_000) -> float:
     return used / (replicas * blocks)
 
 
-def measure(engine: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Every workload under every policy, on the same replicas: "fork/prefix" -> its counts.
-    The engine's own router is put back afterwards."""
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+def measure(engine: Any, args: argparse.Namespace, view: Any = None) -> dict[str, dict[str, Any]]:
+    """Every workload under every policy, on the same replicas: "fork/prefix" -> its counts
+    (with an EventView, the outside router's "kv_events" too). The engine's own router is put
+    back afterwards."""
+    from radixserve.routing.kv_events import KVEventsRouter
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] + (["kv_events"] if view is not None else [])
     results: dict[str, dict[str, Any]] = {}
     own = engine.router
     try:
         for workload in (fork, multi_turn):
             for policy in policies:
-                engine.router = make_router(RouterConfig(data_parallel=len(engine.replicas), router_policy=policy))
-                results[f"{workload.__name__}/{policy}"] = _measure(engine, workload, args)
+                if policy == "kv_events":
+                    engine.router = KVEventsRouter(view)
+                else:
+                    engine.router = make_router(RouterConfig(data_parallel=len(engine.replicas), router_policy=policy))
+                results[f"{workload.__name__}/{policy}"] = _measure(engine, workload, args, view)
     finally:
         engine.router = own
     return results
@@ -132,9 +145,22 @@ def measure(engine: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from radixserve.engine.data_parallel import DataParallelEngine
+    from radixserve.engine.kv_events import offset_endpoint
+    from radixserve.routing.kv_events import EventView
 
-    with DataParallelEngine(args.model, RouterConfig(data_parallel=args.replicas), **engine_kwargs(args)) as engine:
-        results = measure(engine, args)
+    kwargs, view = engine_kwargs(args), None
+    with tempfile.TemporaryDirectory(prefix="rs-events-") as folder:
+        pub, replay = f"ipc://{folder}/pub", f"ipc://{folder}/replay"
+        if args.external:
+            kwargs["kv_events_config"] = json.dumps({"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay})
+        with DataParallelEngine(args.model, RouterConfig(data_parallel=args.replicas), **kwargs) as engine:
+            if args.external:
+                view = EventView({i: (offset_endpoint(pub, i), offset_endpoint(replay, i)) for i in range(args.replicas)})
+            try:
+                results = measure(engine, args, view)
+            finally:
+                if view is not None:
+                    view.close()
     per_block = index_bytes_per_block()
     _print(results, args, per_block, RouterConfig())
     if args.json:
