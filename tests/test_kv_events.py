@@ -378,3 +378,35 @@ def test_a_subscriber_rebuilds_the_servers_cached_blocks_from_the_events_alone(e
     assert kv["kv_events_blocks"] == kv["kv_events_disk_blocks"] == 0 and again.view.blocks == live.view.blocks
     live.close()
     again.close()
+
+
+def test_a_sliding_window_models_tombstones_leave_group_1(tiny_models, tmp_path):
+    """Gemma 3 (a window of 8) with a small window pool: window KV is dropped under pressure
+    (tombstones) and the subscriber's group 1 (sliding_window) follows it, group 0 the cache."""
+    import asyncio
+
+    from server_helpers import final_outputs
+
+    from radixserve import Engine, SamplingParams
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay,
+                         "topic": "kv-events", "block_size": 4})
+    sub = Subscriber(pub, replay)
+    with Engine(str(tiny_models["Gemma3ForCausalLM"]), kv_cache_tokens=512, chunked_prefill_size=32,
+                swa_full_tokens_ratio=0.2, kv_events_config=config, dtype="float32") as e:
+        for r in range(6):
+            reqs = [e.make_req(list(range(5 + i + r, 60 + 7 * i + r)), SamplingParams(max_new_tokens=6, temperature=0.0))
+                    for i in range(4)]
+            asyncio.run(final_outputs(e, reqs))
+            e.check_integrity()  # the blocks told, both groups, are the tree's
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sub.view.last + 1 < e.stats().kv_events_batches:
+            sub.pump(0.1)
+        s = e.stats()
+    sub.close()
+    assert s.evicted_tokens > 0 and 0 < s.kv_events_window_blocks < s.kv_events_blocks
+    assert (sub.view.count("CPU"), sub.view.count("CPU", 1)) == (s.kv_events_blocks, s.kv_events_window_blocks)
+    kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in sub.view.stores}
+    assert kinds == {(0, "full_attention", None), (1, "sliding_window", 8)}
+    assert sub.view.removed["CPU"] > 0

@@ -469,10 +469,10 @@ class RadixCache(PrefixCache):
         node.blocks = [[first + j * b - start, h, False] for j, h in enumerate(hashes)]
         ev.stored(hashes, parent, seq[: n * b], [(key.hex(),)] * n)
         if self.reach:
-            for rec in node.blocks:
+            for i, rec in enumerate(node.blocks):
                 if self._windowed(node, rec[0]):
                     rec[2] = True
-                    self._tell_one(node, rec, WINDOW)
+                    self._tell_one(node, i, WINDOW)
 
     def _before(self, node: Node, block_start: int, need: int) -> tuple[int | None, list[int]]:
         """For a block from `block_start` ending in `node`: the hash of the block before it (None
@@ -504,11 +504,11 @@ class RadixCache(PrefixCache):
                 need -= len(p.key)
         return True
 
-    def _tell_one(self, node: Node, rec: list[Any], group: int) -> None:
-        """A stored event for one block of `node` (its parent's hash and its tokens looked up)."""
+    def _tell_one(self, node: Node, i: int, group: int) -> None:
+        """A stored event for `node`'s i-th block (its parent's hash and its tokens looked up)."""
         ev = self.events
         assert ev is not None
-        i = next(j for j, r in enumerate(node.blocks) if r is rec)
+        rec = node.blocks[i]
         b, end = ev.block_size, rec[0]
         if i:
             parent, tokens = node.blocks[i - 1][1], node.key[end - b : end]
@@ -532,14 +532,14 @@ class RadixCache(PrefixCache):
         stack: list[tuple[Node, int]] = [(node, -len(node.key))]  # (node, its start past `node`'s end)
         while stack:
             x, d = stack.pop()
-            for rec in x.blocks:
+            for i, rec in enumerate(x.blocks):
                 if d + rec[0] - b >= 0:
                     break  # this block and the later ones start past `node`
                 now = self._windowed(x, rec[0])
                 if now != rec[2]:
                     rec[2] = now
                     if now:
-                        self._tell_one(x, rec, WINDOW)
+                        self._tell_one(x, i, WINDOW)
                     else:
                         self.events.removed([rec[1]], group=WINDOW)
             after = d + len(x.key)

@@ -24,6 +24,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from typing import overload
 
 import msgspec
 
@@ -34,6 +35,14 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BLOCK = 16  # vLLM's default block size
+
+
+@overload
+def offset_endpoint(endpoint: str, rank: int) -> str: ...
+
+
+@overload
+def offset_endpoint(endpoint: None, rank: int) -> None: ...
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -65,7 +74,6 @@ class ZmqPublisher:
         self._pub.set_hwm(cfg.hwm)
         self._replay = None
         endpoint = offset_endpoint(cfg.endpoint, self.rank)
-        assert endpoint is not None
         replay = offset_endpoint(cfg.replay_endpoint, self.rank)
         try:
             self._pub.bind(endpoint) if _binds(endpoint) else self._pub.connect(endpoint)
