@@ -73,6 +73,51 @@ class NativeDecode:
 
 
 @dataclass
+class LoRARows:
+    """A forward batch's rows grouped by LoRA adapter (models/lora.py): (adapter, rows) where rows
+    is a slice (one run of consecutive rows) or an index tensor. `apply` adds each group's delta
+    to a linear's output: shrink (x A^T, every part's A stacked), then expand each part into its
+    columns (S-LoRA's and Punica's SGMV, in torch)."""
+
+    groups: list[tuple[Any, slice | torch.Tensor]]  # (models.lora.Adapter, rows)
+
+    @classmethod
+    def of(cls, spans: list[tuple[Any, int, int]], device: torch.device) -> LoRARows | None:
+        """`spans`: (adapter or None, first row, rows) of each sequence, in row order."""
+        rows: dict[int, tuple[Any, list[int]]] = {}
+        for adapter, start, n in spans:
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + n))
+        if not rows:
+            return None
+        groups: list[tuple[Any, slice | torch.Tensor]] = []
+        for adapter, idx in rows.values():
+            if idx[-1] - idx[0] + 1 == len(idx):
+                groups.append((adapter, slice(idx[0], idx[-1] + 1)))
+            else:
+                groups.append((adapter, torch.tensor(idx, dtype=torch.int64, device=device)))
+        return cls(groups)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
+        """y (the base linear's output for x) plus each group's adapter delta on its rows."""
+        for adapter, rows in self.groups:
+            f = adapter.linears.get(key)
+            if f is None:
+                continue
+            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            h = xs.to(f.a.dtype) @ f.a.t()  # shrink: (rows, sum of ranks)
+            if isinstance(rows, slice):
+                for lo, hi, rlo, rhi, b in f.parts:  # expand each part into its columns
+                    y[rows, lo:hi] += (h[:, rlo:rhi] @ b.t()).to(y.dtype)
+            else:
+                delta = torch.zeros(xs.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+                for lo, hi, rlo, rhi, b in f.parts:
+                    delta[:, lo:hi] = (h[:, rlo:rhi] @ b.t()).to(y.dtype)
+                y.index_add_(0, rows, delta)
+        return y
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
@@ -81,6 +126,7 @@ class ForwardBatch:
     attn_backend: AttnBackend
     attn_meta: dict[str, Any] = field(default_factory=dict)  # owned by the backend
     window_out_slots: torch.Tensor | None = None  # with a window pool: where the windowed layers write
+    lora: LoRARows | None = None  # rows of requests with a LoRA adapter, grouped by adapter (None: none)
 
     def out_for(self, window: int) -> torch.Tensor:
         """Where a layer with this window (0: full attention) writes its new K/V."""
@@ -120,5 +166,7 @@ class ForwardBatch:
 
         batch = cls(as_tensor(ids), as_tensor(pos), as_tensor(out), seqs, backend,
                     window_out_slots=as_tensor(wout) if window is not None else None)
+        if any(it.req.adapter is not None for it in plan.items):
+            batch.lora = LoRARows.of([(it.req.adapter, s.q_start, s.q_len) for it, s in zip(plan.items, seqs)], device)
         backend.prepare(batch)
         return batch

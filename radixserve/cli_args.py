@@ -23,6 +23,7 @@ class Flag:
     type: type
     help: str = ""
     choices: tuple[str, ...] | None = None
+    many: bool = False  # a tuple of values: the flag takes one or more
 
     def help_text(self) -> str:
         """The description, then the default; a bool flag says what it turns on (off by default)."""
@@ -37,10 +38,11 @@ def scalar_fields(*classes: type) -> dict[str, Flag]:
     out: dict[str, Flag] = {}
     for cls in classes:
         for f in dataclasses.fields(cls):
-            typ = _TYPES.get(str(f.type).split(" | ")[0])
+            many = str(f.type) == "tuple[str, ...]"
+            typ = str if many else _TYPES.get(str(f.type).split(" | ")[0])
             if typ is None or f.name in _NOT_FLAGS:
                 continue  # config groups and mappings (tenant quotas come from --tenants)
-            out[f.name] = Flag(f.default, typ, f.metadata.get("help", ""), f.metadata.get("choices"))
+            out[f.name] = Flag(f.default, typ, f.metadata.get("help", ""), f.metadata.get("choices"), many)
     return out
 
 
@@ -58,6 +60,8 @@ def add_flags(p: argparse.ArgumentParser, flags: dict[str, Flag]) -> None:
         if f.type is bool:  # off by default: the flag turns it on (a field on by default gets --no-...)
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             p.add_argument(flag, dest=name, action=action, default=f.default, help=f.help_text())
+        elif f.many:
+            p.add_argument(flag, dest=name, type=f.type, nargs="+", default=f.default, help=f.help_text())
         else:
             p.add_argument(flag, dest=name, type=f.type, default=f.default, choices=f.choices, help=f.help_text())
 

@@ -64,6 +64,12 @@ class ModelConfig:
     expert_parallel: int = option(1, "split a mixture of experts' experts over N processes, each rank computing its "
                                      "experts' rows of every routed layer, the outputs summed (any weights; gloo on CPU)")
     disable_cpu_kernels: bool = option(False, "CPU: use torch ops instead of radixserve's native kernels (radixserve_kernels.cpu)")
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT folders) over the base model, chosen per request by "
+                                      "`model`, mixed in one batch (models/lora.py)")
+    lora_modules: tuple[str, ...] = option((), "adapters to load at start: NAME=PATH ... (implies --enable-lora)")
+    max_loras: int = option(4, "LoRA adapters held in memory at once (more registered: least recently used read "
+                               "again from their folders when asked for)")
+    max_lora_rank: int = option(64, "the largest LoRA rank an adapter may have")
 
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

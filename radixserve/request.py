@@ -289,6 +289,7 @@ class Req:
         cache_salt: str | None = None,
         public_prefix_len: int = 0,
         retention: Retention | None = None,
+        lora: str | None = None,
     ) -> None:
         self.rid = rid or new_rid()
         self.token_ids: list[int] = list(prompt_ids)
@@ -303,6 +304,8 @@ class Req:
         self.disk_tokens = 0  # prompt tokens a lower tier put back into the pool for it (while it waited)
         self.kv_export: KVPages | None = None  # publish these pages of its prompt once computed (a prefill replica)
         self.kv_import: KVPages | None = None  # take these pages from another engine before it runs (a decode replica)
+        self.lora = lora  # the LoRA adapter it names (None: the base model)
+        self.adapter: Any = None  # its weights (models.lora.Adapter), given by the engine (engine/lora.py)
         self.max_new_tokens = params.max_new_tokens if params.max_new_tokens is not None else max_new_tokens
         self.arrival = time.monotonic()
         self.status = ReqStatus.WAITING

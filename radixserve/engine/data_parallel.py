@@ -132,6 +132,7 @@ class DataParallelEngine(RequestFront):
         self._handoffs: dict[str, KVPages | None] = {}  # rid -> the pages a prefill replica was asked to publish (None: none)
         self._prefilling: dict[str, _Prefill] = {}  # rid -> its prefill under way
         self._cancelled: set[str] = set()  # rids aborted while their prefill ran
+        self._loras: dict[str, str] = {}  # LoRA adapters loaded at run time: name -> path
         for r in self.replicas:
             self._watch(r)
 
@@ -378,6 +379,30 @@ class DataParallelEngine(RequestFront):
         for e in self._engines():
             e.check_integrity()
 
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """On every replica (undone on those that took it if one refuses); a replica that restarts
+        loads it again."""
+        done: list[EngineProcess] = []
+        try:
+            for e in self._engines():
+                out = e.load_lora(name, path)
+                done.append(e)
+        except Exception:
+            for e in done:
+                e.unload_lora(name)
+            raise
+        self._loras[name] = path
+        return out
+
+    def unload_lora(self, name: str) -> None:
+        for e in self._engines():
+            e.unload_lora(name)
+        self._loras.pop(name, None)
+
+    def loras(self) -> list[dict[str, Any]]:
+        engines = self._engines()
+        return engines[0].loras() if engines else []
+
     # -- failure and restart ------------------------------------------------------------------
     def _watch(self, r: Replica) -> None:
         assert r.engine is not None
@@ -418,6 +443,11 @@ class DataParallelEngine(RequestFront):
             except Exception:
                 log.exception("data-parallel replica %d did not restart (try %d)", r.index, r.restarts)
                 continue
+            try:
+                for name, path in list(self._loras.items()):  # the adapters loaded at run time
+                    engine.load_lora(name, path)
+            except Exception:
+                log.exception("data-parallel replica %d could not load its LoRA adapters again", r.index)
             with self._lock:
                 if self._closing or self.dead is not None:
                     engine.shutdown()

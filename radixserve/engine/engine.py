@@ -30,6 +30,7 @@ from radixserve.engine.kv_events import DEFAULT_BLOCK, ZmqPublisher
 from radixserve.engine.kv_handoff import KVHandoff
 from radixserve.engine.kv_tier import KVTier, open_tier
 from radixserve.engine.loop import EngineLoop, Refresh, Stop
+from radixserve.engine.lora import LoRAManager, parse_modules
 from radixserve.engine.outputs import Delta, Output
 from radixserve.engine.postprocess import PostProcessor
 from radixserve.engine.protocol import EngineStats
@@ -110,6 +111,7 @@ class Engine(RequestFront):
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         self.cpu_kernels = kernels.isa() if kernels is not None else ""
         self.model_name, self.model_path, self.arch = loaded.name, loaded.path, loaded.arch
+        self.lora = self._lora(loaded.model, split)
         self.tokenizer = loaded.tokenizer
         self.context_len = min(self.arch.max_position, cfg.model.context_length or self.arch.max_position)
         self.vocab_size = min(self.arch.vocab_size, len(self.tokenizer))
@@ -164,6 +166,11 @@ class Engine(RequestFront):
         if self.handoff is None and (req.kv_export is not None or req.kv_import is not None):
             field = "kv_export" if req.kv_export is not None else "kv_import"
             raise InvalidParam(field, "this engine has no KV connector (--kv-connector) to hand KV pages over with")
+        if req.lora is not None:
+            if self.lora is None:
+                raise InvalidParam("model", f"{req.lora!r}: this engine serves no LoRA adapters (--enable-lora)")
+            with self._loop.lock:
+                self.lora.resolve(req)
         self._loop.add(req, sink)
 
     def _split(self, model: Any) -> None:
@@ -222,6 +229,44 @@ class Engine(RequestFront):
         self._one_pool("kv_disk_dir", "the disk tier")
         facts = [self.arch, self.dtype, self.kv_dtype, self.quantization, self.config.model.quantization, self.activations]
         return open_tier(c, self.pool, Path(path), facts)
+
+    def _lora(self, model: Any, split: bool) -> LoRAManager | None:
+        """The LoRA adapters (--enable-lora, --lora-modules), each read and checked now."""
+        m = self.config.model
+        modules = parse_modules(m.lora_modules)
+        if not (m.enable_lora or modules):
+            return None
+        if split:
+            raise ValueError("enable_lora: LoRA adapters do not go with --tensor-parallel, --pipeline-parallel or "
+                             "--expert-parallel yet")
+        if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+            raise ValueError(f"enable_lora: this model ({type(model).__name__}) does not take LoRA adapters")
+        manager = LoRAManager(model, self.arch, self.dtype, self.device, m.max_loras, m.max_lora_rank, self.model_name)
+        for name, path in modules:
+            try:
+                manager.load(name, path)
+            except ValueError as e:
+                raise ValueError(f"lora_modules: {name}={path}: {e}") from None
+        return manager
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read an adapter and serve it under `name` (ValueError naming the field at fault)."""
+        if self.lora is None:
+            raise InvalidParam("lora_name", "this engine serves no LoRA adapters (start it with --enable-lora)")
+        with self._loop.lock:
+            return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise InvalidParam("lora_name", "this engine serves no LoRA adapters (start it with --enable-lora)")
+        with self._loop.lock:
+            self.lora.unload(name)
+
+    def loras(self) -> list[dict[str, Any]]:
+        if self.lora is None:
+            return []
+        with self._loop.lock:
+            return self.lora.describe()
 
     def _kv_events(self) -> ZmqPublisher | None:
         """The KV events' publisher (--kv-events-config), told by the radix cache and the disk tier."""

@@ -95,6 +95,7 @@ class RequestFront:
         retention: Retention | None = None,
         tenant_key: str | None = None,
         default_max_new_tokens: int | None = None,
+        lora: str | None = None,
     ) -> Req:
         """Tokenize and validate; raises InvalidParam (a ValueError) naming the bad field.
 
@@ -122,9 +123,11 @@ class RequestFront:
             raise InvalidParam("tenant_key", f"expected a non-empty string or None, got {tenant_key!r}")
         default = self.default_max_new_tokens if default_max_new_tokens is None else default_max_new_tokens
         default_max = max(min(default, self.context_len - len(ids), self.num_slots - len(ids)), 0)
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise InvalidParam("model", f"an adapter's name must be a non-empty string, got {lora!r}")
         req = Req(ids, params, rid=rid, priority=priority, max_new_tokens=default_max, tenant=tenant,
                   cache_salt=salt_key(cache_salt, tenant_key), public_prefix_len=public_prefix_len or 0,
-                  retention=retention)
+                  retention=retention, lora=lora)
         check_admissible(req, self.context_len, self.num_slots)
         return req
 

@@ -55,6 +55,7 @@ from radixserve.engine.protocol import (
     FlushCache,
     FromEngine,
     GetStats,
+    LoRACall,
     MatchLen,
     Reply,
     Shutdown,
@@ -271,6 +272,15 @@ class EngineProcess(RequestFront):
 
     def check_integrity(self) -> None:
         self._wait(self._call(CheckIntegrity))
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        return dict(self._wait(self._call(lambda call_id: LoRACall(call_id, "load", name, path))).data)
+
+    def unload_lora(self, name: str) -> None:
+        self._wait(self._call(lambda call_id: LoRACall(call_id, "unload", name)))
+
+    def loras(self) -> list[dict[str, Any]]:
+        return list(self._wait(self._call(lambda call_id: LoRACall(call_id, "list"))).data)
 
     async def match_len(self, req: Req) -> int:
         """How much of the request's prompt the engine's prefix cache holds now, in tokens."""
@@ -500,6 +510,14 @@ class _Core:
                     reply = Reply(msg.call_id, stats=e.stats())
                 elif isinstance(msg, FlushCache):
                     reply = Reply(msg.call_id, value=e.flush_cache(msg.keep_disk))
+                elif isinstance(msg, LoRACall):
+                    if msg.op == "load":
+                        reply = Reply(msg.call_id, data=e.load_lora(msg.name, msg.path))
+                    elif msg.op == "unload":
+                        e.unload_lora(msg.name)
+                        reply = Reply(msg.call_id)
+                    else:
+                        reply = Reply(msg.call_id, data=e.loras())
                 elif isinstance(msg, MatchLen):
                     probe = Req(list(msg.input_ids), SamplingParams(), tenant=msg.tenant, cache_salt=msg.cache_salt,
                                 public_prefix_len=msg.public_prefix_len)

@@ -123,16 +123,17 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     retention: Retention | None = None
     kv_export: KVPages | None = None
     kv_import: KVPages | None = None
+    lora: str | None = None
 
     @classmethod
     def of(cls, req: Req, call_id: int = 0) -> AddRequest:
         return cls(req.rid, req.token_ids[: req.prompt_len], req.params, req.max_new_tokens, req.priority, req.tenant,
-                   req.cache_salt, req.public_prefix_len, call_id, req.retention, req.kv_export, req.kv_import)
+                   req.cache_salt, req.public_prefix_len, call_id, req.retention, req.kv_export, req.kv_import, req.lora)
 
     def build(self) -> Req:
         req = Req(list(self.input_ids), self.params, rid=self.rid, priority=self.priority,
                   max_new_tokens=self.max_new_tokens, tenant=self.tenant, cache_salt=self.cache_salt,
-                  public_prefix_len=self.public_prefix_len, retention=self.retention)
+                  public_prefix_len=self.public_prefix_len, retention=self.retention, lora=self.lora)
         req.kv_export, req.kv_import = self.kv_export, self.kv_import
         return req
 
@@ -164,15 +165,24 @@ class MatchLen(msgspec.Struct, tag="match_len", frozen=True):
     public_prefix_len: int = 0
 
 
+class LoRACall(msgspec.Struct, tag="lora", frozen=True):
+    """load (name, path: Reply.data the adapter), unload (name) or list (Reply.data the adapters)."""
+
+    call_id: int
+    op: str
+    name: str = ""
+    path: str = ""
+
+
 # each Call is answered by one Reply with its call_id (an AddRequest: when it has one)
-Call = AddRequest | GetStats | FlushCache | CheckIntegrity | MatchLen
+Call = AddRequest | GetStats | FlushCache | CheckIntegrity | MatchLen | LoRACall
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToEngine = AddRequest | Abort | GetStats | FlushCache | CheckIntegrity | MatchLen | Shutdown
+ToEngine = AddRequest | Abort | GetStats | FlushCache | CheckIntegrity | MatchLen | LoRACall | Shutdown
 
 
 # -- engine -> front ----------------------------------------------------------------------------
@@ -245,6 +255,7 @@ class Reply(msgspec.Struct, tag="reply", frozen=True):
     stats: EngineStats | None = None
     value: int | None = None
     error: ErrorInfo | None = None
+    data: Any = None
 
 
 FromEngine = EngineInfo | Deltas | Reply
@@ -286,7 +297,8 @@ class EngineClient(Protocol):
     def make_req(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                  priority: int = 0, *, tenant: str | None = None, cache_salt: str | None = None,
                  public_prefix_len: int | None = None, retention: Retention | None = None,
-                 tenant_key: str | None = None, default_max_new_tokens: int | None = None) -> Req: ...
+                 tenant_key: str | None = None, default_max_new_tokens: int | None = None,
+                 lora: str | None = None) -> Req: ...
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  template_kwargs: dict[str, Any] | None = None, prefix: tuple[str, list[int]] | None = None,
@@ -313,6 +325,12 @@ class EngineClient(Protocol):
     def route(self, req: Req, hint: str | None = None) -> None: ...  # choose the request's replica (one engine: no-op)
 
     def flush_cache(self, keep_disk: bool = False) -> int: ...
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]: ...  # an adapter (--enable-lora); ValueError naming the field
+
+    def unload_lora(self, name: str) -> None: ...
+
+    def loras(self) -> list[dict[str, Any]]: ...  # the adapters loaded (name, path, digest, resident)
 
     def check_integrity(self) -> None: ...
 

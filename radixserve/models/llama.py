@@ -22,6 +22,7 @@ from radixserve.models.config import ArchConfig
 from radixserve.models.gguf import ROPE_FREQS
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
+from radixserve.models.lora import LoRAContext
 from radixserve.models.moe import MoE
 from radixserve.models.quant import QuantLinear, SplitQuantLinear
 from radixserve_kernels import cpu
@@ -198,6 +199,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused: FusedDecode | None = None  # see LlamaForCausalLM.fuse_decode
+        self.lora_ctx: LoRAContext | None = None  # with LoRA adapters (engine/lora.py): the batch's rows for them
         self.min_window = min((w for w in cfg.layer_windows if w), default=0)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -210,16 +212,22 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.tables(positions)
         plan = None
         if (self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS and cpu.native_for(x) is not None
-                and not (self.min_window and max(s.kv_len for s in batch.seqs) > self.min_window)):
+                and batch.lora is None and not (self.min_window and max(s.kv_len for s in batch.seqs) > self.min_window)):
             plan = batch.attn_backend.native_decode(batch)
         if plan is not None and self.fused is not None:
             x, residual = self.fused.run(x, rope, plan)
         else:
             local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
             residual = None
-            for i, layer in enumerate(self.decoder_layers()):
-                x, residual = layer(None if i in self.cfg.nope_layers else local if layer.self_attn.window else rope,
-                                    x, residual, batch)
+            if self.lora_ctx is not None:
+                self.lora_ctx.rows = batch.lora
+            try:
+                for i, layer in enumerate(self.decoder_layers()):
+                    x, residual = layer(None if i in self.cfg.nope_layers else local if layer.self_attn.window else rope,
+                                        x, residual, batch)
+            finally:
+                if self.lora_ctx is not None:
+                    self.lora_ctx.rows = None
         return self.norm(x, residual)[0]
 
 

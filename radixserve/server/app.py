@@ -28,7 +28,7 @@ from radixserve.server.chat.history import HISTORY_HELP, HistoryWarmer
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import CountersCollector, kv_cache_usage
 from radixserve.server.openai import chat as openai
-from radixserve.server.openai import completions
+from radixserve.server.openai import completions, lora
 from radixserve.server.openapi import DOCUMENT, openapi_document
 from radixserve.server.protocol import AbortRequest, ModelInfo
 from radixserve.server.responses import routes as responses
@@ -298,6 +298,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/get_model_info", model_info)  # what SGLang's RuntimeEndpoint calls
     app.router.add_post("/concate_and_append_request", native.concat_and_append)  # SGLang's spelling
     app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/v1/load_lora_adapter", lora.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", lora.unload_lora_adapter)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

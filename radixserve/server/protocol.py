@@ -98,6 +98,7 @@ class GenerateRequest(_In):
     priority: Priority = None
     cache_salt: CacheSalt = None
     public_prefix_len: int | None = None
+    lora_path: str | None = None  # SGLang's: the LoRA adapter's name (as loaded)
     prompt_cache_retention: Literal["in_memory", "5m", "1h", "24h"] | None = None
 
 
@@ -368,6 +369,22 @@ class ModelCard(_Out):
     owned_by: str = "radixserve"
     max_model_len: int | None = None
     object: Literal["model"] = "model"
+    root: str | None = None  # a LoRA adapter's folder (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoRARequest(_In):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(_In):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(_Out):
@@ -378,6 +395,8 @@ class ModelList(_Out):
 REQUEST_TYPES: dict[str, type] = {
     "/generate": GenerateRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/load_lora_adapter": LoadLoRARequest,
+    "/v1/unload_lora_adapter": UnloadLoRARequest,
     "/v1/completions": CompletionRequest,
     "/abort_request": AbortRequest,
     "/concate_and_append_request": ConcatAndAppendRequest,

@@ -71,6 +71,7 @@ class RequestOptions:
     # no max tokens given: what the context window leaves after the prompt (the OpenAI APIs, as
     # vLLM); False: the engine's default_max_new_tokens (/generate, as SGLang's 128)
     rest_of_window: bool = True
+    lora: str | None = None  # the LoRA adapter the request's model names (None: the base model)
 
 
 def _aborted(req: Req, last: Delta | None, tokens: int) -> Output:
@@ -123,6 +124,7 @@ class ServerState:
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # tenants' max_requests_per_second
     tool_format: str = "hermes"  # how the model writes tool calls (serve.py: chat.tool_parsers.for_server)
     history: Any = None  # the chat history precomputes (chat.history.HistoryWarmer: build_app sets it)
+    loras: dict[str, dict[str, Any]] = field(default_factory=dict)  # LoRA adapters served: name -> what the engine said
 
     def __post_init__(self) -> None:
         c = self.config
@@ -130,6 +132,18 @@ class ServerState:
         self.metrics = Metrics(self.engine.snapshot, lambda: self.admission.queued, c.slo_ttft_ms / 1e3, c.slo_tpot_ms / 1e3,
                                lambda: self.connections.open if self.connections is not None else 0,
                                replicas=self.engine.replica_snapshots, vllm_names=c.metrics_vllm_names)
+        self.loras = {a["name"]: a for a in self.engine.loras()}
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name
+        this server does not serve."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.loras:
+            return model
+        served = ", ".join(map(repr, [self.model_name, *self.loras]))
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
 
     def engine_down(self) -> str | None:
         """Why the engine core is gone (its process died), or None while it serves."""
@@ -223,7 +237,7 @@ class ServerState:
                 reqs.append(self.engine.make_req(
                     p, sp, rid, priority, tenant=tenant.id, cache_salt=opts.cache_salt, public_prefix_len=opts.public_prefix_len,
                     retention=opts.retention, tenant_key=tenant.namespace_key,
-                    default_max_new_tokens=self.engine.context_len if opts.rest_of_window else None))
+                    default_max_new_tokens=self.engine.context_len if opts.rest_of_window else None, lora=opts.lora))
             except ValueError as e:
                 raise value_error(e, opts.rename) from None
         return reqs

@@ -200,9 +200,7 @@ async def begin(request: web.Request, typ: type, admit: bool = True) -> tuple[Se
     if admit:
         state.admission.check(tenant)
     b = await read_body(request, typ)
-    if b.model and b.model != state.model_name:
-        raise ApiError(404, f"model {b.model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+    state.adapter_of(b.model)  # an unknown model: 404 before anything runs
     return state, arrival, tenant, b
 
 
@@ -253,6 +251,7 @@ async def serve(request: web.Request, api: Api) -> web.StreamResponse:
     state, arrival, tenant, body = await begin(request, api.body)
     call = Call(request, state, tenant, arrival, body)
     turn = await api.translate(call)
+    turn.options.lora = state.adapter_of(body.model)
     params = prepare(turn.plan, turn.sampling, state.config.reasoning_parser)
     render = renderer(state.engine, turn.plan, api.rename, turn.prefix, turn.rendered)
     if turn.wrap is not None:

@@ -176,7 +176,7 @@ class HistoryWarmer:
             public = min(opts.public_prefix_len, same)
         req = engine.make_req(ids, SamplingParams(max_new_tokens=0), None, BACKGROUND, tenant=tenant.id,
                               cache_salt=opts.cache_salt, public_prefix_len=public, retention=opts.retention,
-                              tenant_key=tenant.namespace_key)
+                              tenant_key=tenant.namespace_key, lora=opts.lora)  # an adapter's history: in its namespace
         engine.route(req)  # data-parallel: by its prefix, to the replica that holds the conversation
         final = None
         async with aclosing(engine.submit(req)) as deltas:

@@ -321,11 +321,18 @@ async def _stream_whole(request: web.Request, cid: str, created: int, model: str
 
 
 # -- completions -----------------------------------------------------------------------------
+def _cards(state: ServerState) -> list[ModelCard]:
+    """The base model, then each LoRA adapter with the base as its parent (as vLLM lists them)."""
+    n = state.engine.context_len
+    return [ModelCard(state.model_name, state.created, max_model_len=n),
+            *(ModelCard(name, state.created, max_model_len=n, root=a.get("path"), parent=state.model_name)
+              for name, a in state.loras.items())]
+
+
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     state.auth.of_request(request)
-    card = ModelCard(state.model_name, state.created, max_model_len=state.engine.context_len)
-    return web.Response(body=msgspec.json.encode(ModelList([card])), content_type="application/json")
+    return web.Response(body=msgspec.json.encode(ModelList(_cards(state))), content_type="application/json")
 
 
 async def model(request: web.Request) -> web.Response:
@@ -333,8 +340,6 @@ async def model(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     state.auth.of_request(request)
     name = request.match_info["model"]
-    if name != state.model_name:
-        raise ApiError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}", param="model",
-                       code="model_not_found")
-    card = ModelCard(state.model_name, state.created, max_model_len=state.engine.context_len)
+    state.adapter_of(name)  # 404 unless served
+    card = next(c for c in _cards(state) if c.id == name)
     return web.Response(body=msgspec.json.encode(card), content_type="application/json")

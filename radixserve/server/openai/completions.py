@@ -63,6 +63,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = [sampling_params(b, max_tokens, i % b.n, top or 0, top is not None) for i in range(len(flat))]
     opts = request_options(b)
     opts.rename = {**RENAME, "prompt": "prompt", "input_ids": "prompt"}
+    opts.lora = state.adapter_of(b.model)
     async with state.admit(tenant, flat, params, opts, arrival) as flight:
         return await _reply(request, state, b, flight, flat, len(prompts))
 

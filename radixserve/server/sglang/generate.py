@@ -101,7 +101,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     opts = RequestOptions(body.rid, body.priority, body.cache_salt, body.public_prefix_len,
                           retention=Retention.named(body.prompt_cache_retention, "prompt_cache_retention"),
                           rename={**SAMPLING_NAMES, "prompt": "text" if body.text is not None else "input_ids", "n": batch},
-                          rest_of_window=False)  # SGLang's default: the engine's default_max_new_tokens
+                          rest_of_window=False,  # SGLang's default: the engine's default_max_new_tokens
+                          lora=state.adapter_of(body.lora_path) if body.lora_path is not None else None)
     async with state.admit(tenant, prompts, params, opts, arrival) as flight:
         if not body.stream:
             outs = await state.collect(flight)

@@ -1,0 +1,230 @@
+"""Multi-LoRA: PEFT adapters over the tiny Llama, against PEFT itself (the logits of a prompt
+through each adapter equal PEFT's; a batch mixing adapters and the base equals each alone),
+over float and int8 weights; the prefix cache namespaced by adapter; a served model choosing its
+adapter by `model`, vLLM's load/unload endpoints under traffic, and bad adapters refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = list(range(3, 40))
+
+
+def _peft_model(base_path: Path, adapter: Path | None = None):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
+    return base if adapter is None else PeftModel.from_pretrained(base, str(adapter)).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, Path]:
+    """"a": every linear, r=4; "b": q and v, r=8, rsLoRA; "big": r=16 (over a cap of 8)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    specs = {"a": dict(r=4, lora_alpha=8, target_modules=ALL),
+             "b": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=True),
+             "big": dict(r=16, lora_alpha=16, target_modules=["q_proj"])}
+    out = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        torch.manual_seed(10 + i)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+        get_peft_model(base, LoraConfig(init_lora_weights=False, **spec)).save_pretrained(str(root / name))
+        out[name] = root / name
+    return out
+
+
+@torch.inference_mode()
+def _logits(model, seqs: list[tuple[object, list[int]]]) -> list[torch.Tensor]:
+    """Our model's logits for each (adapter or None, prompt), all in one forward batch."""
+    from radixserve.attention import create_backend
+    from radixserve.batch import ForwardBatch
+    from radixserve.cache.pool import KVPool
+    from radixserve.request import Req
+    from radixserve.sched.scheduler import PlanItem, SchedulePlan
+
+    a, total = model.cfg, sum(len(ids) for _, ids in seqs)
+    pool = KVPool(a.num_layers, total, a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
+    backend = create_backend("torch", pool, torch.device("cpu"))
+    items, slots, at = [], {}, 0
+    for adapter, ids in seqs:
+        req = Req(ids, SamplingParams())
+        req.adapter = adapter
+        items.append(PlanItem(req, 0, len(ids)))
+        slots[req.rid], at = list(range(at, at + len(ids))), at + len(ids)
+    batch = ForwardBatch.from_plan(SchedulePlan(items), lambda r: slots[r.rid], backend, torch.device("cpu"))
+    out = model.compute_logits(model(batch))
+    return list(out.split([len(ids) for _, ids in seqs]))
+
+
+def _loaded(tiny_llama, adapters, quantization: str = "none"):
+    from radixserve.engine.lora import LoRAManager
+    from radixserve.models.loader import load_model
+
+    model = load_model(str(tiny_llama), torch.float32, torch.device("cpu"), quantization).model
+    manager = LoRAManager(model, model.cfg, torch.float32, torch.device("cpu"), 4, 8, "base")
+    for name in ("a", "b"):
+        manager.load(name, str(adapters[name]))
+    return model, manager
+
+
+def test_each_adapters_logits_equal_pefts_and_a_mixed_batch_equals_each_alone(tiny_llama, adapters):
+    with torch.inference_mode():
+        ref = {name: _peft_model(tiny_llama, adapters[name])(torch.tensor([PROMPT])).logits[0] for name in ("a", "b")}
+        ref[None] = _peft_model(tiny_llama)(torch.tensor([PROMPT])).logits[0]
+    model, m = _loaded(tiny_llama, adapters)
+    a, b = m.get("a"), m.get("b")
+    for name, adapter in (("a", a), ("b", b), (None, None)):
+        (alone,) = _logits(model, [(adapter, PROMPT)])
+        assert torch.allclose(alone, ref[name], atol=1e-4), (name, (alone - ref[name]).abs().max())
+    assert (ref["a"] - ref[None]).abs().max() > 0.1 and (ref["b"] - ref[None]).abs().max() > 0.1  # they matter
+    short = PROMPT[:9]
+    mixed = _logits(model, [(a, PROMPT), (None, PROMPT), (b, short), (a, short), (None, short)])  # a's rows: two runs
+    for (name, ids), got in zip([("a", PROMPT), (None, PROMPT), ("b", short), ("a", short), (None, short)], mixed):
+        assert torch.allclose(got, ref[name][: len(ids)], atol=1e-4), (name, len(ids))
+
+
+def test_adapters_over_int8_weights_add_pefts_delta(tiny_llama, adapters):
+    """Over quantized base weights the adapter adds the delta PEFT's adds over the float ones (to
+    int8's error: the hidden states drift by it), and a mixed batch still equals each alone."""
+    with torch.inference_mode():
+        ref_a = _peft_model(tiny_llama, adapters["a"])(torch.tensor([PROMPT])).logits[0]
+        ref_base = _peft_model(tiny_llama)(torch.tensor([PROMPT])).logits[0]
+    model, m = _loaded(tiny_llama, adapters, "int8")
+    base, lora = _logits(model, [(None, PROMPT), (m.get("a"), PROMPT)])
+    want = ref_a - ref_base
+    assert torch.nn.functional.cosine_similarity((lora - base).flatten(), want.flatten(), dim=0) > 0.99
+    assert (lora - ref_a).abs().max() < 2 * (base - ref_base).abs().max()  # no more off than int8 makes the base
+    (alone,) = _logits(model, [(m.get("a"), PROMPT)])
+    assert torch.allclose(alone, lora, atol=1e-4)
+
+
+def test_bad_adapters_are_refused_by_name(tiny_llama, adapters, tmp_path):
+    from radixserve.models.lora import AdapterError
+
+    model, m = _loaded(tiny_llama, adapters)
+    cases = {"missing": (tmp_path / "nowhere", "not a folder"), "big": (adapters["big"], "max_lora_rank")}
+    broken = tmp_path / "shapes"
+    shutil.copytree(adapters["a"], broken)
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(broken / "adapter_model.safetensors"))
+    key = next(k for k in t if "q_proj.lora_A" in k)
+    t[key] = torch.zeros(4, 7)
+    save_file(t, str(broken / "adapter_model.safetensors"))
+    cases["shapes"] = (broken, r"expected \(4, ")
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["a"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    cases["dora"] = (dora, "use_dora")
+    for name, (path, why) in cases.items():
+        with pytest.raises(AdapterError, match=why):
+            m.load(name, str(path))
+    with pytest.raises(AdapterError, match="already loaded"):
+        m.load("a", str(adapters["a"]))
+    with pytest.raises(AdapterError, match="lora_name"):
+        m.load("base", str(adapters["a"]))
+    assert sorted(x["name"] for x in m.describe()) == ["a", "b"]
+
+
+def test_an_adapters_kv_never_serves_another_or_the_base_and_evicted_adapters_come_back(tiny_llama, adapters):
+    from server_helpers import final_outputs
+
+    with Engine(str(tiny_llama), dtype="float32", kv_cache_tokens=4096, lora_modules=(f"a={adapters['a']}",),
+                max_loras=1, max_lora_rank=8) as e:
+        e.load_lora("b", str(adapters["b"]))
+
+        def run(lora):
+            req = e.make_req(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0), lora=lora)
+            (out,) = asyncio.run(final_outputs(e, [req]))
+            return out
+
+        first = {name: run(name) for name in (None, "a", "b")}
+        assert [first[n].cached_tokens for n in (None, "a", "b")] == [0, 0, 0]  # three namespaces
+        again = {name: run(name) for name in ("a", "b", None)}  # max_loras=1: each read again from its folder
+        assert all(again[n].cached_tokens > 0 and again[n].token_ids == first[n].token_ids for n in again)
+        assert e.lora is not None and e.lora.evictions >= 3 and e.lora.loads >= 4
+        model = _peft_model(tiny_llama, adapters["a"])
+        x = torch.tensor([PROMPT])
+        greedy = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                pad_token_id=0)[0, len(PROMPT):].tolist()
+        assert first["a"].token_ids == greedy
+        e.unload_lora("b")
+        with pytest.raises(ValueError, match="no adapter named 'b'"):
+            run("b")
+        e.check_integrity()
+
+
+TENANTS = """
+[[tenants]]
+id = "ops"
+api_key = "key-ops"
+admin = true
+
+[[tenants]]
+id = "app"
+api_key = "key-app"
+"""
+
+
+def test_served_adapters_by_model_name_and_vllms_endpoints_under_traffic(tiny_llama, adapters, tmp_path):
+    import openai
+    from server_helpers import ServerProcess
+
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    s = ServerProcess(tiny_llama, "--dtype", "float32", "--kv-cache-tokens", "4096", "--lora-modules", f"a={adapters['a']}",
+                      "--max-lora-rank", "8", "--tenants", str(tmp_path / "tenants.toml"), log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="key-app", max_retries=0)
+        models = {m.id: m for m in client.models.list().data}
+        base = next(n for n in models if n != "a")
+        assert set(models) == {base, "a"} and models["a"].model_extra["parent"] == base
+        ask = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 5, "temperature": 0}
+        plain = client.chat.completions.create(model=base, **ask).choices[0].message.content
+        tuned = client.chat.completions.create(model="a", **ask).choices[0].message.content
+        assert plain != tuned
+        status, body = s.post("/v1/chat/completions", {**ask, "model": "nope"}, "key-app")
+        assert status == 404 and body["error"]["param"] == "model"
+
+        load = {"lora_name": "b", "lora_path": str(adapters["b"])}
+        assert s.post("/v1/load_lora_adapter", load, "key-app")[0] == 403  # admins only
+        for bad, param, why in (({"lora_name": "c", "lora_path": str(tmp_path / "none")}, "lora_path", "not a folder"),
+                                ({"lora_name": "c", "lora_path": str(adapters["big"])}, "lora_path", "max_lora_rank"),
+                                ({"lora_name": "a", "lora_path": str(adapters["b"])}, "lora_name", "already"),
+                                ({"lora_name": ""}, "lora_path", "")):
+            status, body = s.post("/v1/load_lora_adapter", bad, "key-ops")
+            assert status == 400 and body["error"]["param"] == param and why in body["error"]["message"], body
+
+        def traffic(i: int) -> int:  # requests on "a" while "b" comes and goes
+            return s.post("/v1/chat/completions", {**ask, "model": "a"}, "key-app")[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(traffic, i) for i in range(16)]
+            for _ in range(3):
+                assert s.post("/v1/load_lora_adapter", load, "key-ops")[0] == 200
+                status, body = s.post("/generate", {"text": "Hi", "lora_path": "b", "sampling_params": {"max_new_tokens": 3}},
+                                      "key-app")
+                assert status == 200, body
+                assert s.post("/v1/unload_lora_adapter", {"lora_name": "b"}, "key-ops")[0] == 200
+            assert [f.result() for f in running] == [200] * 16
+        status, body = s.post("/v1/unload_lora_adapter", {"lora_name": "b"}, "key-ops")
+        assert status == 404 and body["error"]["param"] == "lora_name"
+        assert s.post("/v1/chat/completions", {**ask, "model": "b"}, "key-app")[0] == 404
+        assert s.wait_idle("key-ops")["kv_in_use_slots"] == 0
+        assert s.get("/server_info?check_integrity=1", "key-ops")[0] == 200
+    finally:
+        s.stop()
