@@ -89,7 +89,8 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def enabled(self) -> bool:
-        return (self.publisher or ("zmq" if self.enable_kv_cache_events else "null")) == "zmq"
+        """As vLLM: events are made with enable_kv_cache_events, and published unless the publisher is "null"."""
+        return self.enable_kv_cache_events and self.publisher != "null"
 
 
 def parse_kv_events(text: str) -> KVEventsConfig:

@@ -90,10 +90,11 @@ def old_example_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def doc_hash(parent: int | None, ns_key: bytes, tokens: list[int]) -> int:
-    """The block hash as the docs give it."""
-    h = hashlib.blake2b((parent or 0).to_bytes(8, "big") + ns_key + struct.pack(f"<{len(tokens)}I", *tokens), digest_size=8)
-    return int.from_bytes(h.digest(), "big")
+def doc_hash(parent: int | None, extra: tuple[Any, ...], tokens: list[int]) -> int:
+    """The block hash as the docs give it, from its parent, its extra key and its tokens."""
+    public = extra[1].to_bytes(4, "big") if len(extra) > 1 else b""
+    data = (parent or 0).to_bytes(8, "big") + bytes.fromhex(extra[0]) + public + struct.pack(f"<{len(tokens)}I", *tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class View:
@@ -120,7 +121,7 @@ class View:
                 for j, h in enumerate(e.block_hashes):
                     key = e.extra_keys[j]
                     assert key is not None
-                    assert doc_hash(parent, bytes.fromhex(key[0]), e.token_ids[j * b : (j + 1) * b]) == h
+                    assert doc_hash(parent, key, e.token_ids[j * b : (j + 1) * b]) == h
                     assert h not in held, f"{h} stored twice in {e.medium}, group {e.group_idx}"
                     held.add(h)
                     parent = h
@@ -211,7 +212,7 @@ def test_every_change_of_the_tree_is_told_and_the_told_set_is_the_trees(window, 
         n = rng.randrange(0, 40) // page * page
         tokens = [rng.randrange(3) for _ in range(n)]
         window_from = rng.choice([0, 0, n]) if window else 0
-        cache.insert(ns, tokens, list(range(slot, slot + n)), public_len=rng.choice([0, 0, 6]), window_from=window_from,
+        cache.insert(ns, tokens, list(range(slot, slot + n)), public_len=rng.choice([0, 0, 3, 5, 6]), window_from=window_from,
                      on_revive=lambda mine, theirs: None)
         slot += n
         r = rng.random()
@@ -260,7 +261,8 @@ def test_a_bad_kv_events_config_is_refused_naming_its_field():
     with pytest.raises(ValueError, match="disable_radix_cache"):
         CacheConfig(kv_events_config='{"enable_kv_cache_events": true}', disable_radix_cache=True).check()
     assert not parse_kv_events("{}").enabled and parse_kv_events('{"enable_kv_cache_events": true}').enabled
-    assert parse_kv_events('{"publisher": "zmq"}').enabled and not parse_kv_events('{"publisher": "null"}').enabled
+    assert not parse_kv_events('{"publisher": "zmq"}').enabled  # as vLLM: nothing is made without enable_kv_cache_events
+    assert not parse_kv_events('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559" and offset_endpoint("ipc:///tmp/e", 1) == "ipc:///tmp/e_dp1"
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
 

@@ -111,7 +111,7 @@ def test_a_port_out_of_range_is_one_line_and_exit_2_before_the_model_loads(port,
 def test_a_port_taken_after_the_check_is_the_same_one_line(busy_port):
     """The race: the port is free when checked and taken at the real bind."""
     engine = SimpleNamespace(tokenizer=None, vocab_size=0, model_name="m", snapshot=EngineStats,
-                             replica_snapshots=lambda: [EngineStats()])
+                             replica_snapshots=lambda: [EngineStats()], loras=lambda: [])
     cfg = ServerConfig(port=busy_port)
     with pytest.raises(ValueError) as e:
         asyncio.run(serve.serve(engine, cfg, Auth(), time.monotonic()))

@@ -10,10 +10,13 @@ told); it is removed when any of them goes. Its hash chains, as vLLM's do:
 
 where parent is the previous block's hash as 8 big-endian bytes (8 zero bytes for the first
 block), ns_key the 16-byte `namespace_key` of the namespace the block's last token is cached
-in (the shared public prefix has its own), and tokens the block's token ids as unsigned 32-bit
-little-endian. So two tenants' (or two cache salts') blocks never share a hash, and a
+in (the shared public prefix has its own; the disk tier's blocks: the request's namespace),
+followed, for a block that starts in the public prefix and ends past it, by the count of its
+public tokens as 4 big-endian bytes, and tokens the block's token ids as unsigned 32-bit
+little-endian. So two tenants' (or two cache salts') blocks never share a hash, nor two paths
+that split the same tokens differently between the public prefix and a namespace, and a
 subscriber can recompute every hash from the token ids and the `extra_keys` each event carries
-(one per block: the namespace key in hex).
+(one per block: the namespace key in hex, then the public count where there is one).
 
 Media: the KV pool is "GPU" on a GPU and "CPU" on a CPU; the disk tier is "DISK". Models with
 sliding-window layers tell two groups, as vLLM's hybrid allocator does: group 0 (full attention:
@@ -82,11 +85,20 @@ def namespace_key(ns: Namespace) -> bytes:
     return hashlib.blake2b(json.dumps([ns.tenant, ns.cache_salt]).encode(), digest_size=16).digest()
 
 
-def block_hash(parent: int | None, ns_key: bytes, tokens: Sequence[int]) -> int:
+def block_hash(parent: int | None, ns_key: bytes, tokens: Sequence[int], public: int = 0) -> int:
+    """`public`: a block that starts in the shared public prefix and ends in a namespace's own
+    tokens: how many of its tokens are public (0: all of it is in `ns_key`'s namespace)."""
     h = hashlib.blake2b((parent or 0).to_bytes(8, "big"), digest_size=8)
     h.update(ns_key)
+    if public:
+        h.update(public.to_bytes(4, "big"))
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))
     return int.from_bytes(h.digest(), "big")
+
+
+def extra_key(ns_key: bytes, public: int = 0) -> tuple[Any, ...]:
+    """A block's `extra_keys` entry: its namespace key in hex, and its public tokens if any."""
+    return (ns_key.hex(), public) if public else (ns_key.hex(),)
 
 
 def chain(parent: int | None, ns_key: bytes, tokens: Sequence[int], block_size: int) -> list[int]:
@@ -115,9 +127,8 @@ class BlockEvents:
         self.live: dict[tuple[str, int], set[int]] = {}  # (medium, group) -> block hashes stored
         self._disk: dict[str, list[int]] = {}  # disk block key -> its blocks' hashes
         self._disk_refs: Counter[int] = Counter()  # block hash -> disk blocks holding it (they are coarser)
-        self._muted = 0
 
-    def stored(self, hashes: list[int], parent: int | None, tokens: list[int], extra: list[tuple[Any, ...] | None],
+    def stored(self, hashes: list[int], parent: int | None, tokens: list[int], extra: Sequence[tuple[Any, ...] | None],
                medium: str | None = None, group: int = FULL) -> None:
         if not hashes:
             return
@@ -125,34 +136,29 @@ class BlockEvents:
         spec = self.window if group == WINDOW else None
         with self._lock:
             self.live.setdefault((medium, group), set()).update(hashes)
-            if not self._muted:
-                self._pending.append(BlockStored(hashes, parent, tokens, self.block_size, None, medium, None, extra,
-                                                 group, KINDS[group], spec))
+            self._pending.append(BlockStored(hashes, parent, tokens, self.block_size, None, medium, None, list(extra),
+                                             group, KINDS[group], spec))
         self._ready.set()
 
     def removed(self, hashes: list[int], medium: str | None = None, group: int = FULL) -> None:
         if not hashes:
             return
-        medium = medium or self.medium
         with self._lock:
-            self.live.get((medium, group), set()).difference_update(hashes)
-            if not self._muted:
-                self._pending.append(BlockRemoved(hashes, medium, group))
+            self._removed(hashes, medium or self.medium, group)
         self._ready.set()
 
+    def _removed(self, hashes: list[int], medium: str, group: int) -> None:
+        self.live.get((medium, group), set()).difference_update(hashes)
+        self._pending.append(BlockRemoved(hashes, medium, group))
+
     def cleared(self) -> None:
-        """Everything is gone (pool and disk): AllBlocksCleared."""
+        """Everything is gone (pool and disk; the removals told one by one before): AllBlocksCleared."""
         with self._lock:
             self.live.clear()
             self._disk.clear()
             self._disk_refs.clear()
             self._pending.append(AllBlocksCleared())
         self._ready.set()
-
-    def mute(self, on: bool) -> None:
-        """While muted, changes update the counts but are not told (a flush then says `cleared`)."""
-        with self._lock:
-            self._muted += 1 if on else -1
 
     # -- the disk tier (its writer and reader threads) ---------------------------------------
     def disk_stored(self, key: str, hashes: list[int], parent: int | None, tokens: list[int], ns_key: bytes) -> None:
@@ -171,9 +177,8 @@ class BlockEvents:
             b = self.block_size
             new, parent = hashes[held:], hashes[held - 1] if held else parent
             self.live.setdefault((DISK, FULL), set()).update(new)
-            if not self._muted:
-                self._pending.append(BlockStored(new, parent, tokens[held * b :], b, None, DISK, None,
-                                                 [(ns_key.hex(),)] * len(new), FULL, KINDS[FULL]))
+            self._pending.append(BlockStored(new, parent, tokens[held * b :], b, None, DISK, None,
+                                             [extra_key(ns_key)] * len(new), FULL, KINDS[FULL]))
         self._ready.set()
 
     def disk_removed(self, key: str) -> None:
@@ -184,8 +189,9 @@ class BlockEvents:
                 if not self._disk_refs[h]:
                     del self._disk_refs[h]
                     gone.append(h)
-        if gone:
-            self.removed(gone, DISK)
+            if gone:
+                self._removed(gone, DISK, FULL)
+        self._ready.set()
 
     # -- the publisher -----------------------------------------------------------------------
     def take(self, timeout: float) -> list[KVCacheEvent]:

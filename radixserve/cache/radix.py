@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from radixserve.cache.events import FULL, WINDOW, BlockEvents, block_hash, namespace_key
+from radixserve.cache.events import FULL, WINDOW, BlockEvents, block_hash, extra_key, namespace_key
 from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch, common_prefix_len
 
 
@@ -459,35 +459,40 @@ class RadixCache(PrefixCache):
         end, first = start + len(node.key), (start // b + 1) * b  # the first block end past start
         if first > end:
             return
-        parent, head = self._before(node, first - b, start - (first - b))
+        parent, head, public = self._before(node, first - b, start - (first - b))
         seq = head + node.key  # from position first - b
         n = (end - first) // b + 1
         hashes, prev, key = [], parent, namespace_key(node.ns)
         for j in range(n):
-            prev = block_hash(prev, key, seq[j * b : (j + 1) * b])
+            prev = block_hash(prev, key, seq[j * b : (j + 1) * b], public if j == 0 else 0)
             hashes.append(prev)
         node.blocks = [[first + j * b - start, h, False] for j, h in enumerate(hashes)]
-        ev.stored(hashes, parent, seq[: n * b], [(key.hex(),)] * n)
+        ev.stored(hashes, parent, seq[: n * b], [extra_key(key, public)] + [extra_key(key)] * (n - 1))
         if self.reach:
             for i, rec in enumerate(node.blocks):
                 if self._windowed(node, rec[0]):
                     rec[2] = True
                     self._tell_one(node, i, WINDOW)
 
-    def _before(self, node: Node, block_start: int, need: int) -> tuple[int | None, list[int]]:
+    def _before(self, node: Node, block_start: int, need: int) -> tuple[int | None, list[int], int]:
         """For a block from `block_start` ending in `node`: the hash of the block before it (None
-        at the root) and its `need` tokens cached above `node`."""
+        at the root), its `need` tokens cached above `node`, and how many of those are in the
+        public prefix (where `node` is not: a block across the public prefix's end)."""
         head: list[int] = []
         parent: int | None = None
+        public = 0
         found = block_start == 0
         p = node.parent
         while p is not None and p is not self.root and (len(head) < need or not found):
             if len(head) < need:
-                head = p.key[max(len(p.key) - (need - len(head)), 0) :] + head
+                part = p.key[max(len(p.key) - (need - len(head)), 0) :]
+                head = part + head
+                if p.ns == PUBLIC and node.ns != PUBLIC:
+                    public += len(part)
             if not found and p.blocks:
                 parent, found = p.blocks[-1][1], True
             p = p.parent
-        return parent, head
+        return parent, head, public
 
     def _windowed(self, node: Node, end: int) -> bool:
         """Every token of the block ending `end` tokens into `node` holds its window KV."""
@@ -510,12 +515,13 @@ class RadixCache(PrefixCache):
         assert ev is not None
         rec = node.blocks[i]
         b, end = ev.block_size, rec[0]
+        public = 0
         if i:
             parent, tokens = node.blocks[i - 1][1], node.key[end - b : end]
         else:
-            parent, head = self._before(node, self._depth(node) + end - b, max(b - end, 0))
+            parent, head, public = self._before(node, self._depth(node) + end - b, max(b - end, 0))
             tokens = head + node.key[max(end - b, 0) : end]
-        ev.stored([rec[1]], parent, tokens, [(namespace_key(node.ns).hex(),)], group=group)
+        ev.stored([rec[1]], parent, tokens, [extra_key(namespace_key(node.ns), public)], group=group)
 
     def _depth(self, node: Node) -> int:
         d, p = 0, node.parent
@@ -616,19 +622,26 @@ class RadixCache(PrefixCache):
         b = ev.block_size
         full: set[int] = set()
         window: set[int] = set()
-        stack: list[tuple[Node, list[int], int | None]] = [(c, [], None) for c in self.root.children.values()]
+        told = 0
+        # (node, the tokens since the last block's end, how many of them are public, the last block's hash)
+        stack: list[tuple[Node, list[int], int, int | None]] = [(c, [], 0, None) for c in self.root.children.values()]
         while stack:
-            x, tail, prev = stack.pop()
+            x, tail, tail_public, prev = stack.pop()
             seq = tail + x.key
             key = namespace_key(x.ns)
+            public = tail_public if x.ns != PUBLIC else 0
             want = []
             for j in range(len(seq) // b):
-                prev = block_hash(prev, key, seq[j * b : (j + 1) * b])
+                prev = block_hash(prev, key, seq[j * b : (j + 1) * b], public if j == 0 else 0)
                 want.append([(j + 1) * b - len(tail), prev, self.reach > 0 and self._windowed(x, (j + 1) * b - len(tail))])
             _check(x.blocks == want, f"{x!r} holds blocks {x.blocks} where its tokens make {want}")
             full.update(h for _, h, _ in want)
             window.update(h for _, h, w in want if w)
-            stack.extend((c, seq[len(seq) - len(seq) % b :], prev) for c in x.children.values())
+            told += len(want)
+            rest = seq[len(seq) - len(seq) % b :]
+            rest_public = len(rest) if x.ns == PUBLIC else (tail_public if not want else 0)
+            stack.extend((c, rest, rest_public, prev) for c in x.children.values())
+        _check(told == len(full), "two cached blocks have one hash")
         _check(ev.live.get((ev.medium, FULL), set()) == full, "the blocks told as stored are not the tree's")
         _check(ev.live.get((ev.medium, WINDOW), set()) == window, "the blocks told with window KV are not the tree's")
 

@@ -507,7 +507,7 @@ def _split_memory(cfg: EngineConfig, overrides: dict[str, Any], n: int) -> dict[
 def _replica_overrides(cfg: EngineConfig, overrides: dict[str, Any], i: int, n: int) -> dict[str, Any]:
     """Replica i of n: with a disk tier, a directory of its own under --kv-disk-dir (so a replica
     restarted there finds its own blocks) and 1/n of --kv-disk-gb; with KV events, its rank
-    (in each batch, and its endpoints' ports + i)."""
+    (each batch carries it; engine/kv_events.offset_endpoint moves its sockets by it)."""
     c, out = cfg.cache, dict(overrides)
     if c.kv_disk_dir is not None:
         out.update(kv_disk_dir=os.path.join(c.kv_disk_dir, f"replica-{i}"), kv_disk_gb=c.kv_disk_gb / n)

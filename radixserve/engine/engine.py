@@ -277,6 +277,8 @@ class Engine(RequestFront):
         prefix = self.cache.prefix
         assert isinstance(prefix, RadixCache)  # CacheConfig.check refused disable_radix_cache
         block = cfg.block_size or (c.page_size if c.page_size > 1 else DEFAULT_BLOCK)
+        if block % c.page_size:
+            raise ValueError(f"kv_events_config: block_size ({block}) must be a multiple of page_size ({c.page_size})")
         if self.tier is not None and self.tier.block % block:
             raise ValueError(f"kv_events_config: block_size ({block}) must divide kv_disk_block_tokens ({self.tier.block})")
         events = BlockEvents(block, "GPU" if self.device.type == "cuda" else "CPU", self.window)
@@ -541,20 +543,14 @@ class Engine(RequestFront):
                     f"flush_cache: refused while {len(s.running)} requests are running and "
                     f"{len(s.waiting) + len(self._loop.loading)} waiting; retry when idle"
                 )
-            events = self.kv_events.events if self.kv_events is not None else None
-            whole = self.tier is None or not keep_disk
-            if events is not None and whole:
-                events.mute(True)  # one AllBlocksCleared says it all
-            try:
-                if self.tier is not None:
-                    self.tier.flush()
-                    if not keep_disk:
-                        self.tier.store.clear()
-                return self.cache.flush()
-            finally:
-                if events is not None and whole:
-                    events.mute(False)
-                    events.cleared()
+            if self.tier is not None:
+                self.tier.flush()
+                if not keep_disk:
+                    self.tier.store.clear()
+            dropped = self.cache.flush()  # (the blocks each told removed, then:)
+            if self.kv_events is not None and (self.tier is None or not keep_disk):
+                self.kv_events.events.cleared()  # everything is gone
+            return dropped
 
     def check_integrity(self) -> None:
         """Raise RuntimeError unless every KV page is free, cached or owned by one request."""

@@ -10,9 +10,9 @@ written for vLLM (NVIDIA Dynamo's KV router, llm-d's KV-cache manager) reads our
   sequence number, with every batch still buffered from that number on (`buffer_steps` of
   them), each as [seq, payload], then [-1 as 8 signed bytes, b""].
 - Endpoints are bound when they hold "*" or "::" or are ipc:// or inproc://, else connected.
-  Data-parallel replica r publishes on the endpoints' ports + r (inproc: a "_dp<r>" suffix).
+  Data-parallel replica r publishes on the endpoints' ports + r (ipc and inproc: a "_dp<r>" suffix).
 
-The JSON is vLLM's KVEventsConfig: `enable_kv_cache_events`, `publisher` ("zmq" or "null"),
+The JSON is vLLM's KVEventsConfig: `enable_kv_cache_events` (needed, as in vLLM), `publisher` ("zmq" or "null"),
 `endpoint`, `replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`, `topic`; and
 radixserve's `block_size` (tokens per block told; default: the page size, or 16 for pages of
 fewer tokens) and `data_parallel_rank` (set for each data-parallel replica).

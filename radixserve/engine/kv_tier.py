@@ -196,6 +196,8 @@ class KVTier:
                         self._pending_bytes -= self.block_bytes
                 if ok and told is not None and self.events is not None:
                     self.events.disk_stored(key, *told)
+                    if not self.store.has(key):  # a reader found it bad meanwhile (its removal found nothing to tell)
+                        self.events.disk_removed(key)
                 with self._lock:
                     if ok:
                         self.written_tokens += len(tokens)

@@ -26,6 +26,7 @@ from radixserve.routing.index import Replica
 from radixserve.routing.policy import RouteKey, Router
 
 PREDICT_S = 5.0
+SEEN = 4096
 
 
 def token_key(parent: int, tokens: Sequence[int]) -> int:
@@ -46,6 +47,7 @@ class EventView:
         self._held: dict[Replica, Counter[int]] = {r: Counter() for r in endpoints}  # token key -> blocks (media, tenants)
         self._last: dict[Replica, int] = {r: -1 for r in endpoints}
         self.ranks: dict[Replica, set[int | None]] = {r: set() for r in endpoints}  # the ranks its batches carried
+        self._seen: dict[tuple[Replica, int], bytes] = {}  # the last SEEN batches applied (a restart's tell)
         self._subs: dict[Any, Replica] = {}
         self._replay: dict[Replica, Any] = {}
         for r, (pub, replay) in endpoints.items():
@@ -71,10 +73,20 @@ class EventView:
             for sub, _ in poller.poll(50):
                 _, seq_bytes, payload = sub.recv_multipart()
                 r, seq = self._subs[sub], int.from_bytes(seq_bytes, "big")
+                if seq <= self._last[r] and self._seen.get((r, seq)) not in (None, payload):
+                    self._restarted(r)  # a publisher that started again counts from 0: not a batch seen twice
                 if seq > self._last[r] + 1 and r in self._replay:
                     self._catch_up(r)
                 if seq > self._last[r]:
                     self._apply(r, seq, payload)
+
+    def _restarted(self, r: Replica) -> None:
+        with self._lock:
+            self._by_hash[r].clear()
+            self._held[r].clear()
+            self._last[r] = -1
+            for key in [k for k in self._seen if k[0] == r]:
+                del self._seen[key]
 
     def _catch_up(self, r: Replica) -> None:
         sock = self._replay[r]
@@ -89,6 +101,9 @@ class EventView:
 
     def _apply(self, r: Replica, seq: int, payload: bytes) -> None:
         self._last[r] = seq
+        self._seen[(r, seq)] = payload
+        if len(self._seen) > SEEN:
+            del self._seen[next(iter(self._seen))]
         batch = self._decode(payload)
         self.ranks[r].add(batch.data_parallel_rank)
         with self._lock:
@@ -98,7 +113,9 @@ class EventView:
                     if e.group_idx not in (None, 0):
                         continue  # sliding-window KV: the full-attention group says what is cached
                     b = self.block_size = e.block_size
-                    parent = by_hash[e.parent_block_hash][0] if e.parent_block_hash in by_hash else 0
+                    if e.parent_block_hash is not None and e.parent_block_hash not in by_hash:
+                        continue  # its head was never seen: its tokens cannot be keyed from the start
+                    parent = by_hash[e.parent_block_hash][0] if e.parent_block_hash is not None else 0
                     for j, h in enumerate(e.block_hashes):
                         parent = token_key(parent, e.token_ids[j * b : (j + 1) * b])
                         by_hash.setdefault(h, [parent, 0])[1] += 1
