@@ -74,47 +74,31 @@ class NativeDecode:
 
 @dataclass
 class LoRARows:
-    """A forward batch's rows grouped by LoRA adapter (models/lora.py): (adapter, rows) where rows
-    is a slice (one run of consecutive rows) or an index tensor. `apply` adds each group's delta
-    to a linear's output: shrink (x A^T, every part's A stacked), then expand each part into its
-    columns (S-LoRA's and Punica's SGMV, in torch)."""
+    """A forward batch's rows grouped by LoRA adapter (models/lora.py applies them): `rows` holds
+    the rows that have an adapter in adapter order, `groups` each adapter's run of it (adapter,
+    first, end); `perm` False when those rows are already in that order (one contiguous run
+    from `rows[0]`), so the torch path takes slices instead of gathering."""
 
-    groups: list[tuple[Any, slice | torch.Tensor]]  # (models.lora.Adapter, rows)
+    groups: list[tuple[Any, int, int]]  # (models.lora.Adapter, first, end) within `rows`
+    rows: torch.Tensor  # int64
+    perm: bool
 
     @classmethod
     def of(cls, spans: list[tuple[Any, int, int]], device: torch.device) -> LoRARows | None:
         """`spans`: (adapter or None, first row, rows) of each sequence, in row order."""
-        rows: dict[int, tuple[Any, list[int]]] = {}
+        by: dict[int, tuple[Any, list[int]]] = {}
         for adapter, start, n in spans:
             if adapter is not None:
-                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + n))
-        if not rows:
+                by.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + n))
+        if not by:
             return None
-        groups: list[tuple[Any, slice | torch.Tensor]] = []
-        for adapter, idx in rows.values():
-            if idx[-1] - idx[0] + 1 == len(idx):
-                groups.append((adapter, slice(idx[0], idx[-1] + 1)))
-            else:
-                groups.append((adapter, torch.tensor(idx, dtype=torch.int64, device=device)))
-        return cls(groups)
-
-    def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
-        """y (the base linear's output for x) plus each group's adapter delta on its rows."""
-        for adapter, rows in self.groups:
-            f = adapter.linears.get(key)
-            if f is None:
-                continue
-            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            h = xs.to(f.a.dtype) @ f.a.t()  # shrink: (rows, sum of ranks)
-            if isinstance(rows, slice):
-                for lo, hi, rlo, rhi, b in f.parts:  # expand each part into its columns
-                    y[rows, lo:hi] += (h[:, rlo:rhi] @ b.t()).to(y.dtype)
-            else:
-                delta = torch.zeros(xs.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-                for lo, hi, rlo, rhi, b in f.parts:
-                    delta[:, lo:hi] = (h[:, rlo:rhi] @ b.t()).to(y.dtype)
-                y.index_add_(0, rows, delta)
-        return y
+        order = [i for _, idx in by.values() for i in idx]
+        groups, at = [], 0
+        for adapter, idx in by.values():
+            groups.append((adapter, at, at + len(idx)))
+            at += len(idx)
+        perm = order != list(range(order[0], order[0] + len(order)))
+        return cls(groups, torch.tensor(order, dtype=torch.int64, device=device), perm)
 
 
 @dataclass

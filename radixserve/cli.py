@@ -29,6 +29,8 @@ BENCHES = {
     "sessions": ("radixserve.bench.sessions", "an agent session's time to first token: pool, disk tier, restart, cold"),
     "history": ("radixserve.bench.history", "a reasoning agent's turns with the history precompute on and off: cached "
                                             "tokens, computed tokens, TTFT per turn"),
+    "lora": ("radixserve.bench.lora", "concurrent requests spread over LoRA adapters vs the base model alone: "
+                                      "output tokens/s and their ratio"),
     "spec": ("radixserve.bench.spec", "speculative decoding from context copies, on vs off: rewrite, JSON, chat"),
     "tools": ("radixserve.bench.tools", "tool calls in auto mode against OpenAI-compatible servers: made, valid, text"),
     # a bench on Ray: above the bench layer, as ray/ is; imports ray when it runs

@@ -82,6 +82,14 @@ def quantized_weights(path: str | None, quantization: str) -> bool:
     return quantization in quant.QUANTIZERS or native_gguf(path, quantization) is not None
 
 
+def model_arch(path: str | None, quantization: str = "auto") -> ArchConfig:
+    """The model's shapes without its weights (from a GGUF file's metadata, or config.json)."""
+    gguf = native_gguf(path, quantization)
+    if gguf is not None:
+        return arch_config(gguf_config_dict(gguf), gguf)
+    return read_arch(resolve_model_dir(path))
+
+
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device, quantization: str = "auto") -> LoadedModel:
     gguf = native_gguf(path, quantization)
     if gguf is not None:

@@ -10,8 +10,9 @@ Ours fuses q/k/v into qkv_proj and gate/up into gate_up_proj, so an adapter keep
 fused linear, its parts' A matrices stacked (one shrink x A^T for all of them) and each part's B
 with the output columns it adds to (one expand per part). A batch mixing adapters applies each
 adapter to its own rows (`LoRARows`: rows grouped by adapter, shrink then expand per group,
-S-LoRA's and Punica's SGMV in torch), over whatever the base linear is (float, packed or
-quantized): `LoRALinear` adds the deltas to the base linear's output.
+S-LoRA's and Punica's SGMV: one native call a linear on a CPU, torch otherwise), over whatever
+the base linear is (float, packed or quantized): `LoRALinear` adds the deltas to the base
+linear's output.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,14 @@ from torch import nn
 
 from radixserve.batch import LoRARows
 from radixserve.models.config import ArchConfig
+from radixserve_kernels import cpu
 
 # PEFT's module name -> (our fused linear, its part)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 MAX_ADAPTER_BYTES = 4 << 30
+NATIVE_MAX_ROWS = 64  # a batch of decodes (and drafts); a prefill chunk's deltas are two GEMMs an adapter
 
 
 class AdapterError(ValueError):
@@ -50,11 +53,13 @@ def part_shapes(arch: ArchConfig) -> dict[str, tuple[int, int, int]]:
 
 @dataclass
 class Fused:
-    """One adapter on one of our linears: the parts' A stacked, and each part's (first output
-    column, last, first rank row, last, B scaled)."""
+    """One adapter on one of our linears: its parts' A stacked (sum of ranks, in), and one B^T
+    (sum of ranks, out) holding each part's B^T, scaled, in that part's rank rows and output
+    columns (zero elsewhere)."""
 
-    a: torch.Tensor  # (sum of ranks, in)
-    parts: list[tuple[int, int, int, int, torch.Tensor]] = field(default_factory=list)
+    a: torch.Tensor
+    bt: torch.Tensor
+    cols: torch.Tensor  # (sum of ranks, 2) int64: the output columns [first, end) of each rank row's part
 
 
 @dataclass
@@ -150,28 +155,56 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, dtype: torch.dty
             raise AdapterError(f"adapter_model.safetensors: {key!r} has shape {tuple(t.shape)}, expected {want} "
                                f"(r={r} on this model)")
         pairs.setdefault((layer, module), {})[which] = t
-    linears: dict[tuple[int, str], Fused] = {}
-    nbytes = 0
+    width = {"qkv_proj": shapes["q_proj"][1] + 2 * shapes["k_proj"][1], "o_proj": shapes["o_proj"][1],
+             "gate_up_proj": 2 * shapes["gate_proj"][1], "down_proj": shapes["down_proj"][1]}
+    grouped: dict[tuple[int, str], list[tuple[str, dict[str, torch.Tensor]]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter_model.safetensors: layer {layer} {module} has lora_{''.join(ab)} without its pair")
-        fused, part = TARGETS[module]
-        f = linears.get((layer, fused))
-        a = ab["A"].to(device=device, dtype=dtype)
-        b = (ab["B"].float() * scale).to(device=device, dtype=dtype)
-        _, fan_out, lo = shapes[module]
-        if f is None:
-            f = linears[(layer, fused)] = Fused(a)
-            rlo = 0
-        else:
-            rlo = f.a.shape[0]
-            f.a = torch.cat([f.a, a])
-        f.parts.append((lo, lo + fan_out, rlo, rlo + r, b))
-        nbytes += (a.numel() + b.numel()) * a.element_size()
+        grouped.setdefault((layer, TARGETS[module][0]), []).append((module, ab))
+    linears: dict[tuple[int, str], Fused] = {}
+    nbytes = 0
+    for (layer, fused), parts in grouped.items():
+        a = torch.cat([ab["A"].float() for _, ab in parts]).to(device=device, dtype=dtype)
+        bt = torch.zeros(r * len(parts), width[fused])
+        cols = torch.zeros(r * len(parts), 2, dtype=torch.int64)
+        for j, (module, ab) in enumerate(parts):
+            _, fan_out, lo = shapes[module]
+            bt[j * r : (j + 1) * r, lo : lo + fan_out] = ab["B"].float().t() * scale
+            cols[j * r : (j + 1) * r] = torch.tensor([lo, lo + fan_out])
+        linears[(layer, fused)] = Fused(a, bt.to(device=device, dtype=dtype).contiguous(), cols)
+        nbytes += (a.numel() + bt.numel()) * a.element_size()
     if not linears:
         raise AdapterError("adapter_model.safetensors: holds no LoRA weights")
     targets = sorted({m for _, m in pairs})
     return Adapter(name, str(path), digest, r, float(alpha), targets, linears, nbytes)
+
+
+def apply(rows: LoRARows, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
+    """y (the base linear's output for x) plus each adapter's delta on its rows: one native call
+    for the whole batch where the CPU kernels take it (fp32), else per adapter a shrink (x A^T)
+    and an expand (h B^T), the rows gathered and scattered once for the linear (S-LoRA's and
+    Punica's SGMV, in torch)."""
+    present = [(f, lo, hi) for adapter, lo, hi in rows.groups if (f := adapter.linears.get(key)) is not None]
+    if not present:
+        return y
+    ops = cpu.native_for(x, y) if x.shape[0] <= NATIVE_MAX_ROWS else None  # more rows: a GEMM's (MKL's) work
+    if ops is not None and x.dtype == y.dtype == present[0][0].a.dtype == torch.float32:
+        ops.lora_add_(y, x.contiguous(), rows.rows, [b for _, lo, hi in present for b in (lo, hi)],
+                      [f.a for f, _, _ in present], [f.bt for f, _, _ in present], [f.cols for f, _, _ in present])
+        return y
+    xs = x.index_select(0, rows.rows) if rows.perm else x[int(rows.rows[0]) :]
+    delta = torch.zeros(rows.rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device) if rows.perm else None
+    for f, lo, hi in present:
+        d = ((xs[lo:hi].to(f.a.dtype) @ f.a.t()) @ f.bt).to(y.dtype)
+        if delta is not None:
+            delta[lo:hi] = d
+        else:
+            start = int(rows.rows[0])
+            y[start + lo : start + hi] += d
+    if delta is not None:
+        y.index_add_(0, rows.rows, delta)
+    return y
 
 
 class LoRAContext:
@@ -190,7 +223,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         rows = self.ctx.rows
-        return y if rows is None else rows.apply(x, y, self.key)
+        return y if rows is None else apply(rows, x, y, self.key)
 
 
 def wrap_model(model: nn.Module) -> LoRAContext:

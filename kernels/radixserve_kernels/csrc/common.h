@@ -104,6 +104,8 @@ void store_kv_quant(at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale, at
 
 // --- norm_rope_act.cpp --------------------------------------------------------------------
 std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+void lora_add_(at::Tensor y, at::Tensor x, at::Tensor rows, std::vector<int64_t> bounds, std::vector<at::Tensor> as,
+               std::vector<at::Tensor> bts, std::vector<at::Tensor> cols);
 void rope_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
 

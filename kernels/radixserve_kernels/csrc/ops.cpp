@@ -28,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rs::rms_norm, "RMSNorm with an optional fused residual add");
   m.def("rope_", &rs::rope_, "neox rotary embedding of q and k, in place");
   m.def("silu_and_mul", &rs::silu_and_mul, "SwiGLU activation");
+  m.def("lora_add_", &rs::lora_add_, "LoRA deltas in place: y[rows of group g] += (A_g x) Bt_g (y, x, rows, bounds, As, Bts, cols)");
   m.def("store_kv", &rs::store_kv, "write K/V rows into the pool");
   m.def("store_kv_quant", &rs::store_kv_quant, "quantize K/V rows into an int8/fp8 pool and its scales");
   m.def("linear_supports", &linear_supports_dtype, "whether `linear` is built for this weight's dtype");
