@@ -131,3 +131,19 @@ def test_the_gpu_check_script_runs_its_correctness_part_in_the_interpreter():
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["decode"], ["extend"], ["store_kv"])]
     assert len(lines) == 28 and all(" yes" in ln for ln in lines) and sum("bfloat16" in ln for ln in lines) == 14
+
+
+def test_lora_add_gives_each_group_of_rows_its_adapters_delta_as_the_reference():
+    """Two adapters of ranks 3 and 16 over scattered rows (and rows with none, untouched), the
+    output off the kernel's block width."""
+    from radixserve_kernels.lora import lora_add_ref, lora_add_triton
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(9, 150, generator=g), torch.randn(9, 300, generator=g)
+    a = [torch.randn(r, 150, generator=g) for r in (3, 16)]
+    bt = [torch.randn(r, 300, generator=g) for r in (3, 16)]
+    rows, bounds = torch.tensor([5, 1, 7, 0, 3]), [0, 3, 3, 5]
+    ref, out = y.clone(), y.clone()
+    lora_add_ref(ref, x, rows, bounds, a, bt)
+    lora_add_triton(out, x, rows, bounds, a, bt)
+    assert rel_err(out, ref) < TOL and torch.equal(out[[2, 4, 6, 8]], y[[2, 4, 6, 8]])

@@ -228,3 +228,26 @@ def test_served_adapters_by_model_name_and_vllms_endpoints_under_traffic(tiny_ll
         assert s.get("/server_info?check_integrity=1", "key-ops")[0] == 200
     finally:
         s.stop()
+
+
+def test_the_three_ways_of_adding_the_deltas_agree(tiny_llama, adapters, monkeypatch):
+    """models.lora.apply over one linear: the native kernel (a batch of decodes), the torch path
+    (a prefill chunk's rows) and the Triton kernel (in the interpreter), rows scattered over two
+    adapters and the base."""
+    from radixserve.batch import LoRARows
+    from radixserve.models import lora
+
+    model, m = _loaded(tiny_llama, adapters)
+    a, b = m.get("a"), m.get("b")
+    rows = LoRARows.of([(a, 0, 2), (None, 2, 1), (b, 3, 2), (a, 5, 1)], torch.device("cpu"))
+    assert rows is not None and rows.perm
+    g = torch.Generator().manual_seed(1)
+    q = model.cfg.num_heads * model.cfg.head_dim + 2 * model.cfg.num_kv_heads * model.cfg.head_dim
+    x, y = torch.randn(6, model.cfg.hidden_size, generator=g), torch.randn(6, q, generator=g)
+    native = lora.apply(rows, x, y.clone(), (0, "qkv_proj"))
+    monkeypatch.setattr(lora, "NATIVE_MAX_ROWS", 0)
+    torch_path = lora.apply(rows, x, y.clone(), (0, "qkv_proj"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_path = lora.apply(rows, x, y.clone(), (0, "qkv_proj"))
+    assert torch.allclose(native, torch_path, atol=1e-5) and torch.allclose(triton_path, torch_path, atol=1e-4)
+    assert torch.equal(native[2], y[2]) and not torch.allclose(native[0], y[0])

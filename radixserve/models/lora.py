@@ -31,6 +31,8 @@ from torch import nn
 from radixserve.batch import LoRARows
 from radixserve.models.config import ArchConfig
 from radixserve_kernels import cpu
+from radixserve_kernels._triton import use_triton
+from radixserve_kernels.lora import lora_add_triton
 
 # PEFT's module name -> (our fused linear, its part)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
@@ -181,16 +183,21 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, dtype: torch.dty
 
 
 def apply(rows: LoRARows, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
-    """y (the base linear's output for x) plus each adapter's delta on its rows: one native call
-    for the whole batch where the CPU kernels take it (fp32), else per adapter a shrink (x A^T)
+    """y (the base linear's output for x) plus each adapter's delta on its rows: one Triton kernel
+    on CUDA, one native call for a batch of decodes where the CPU kernels take it (fp32), else per
+    adapter a shrink (x A^T)
     and an expand (h B^T), the rows gathered and scattered once for the linear (S-LoRA's and
     Punica's SGMV, in torch)."""
     present = [(f, lo, hi) for adapter, lo, hi in rows.groups if (f := adapter.linears.get(key)) is not None]
     if not present:
         return y
+    bounds = [b for _, lo, hi in present for b in (lo, hi)]
+    if use_triton(x):  # CUDA (or the interpreter): one kernel for the batch
+        lora_add_triton(y, x.contiguous(), rows.rows, bounds, [f.a for f, _, _ in present], [f.bt for f, _, _ in present])
+        return y
     ops = cpu.native_for(x, y) if x.shape[0] <= NATIVE_MAX_ROWS else None  # more rows: a GEMM's (MKL's) work
     if ops is not None and x.dtype == y.dtype == present[0][0].a.dtype == torch.float32:
-        ops.lora_add_(y, x.contiguous(), rows.rows, [b for _, lo, hi in present for b in (lo, hi)],
+        ops.lora_add_(y, x.contiguous(), rows.rows, bounds,
                       [f.a for f, _, _ in present], [f.bt for f, _, _ in present], [f.cols for f, _, _ in present])
         return y
     xs = x.index_select(0, rows.rows) if rows.perm else x[int(rows.rows[0]) :]
