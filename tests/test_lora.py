@@ -199,6 +199,9 @@ def test_served_adapters_by_model_name_and_vllms_endpoints_under_traffic(tiny_ll
         assert plain != tuned
         status, body = s.post("/v1/chat/completions", {**ask, "model": "nope"}, "key-app")
         assert status == 404 and body["error"]["param"] == "model"
+        for name, code in (("nope", 404), ("", 400)):
+            status, body = s.post("/generate", {"text": "Hi", "lora_path": name}, "key-app")
+            assert status == code and body["error"]["param"] == "lora_path", body
 
         load = {"lora_name": "b", "lora_path": str(adapters["b"])}
         assert s.post("/v1/load_lora_adapter", load, "key-app")[0] == 403  # admins only
@@ -251,3 +254,26 @@ def test_the_three_ways_of_adding_the_deltas_agree(tiny_llama, adapters, monkeyp
     triton_path = lora.apply(rows, x, y.clone(), (0, "qkv_proj"))
     assert torch.allclose(native, torch_path, atol=1e-5) and torch.allclose(triton_path, torch_path, atol=1e-4)
     assert torch.equal(native[2], y[2]) and not torch.allclose(native[0], y[0])
+
+
+def test_a_disaggregated_prompt_is_computed_with_its_adapter_and_an_unknown_one_ends_naming_model(tiny_llama, adapters):
+    """--disaggregate: the prefill replica computes an adapter's prompt with the adapter (its
+    pages then serve the decode replica's adapter namespace): the answer is the in-process
+    engine's. A request naming an adapter no replica holds ends with an error naming `model`."""
+    from server_helpers import final_outputs
+
+    from radixserve.config import RouterConfig
+    from radixserve.engine.data_parallel import DataParallelEngine
+
+    prompt = PROMPT * 4  # past disaggregate_min_tokens
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    opts = dict(dtype="float32", kv_cache_tokens=4096, grammar_compile_workers=1, lora_modules=(f"a={adapters['a']}",),
+                max_lora_rank=8)
+    with Engine(str(tiny_llama), **opts) as e:
+        want = asyncio.run(final_outputs(e, [e.make_req(prompt, greedy, lora="a")]))[0].token_ids
+    with DataParallelEngine(str(tiny_llama), RouterConfig(disaggregate=True, disaggregate_min_tokens=16), **opts) as dp:
+        out, ghost = asyncio.run(final_outputs(dp, [dp.make_req(prompt, greedy, lora="a"),
+                                                    dp.make_req(prompt, greedy, lora="ghost")]))
+        stats = [r.engine.stats() for r in dp.replicas]
+    assert out.token_ids == want and stats[0].kv_exported_tokens > 0  # prefilled on the prefill replica
+    assert ghost.finish_reason == "error" and ghost.error_field == "model" and "ghost" in (ghost.error or "")

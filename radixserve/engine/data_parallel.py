@@ -132,7 +132,7 @@ class DataParallelEngine(RequestFront):
         self._handoffs: dict[str, KVPages | None] = {}  # rid -> the pages a prefill replica was asked to publish (None: none)
         self._prefilling: dict[str, _Prefill] = {}  # rid -> its prefill under way
         self._cancelled: set[str] = set()  # rids aborted while their prefill ran
-        self._loras: dict[str, str] = {}  # LoRA adapters loaded at run time: name -> path
+        self._lora_ops: list[tuple[str, str, str]] = []  # LoRA adapters loaded and unloaded at run time: (op, name, path)
         for r in self.replicas:
             self._watch(r)
 
@@ -266,7 +266,7 @@ class DataParallelEngine(RequestFront):
         pages = KVPages(secrets.token_hex(16), have // page * page, upto)
         pre = Req(req.token_ids[:upto], SamplingParams(max_new_tokens=1, temperature=0.0), rid=state.rid,
                   priority=req.priority, max_new_tokens=1, tenant=req.tenant, cache_salt=req.cache_salt,
-                  public_prefix_len=min(req.public_prefix_len, upto))
+                  public_prefix_len=min(req.public_prefix_len, upto), lora=req.lora)  # computed by its adapter
         pre.kv_export = pages
         producer = self.replicas[p].engine
         ok = False
@@ -391,13 +391,19 @@ class DataParallelEngine(RequestFront):
             for e in done:
                 e.unload_lora(name)
             raise
-        self._loras[name] = path
+        self._lora_ops.append(("load", name, path))
         return out
 
     def unload_lora(self, name: str) -> None:
+        self._lora_ops.append(("unload", name, ""))  # first: a replica restarting meanwhile unloads it too
+        failed: Exception | None = None
         for e in self._engines():
-            e.unload_lora(name)
-        self._loras.pop(name, None)
+            try:
+                e.unload_lora(name)
+            except ValueError as err:  # not on this replica (it restarted without it): unloaded there all the same
+                failed = failed or err
+        if failed is not None:
+            log.warning("unloading LoRA adapter %r: %s", name, failed)
 
     def loras(self) -> list[dict[str, Any]]:
         engines = self._engines()
@@ -443,11 +449,11 @@ class DataParallelEngine(RequestFront):
             except Exception:
                 log.exception("data-parallel replica %d did not restart (try %d)", r.index, r.restarts)
                 continue
-            try:
-                for name, path in list(self._loras.items()):  # the adapters loaded at run time
-                    engine.load_lora(name, path)
-            except Exception:
-                log.exception("data-parallel replica %d could not load its LoRA adapters again", r.index)
+            for op, name, path in list(self._lora_ops):  # the adapters loaded and unloaded at run time, in order
+                try:
+                    engine.load_lora(name, path) if op == "load" else engine.unload_lora(name)
+                except Exception:
+                    log.exception("data-parallel replica %d: LoRA adapter %r could not be %sed again", r.index, name, op)
             with self._lock:
                 if self._closing or self.dead is not None:
                     engine.shutdown()

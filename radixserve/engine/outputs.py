@@ -20,6 +20,7 @@ class Output:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_field: str | None = None  # an error that is the request's (a parameter refused late): the field it names
 
 
 @dataclass

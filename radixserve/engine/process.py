@@ -63,7 +63,7 @@ from radixserve.engine.protocol import (
     decoder,
     encoder,
 )
-from radixserve.request import Req, SamplingParams
+from radixserve.request import InvalidParam, Req, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -578,10 +578,10 @@ class _Core:
         if msg.call_id:
             self.send(Reply(msg.call_id, error=ErrorInfo.of(err)))
         else:
-            self._fail(msg.rid, msg, str(err))
+            self._fail(msg.rid, msg, str(err), err.field if isinstance(err, InvalidParam) else None)
 
-    def _fail(self, rid: str, msg: AddRequest, error: str) -> None:
-        out = Output(rid, "", [], "error", len(msg.input_ids), 0, 0, error=error)
+    def _fail(self, rid: str, msg: AddRequest, error: str, field: str | None = None) -> None:
+        out = Output(rid, "", [], "error", len(msg.input_ids), 0, 0, error=error, error_field=field)
         self.send(Deltas([Delta(rid, "", finished=True, output=out)], self.engine.snapshot()))
 
 

@@ -112,7 +112,7 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, dtype: torch.dty
         raise AdapterError(f"adapter_config.json: not readable JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise AdapterError("adapter_config.json: not a JSON object")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # (PEFT's default alpha)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter_config.json: peft_type {cfg.get('peft_type')!r} is not served (LORA only)")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:

@@ -134,15 +134,15 @@ class ServerState:
                                replicas=self.engine.replica_snapshots, vllm_names=c.metrics_vllm_names)
         self.loras = {a["name"]: a for a in self.engine.loras()}
 
-    def adapter_of(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name
-        this server does not serve."""
+    def adapter_of(self, model: str | None, param: str = "model") -> str | None:
+        """The LoRA adapter a request's `model` (or another `param`) names (None: the base
+        model); 404 for a name this server does not serve."""
         if not model or model == self.model_name:
             return None
         if model in self.loras:
             return model
         served = ", ".join(map(repr, [self.model_name, *self.loras]))
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {served}", param="model",
+        raise ApiError(404, f"{param}: {model!r} is not served; this server serves {served}", param=param,
                        code="model_not_found")
 
     def engine_down(self) -> str | None:

@@ -296,6 +296,10 @@ def ended_early(out: Output) -> ApiError | None:
     abort (the server shutting down, POST /abort_request, a stream its client stopped reading)
     is no finish reason of the OpenAI or Anthropic APIs: a client must not take the cut answer
     for a whole one, so it is an error (a stream's last event), a 503 the client may retry."""
+    if out.finish_reason == "error" and out.error_field == "model":  # e.g. its LoRA adapter unloaded meanwhile
+        return ApiError(404, out.error or "model: not served", param="model", code="model_not_found")
+    if out.finish_reason == "error" and out.error_field is not None:
+        return ApiError(400, out.error or f"{out.error_field}: refused", param=out.error_field)
     if out.finish_reason == "error":
         return ApiError(500, f"internal error while generating: {out.error}", code="internal_error")
     if out.finish_reason == "abort":

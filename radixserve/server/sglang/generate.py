@@ -81,6 +81,15 @@ def _response(state: ServerState, body: GenerateRequest, out: Output, text: str,
     return GenerateResponse(text, ids, meta)
 
 
+def _adapter(state: ServerState, name: str | None) -> str | None:
+    """SGLang's lora_path: the adapter's name as loaded (None: the base model)."""
+    if name is None:
+        return None
+    if not name:
+        raise ApiError(400, "lora_path: must name a loaded adapter (or be left out for the base model)", param="lora_path")
+    return state.adapter_of(name, "lora_path")
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app["state"]
     arrival = time.monotonic()
@@ -102,7 +111,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                           retention=Retention.named(body.prompt_cache_retention, "prompt_cache_retention"),
                           rename={**SAMPLING_NAMES, "prompt": "text" if body.text is not None else "input_ids", "n": batch},
                           rest_of_window=False,  # SGLang's default: the engine's default_max_new_tokens
-                          lora=state.adapter_of(body.lora_path) if body.lora_path is not None else None)
+                          lora=_adapter(state, body.lora_path))
     async with state.admit(tenant, prompts, params, opts, arrival) as flight:
         if not body.stream:
             outs = await state.collect(flight)
