@@ -194,9 +194,10 @@ def test_served_adapters_by_model_name_and_vllms_endpoints_under_traffic(tiny_ll
         base = next(n for n in models if n != "a")
         assert set(models) == {base, "a"} and models["a"].model_extra["parent"] == base
         ask = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 5, "temperature": 0}
-        plain = client.chat.completions.create(model=base, **ask).choices[0].message.content
-        tuned = client.chat.completions.create(model="a", **ask).choices[0].message.content
-        assert plain != tuned
+        plain = client.chat.completions.create(model=base, **ask)
+        tuned = client.chat.completions.create(model="a", **ask)
+        assert plain.choices[0].message.content != tuned.choices[0].message.content
+        assert (plain.model, tuned.model) == (base, "a")  # the answer names the adapter that gave it
         status, body = s.post("/v1/chat/completions", {**ask, "model": "nope"}, "key-app")
         assert status == 404 and body["error"]["param"] == "model"
         for name, code in (("nope", 404), ("", 400)):

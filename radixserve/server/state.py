@@ -134,6 +134,10 @@ class ServerState:
                                replicas=self.engine.replica_snapshots, vllm_names=c.metrics_vllm_names)
         self.loras = {a["name"]: a for a in self.engine.loras()}
 
+    def answered_by(self, model: str | None) -> str:
+        """The `model` an answer names: the adapter the request chose, else the served model."""
+        return model if model and model in self.loras else self.model_name
+
     def adapter_of(self, model: str | None, param: str = "model") -> str | None:
         """The LoRA adapter a request's `model` (or another `param`) names (None: the base
         model); 404 for a name this server does not serve."""

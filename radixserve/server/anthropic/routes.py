@@ -103,7 +103,7 @@ async def _reply(call: Call, turn: Turn, flight: Flight) -> web.StreamResponse:
         return await stream_message(call.request, state, flight, turn.plan, b, mid, marks.usage)
     out = (await state.collect(flight))[0]
     content, reason, sequence = await reasoning.read_long([out], turn.plan, lambda a: convert.answer(out, a, b))
-    return _json(Message(mid, "assistant", state.model_name, content, reason, sequence, marks.usage(out)))
+    return _json(Message(mid, "assistant", state.answered_by(b.model), content, reason, sequence, marks.usage(out)))
 
 
 MESSAGES = Api(MessagesRequest, convert.RENAME, _translate, _reply)

@@ -69,7 +69,7 @@ async def stream_message(request: web.Request, state: ServerState, flight: Fligh
                          mid: str, usage: Callable[[Output], Usage]) -> web.StreamResponse:
     sse = await EventWriter.open(request)
     start = Usage(flight.reqs[0].prompt_len, 0)  # the cache's share is known once it ran: message_delta says
-    await sse.emit(MessageStart(Message(mid, "assistant", state.model_name, [], None, None, start)))
+    await sse.emit(MessageStart(Message(mid, "assistant", state.answered_by(b.model), [], None, None, start)))
     try:
         await _answer(sse, state, flight, plan, b, usage)
     except ApiError as e:  # the status line is sent: the error goes in the stream

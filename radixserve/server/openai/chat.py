@@ -215,9 +215,9 @@ async def _chat_whole(request: web.Request, state: ServerState, b: ChatCompletio
     choices = await reasoning.read_long(outs, plan, lambda *answers: [chat_choice(state, i, o, a) for i, (o, a)
                                                                       in enumerate(zip(outs, answers))])
     if not b.stream:
-        resp = ChatCompletionResponse(cid, created, state.model_name, choices, usage(outs))
+        resp = ChatCompletionResponse(cid, created, state.answered_by(b.model), choices, usage(outs))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
-    return await _stream_whole(request, cid, created, state.model_name, choices, usage(outs) if include_usage(b) else None)
+    return await _stream_whole(request, cid, created, state.answered_by(b.model), choices, usage(outs) if include_usage(b) else None)
 
 
 class _LiveChoice(reasoning.LiveParts):
@@ -264,7 +264,7 @@ async def _chat_stream(request: web.Request, state: ServerState, b: ChatCompleti
     sse = await SSEWriter.open(request)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(cid, created, state.model_name, choices, usage)
+        return ChatCompletionChunk(cid, created, state.answered_by(b.model), choices, usage)
 
     for i in range(b.n):
         await sse.send(chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))

@@ -81,7 +81,7 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
         outs = await state.collect(flight)
         choices = [CompletionChoice(i, echo(i) + o.text, finish_reason(o), _completion_logprobs(state, o.logprobs, 0))
                    for i, o in enumerate(outs)]
-        resp = CompletionResponse(cid, created, state.model_name, choices, usage(outs, n_prompts))
+        resp = CompletionResponse(cid, created, state.answered_by(b.model), choices, usage(outs, n_prompts))
         return web.Response(body=msgspec.json.encode(resp), content_type="application/json")
     sse = await SSEWriter.open(request)
     finals: list[Output | None] = [None] * len(flight.reqs)
@@ -101,8 +101,8 @@ async def _reply(request: web.Request, state: ServerState, b: CompletionRequest,
         if lps is not None:
             offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
         if text or reason or lps:
-            await sse.send(CompletionResponse(cid, created, state.model_name, [CompletionChoice(i, text, reason, lps)]))
+            await sse.send(CompletionResponse(cid, created, state.answered_by(b.model), [CompletionChoice(i, text, reason, lps)]))
     if include_usage(b):
-        await sse.send(CompletionResponse(cid, created, state.model_name, [], usage([o for o in finals if o], n_prompts)))
+        await sse.send(CompletionResponse(cid, created, state.answered_by(b.model), [], usage([o for o in finals if o], n_prompts)))
     await sse.done()
     return sse.response

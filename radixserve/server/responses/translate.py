@@ -60,7 +60,7 @@ async def translate(call: Call) -> Turn:
     opts = RequestOptions(rename=RENAME, prompt_cache_key=b.prompt_cache_key,  # a routing hint, as in chat
                           retention=Retention.named(b.prompt_cache_retention, "prompt_cache_retention"))
     items = msgspec.json.encode(listed_items(b.input)) if b.store else None
-    pending = Pending(new_response(call.state.model_name, b), (new_id("rs"), new_id("msg")), plan.messages[at:], items)
+    pending = Pending(new_response(call.state.answered_by(b.model), b), (new_id("rs"), new_id("msg")), plan.messages[at:], items)
     return Turn(plan, sampling, opts, None if prev is None else (prev.text, prev.ids), Rendered(), data=pending)
 
 
