@@ -163,7 +163,9 @@ class DataParallelEngine(RequestFront):
 
     def _choose(self, req: Req, hint: str | None, exclude: tuple[int, ...] | set[int], role: str = DECODE) -> int:
         """A healthy replica that runs `role` (decode: the request itself; prefill: its hand-off)."""
-        ns = Namespace(req.tenant or DEFAULT_TENANT, req.cache_salt)
+        ns: Any = Namespace(req.tenant or DEFAULT_TENANT, req.cache_salt)
+        if req.lora is not None:  # an adapter's prefixes are its own (engine/lora.py): never the base's replica by them
+            ns = (ns, req.lora)
         with self._lock:
             loads = {r.index: r.load for r in self.replicas
                      if r.healthy and r.index not in exclude and r.role in (role, BOTH)}
