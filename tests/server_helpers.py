@@ -103,3 +103,10 @@ async def final_outputs(engine, reqs) -> list:
         return out
 
     return await asyncio.gather(*(one(r) for r in reqs))
+
+
+def fake_state(**kw: object) -> object:
+    """A ServerState stand-in for a route's reply functions, serving the model "m"."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_name="m", answered_by=lambda model: "m", **kw)

@@ -16,7 +16,7 @@ import openai
 import pydantic
 import pytest
 from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
-from server_helpers import USER
+from server_helpers import USER, fake_state
 from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
 from radixserve.server import sse
@@ -105,7 +105,7 @@ def test_a_chat_stream_ends_with_the_cut_call_and_finish_reason_length(monkeypat
     monkeypatch.setattr(sse.SSEWriter, "open", _opens_into(sink))
     tools = [{"type": "function", "function": {"name": n, "parameters": FN}} for n in ("f", "g")]
     b = decode_body(json.dumps({"messages": USER, "tools": tools, "stream": True}).encode(), ChatCompletionRequest)
-    asyncio.run(chat._chat_stream(None, SimpleNamespace(model_name="m", merged=sink.merged), b, SimpleNamespace(),
+    asyncio.run(chat._chat_stream(None, fake_state(merged=sink.merged), b, SimpleNamespace(),
                                   chat_plan(b, None)[0]))
     datas = [x.removeprefix("data: ") for x in sink.data.decode().split("\n\n") if x.startswith("data: ")][:-1]
     chunks = [openai.types.chat.ChatCompletionChunk.model_validate_json(x) for x in datas]
@@ -118,7 +118,7 @@ def test_a_chat_stream_ends_with_the_cut_call_and_finish_reason_length(monkeypat
 def test_a_responses_stream_ends_incomplete_with_the_cut_function_call(monkeypatch):
     sink = _Engine()
     monkeypatch.setattr(responses_stream.EventWriter, "open", _opens_into(sink))
-    state = SimpleNamespace(model_name="m", run=sink.run, engine=SimpleNamespace(tokenizer=Tok(CUT)))
+    state = fake_state(run=sink.run, engine=SimpleNamespace(tokenizer=Tok(CUT)))
     b = _request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")])
     asyncio.run(responses._stream(*responses_reply(state, b, responses_plan(b, None)[0]),
                                   SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)))
@@ -136,7 +136,7 @@ def test_a_messages_stream_ends_with_the_cut_tool_use_and_max_tokens(monkeypatch
     sink = _Engine()
     monkeypatch.setattr(anthropic_stream.EventWriter, "open", _opens_into(sink))
     b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
-    asyncio.run(anthropic_stream.stream_message(None, SimpleNamespace(model_name="m", merged=sink.merged),
+    asyncio.run(anthropic_stream.stream_message(None, fake_state(merged=sink.merged),
                                                 SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)]),
                                                 messages_plan(b, None)[0], b, "msg_1", Breakpoints([]).usage))
     adapter = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)

@@ -17,7 +17,7 @@ import pydantic
 import pytest
 from chat_plans import messages_plan, responses_plan, responses_reply
 from helpers import Sink
-from server_helpers import USER, ServerProcess
+from server_helpers import USER, ServerProcess, fake_state
 
 from radixserve.engine.outputs import Delta, Output
 from radixserve.server.anthropic import cache as anthropic_cache
@@ -169,7 +169,7 @@ def _stream_response(pieces: list[str], parser: str | None, monkeypatch, **body)
         for d in _deltas(pieces, out):
             yield d
 
-    state = SimpleNamespace(model_name="m", run=run, engine=SimpleNamespace(tokenizer=Tok(pieces)))
+    state = fake_state(run=run, engine=SimpleNamespace(tokenizer=Tok(pieces)))
     b = _request(**body)
     plan, _ = responses_plan(b, parser)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
@@ -288,7 +288,7 @@ def _stream_message(pieces: list[str], parser: str | None, monkeypatch, **body) 
         for d in _deltas(pieces, out):
             yield 0, d
 
-    state = SimpleNamespace(model_name="m", merged=merged)
+    state = fake_state(merged=merged)
     b = _msg(**body)
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
     asyncio.run(anthropic_stream.stream_message(None, state, flight, messages_plan(b, parser)[0], b, "msg_1",

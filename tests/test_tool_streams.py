@@ -14,6 +14,7 @@ import openai
 import pydantic
 import pytest
 from chat_plans import chat_plan, messages_plan, responses_plan, responses_reply
+from server_helpers import fake_state
 from test_reasoning_apis import ScriptedEngine, Tok, _deltas, _frames, _msg, _opens_into, _out, _request
 
 from radixserve.server import sse
@@ -98,7 +99,7 @@ def test_chat_streams_text_then_each_call_as_a_tool_call_delta_as_it_completes(m
     tools = [{"type": "function", "function": {"name": n, "parameters": FN}} for n in ("f", "g")]
     b = decode_body(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "stream": True}).encode(),
                     ChatCompletionRequest)
-    state = SimpleNamespace(model_name="m", merged=sink.merged)
+    state = fake_state(merged=sink.merged)
     asyncio.run(chat._chat_stream(None, state, b, SimpleNamespace(), chat_plan(b, None)[0]))
     datas = [line.removeprefix("data: ") for line in sink.data.decode().split("\n\n") if line.startswith("data: ")]
     assert datas[-1] == "[DONE]"
@@ -122,7 +123,7 @@ def test_chat_streams_text_then_each_call_as_a_tool_call_delta_as_it_completes(m
 def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
     sink = _Recording()
     monkeypatch.setattr(responses_stream.EventWriter, "open", _opens_into(sink))
-    state = SimpleNamespace(model_name="m", run=sink.run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
+    state = fake_state(run=sink.run, engine=SimpleNamespace(tokenizer=Tok(TWO_CALLS)))
     b = _request(tools=[{"type": "function", "name": n, "parameters": FN} for n in ("f", "g")])
     plan, _ = responses_plan(b, None)
     flight = SimpleNamespace(reqs=[None], tickets=[None], arrival=0.0)
@@ -148,7 +149,7 @@ def test_responses_stream_each_function_call_item_as_it_completes(monkeypatch):
 def test_messages_stream_each_tool_use_block_as_its_call_completes(monkeypatch):
     sink = _Recording()
     monkeypatch.setattr(anthropic_stream.EventWriter, "open", _opens_into(sink))
-    state = SimpleNamespace(model_name="m", merged=sink.merged)
+    state = fake_state(merged=sink.merged)
     b = _msg(tools=[{"name": n, "input_schema": FN} for n in ("f", "g")])
     flight = SimpleNamespace(reqs=[SimpleNamespace(prompt_len=7)])
     asyncio.run(anthropic_stream.stream_message(None, state, flight, messages_plan(b, None)[0], b, "msg_1",
