@@ -76,12 +76,12 @@ class NativeDecode:
 class LoRARows:
     """A forward batch's rows grouped by LoRA adapter (models/lora.py applies them): `rows` holds
     the rows that have an adapter in adapter order, `groups` each adapter's run of it (adapter,
-    first, end); `perm` False when those rows are already in that order (one contiguous run
-    from `rows[0]`), so the torch path takes slices instead of gathering."""
+    first, end); `start` the first row when those rows are already in that order (one run
+    from `start`: `start` None otherwise), so the torch path takes slices instead of gathering."""
 
     groups: list[tuple[Any, int, int]]  # (models.lora.Adapter, first, end) within `rows`
     rows: torch.Tensor  # int64
-    perm: bool
+    start: int | None
 
     @classmethod
     def of(cls, spans: list[tuple[Any, int, int]], device: torch.device) -> LoRARows | None:
@@ -97,8 +97,8 @@ class LoRARows:
         for adapter, idx in by.values():
             groups.append((adapter, at, at + len(idx)))
             at += len(idx)
-        perm = order != list(range(order[0], order[0] + len(order)))
-        return cls(groups, torch.tensor(order, dtype=torch.int64, device=device), perm)
+        run = order == list(range(order[0], order[0] + len(order)))
+        return cls(groups, torch.tensor(order, dtype=torch.int64, device=device), order[0] if run else None)
 
 
 @dataclass

@@ -2,25 +2,52 @@
 (radixserve/models/lora.py): every row rows[i] with i in group g's range [bounds[2g],
 bounds[2g+1]) gets y[row] += (A_g x[row]) Bt_g, A_g (r_g, in), Bt_g (r_g, out).
 
-`lora_add_ref` is the torch reference; `lora_add_triton` the Triton kernel (CUDA, or the
-interpreter under TRITON_INTERPRET=1): the groups' weights stacked (zero-padded to the largest
-rank), one program per (row, block of output columns), the shrink recomputed by each block (a
-rank-r dot of one row: cheap next to reading Bt's block). The native CPU kernel is
-radixserve_kernels.cpu's `lora_add_`.
+`lora_add` dispatches: the Triton kernel on CUDA (or the interpreter under TRITON_INTERPRET=1),
+radixserve_kernels.cpu's native `lora_add_` for a batch of up to NATIVE_MAX_ROWS fp32 rows,
+else `lora_add_ref`, the torch reference: each group's shrink and expand as two matmuls, the rows
+gathered and scattered once for all groups (sliced instead where they are one run from `start`).
+The Triton kernel stacks the groups' weights (zero-padded to the largest rank), one program per
+(row, block of output columns), the shrink recomputed by each block (a rank-r dot of one row:
+cheap next to reading Bt's block).
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixserve_kernels._triton import built, next_pow2
+from radixserve_kernels import cpu
+from radixserve_kernels._triton import built, next_pow2, use_triton
+
+NATIVE_MAX_ROWS = 64  # a batch of decodes (and drafts); a prefill chunk's deltas are GEMMs (MKL's) work
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, bounds: list[int], a: list[torch.Tensor],
+             bt: list[torch.Tensor], cols: list[torch.Tensor], start: int | None = None) -> None:
+    """Dispatcher. `cols`: each group's (r, 2) output columns of each rank row of Bt (the native
+    kernel reads only those); `start`: rows are start, start + 1, ... (None: scattered)."""
+    if use_triton(x):
+        lora_add_triton(y, x.contiguous(), rows, bounds, a, bt)
+    elif ((ops := cpu.native_for(x, y)) is not None and x.shape[0] <= NATIVE_MAX_ROWS
+          and x.dtype == y.dtype == a[0].dtype == torch.float32):
+        ops.lora_add_(y, x.contiguous(), rows, bounds, a, bt, cols)
+    else:
+        lora_add_ref(y, x, rows, bounds, a, bt, start)
 
 
 def lora_add_ref(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, bounds: list[int], a: list[torch.Tensor],
-                 bt: list[torch.Tensor]) -> None:
+                 bt: list[torch.Tensor], start: int | None = None) -> None:
+    xs = x[start:] if start is not None else x.index_select(0, rows)
+    delta = torch.zeros(rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device) if start is None else None
     for g, (wa, wb) in enumerate(zip(a, bt)):
-        idx = rows[bounds[2 * g] : bounds[2 * g + 1]]
-        y.index_add_(0, idx, ((x.index_select(0, idx).to(wa.dtype) @ wa.t()) @ wb).to(y.dtype))
+        lo, hi = bounds[2 * g], bounds[2 * g + 1]
+        d = ((xs[lo:hi].to(wa.dtype) @ wa.t()) @ wb).to(y.dtype)
+        if delta is not None:
+            delta[lo:hi] = d
+        else:
+            assert start is not None
+            y[start + lo : start + hi] += d
+    if delta is not None:
+        y.index_add_(0, rows, delta)
 
 
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, bounds: list[int], a: list[torch.Tensor],

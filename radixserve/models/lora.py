@@ -10,7 +10,7 @@ Ours fuses q/k/v into qkv_proj and gate/up into gate_up_proj, so an adapter keep
 fused linear, its parts' A matrices stacked (one shrink x A^T for all of them) and each part's B
 with the output columns it adds to (one expand per part). A batch mixing adapters applies each
 adapter to its own rows (`LoRARows`: rows grouped by adapter, shrink then expand per group,
-S-LoRA's and Punica's SGMV: one native call a linear on a CPU, torch otherwise), over whatever
+S-LoRA's and Punica's SGMV: radixserve_kernels.lora), over whatever
 the base linear is (float, packed or quantized): `LoRALinear` adds the deltas to the base
 linear's output.
 """
@@ -30,16 +30,13 @@ from torch import nn
 
 from radixserve.batch import LoRARows
 from radixserve.models.config import ArchConfig
-from radixserve_kernels import cpu
-from radixserve_kernels._triton import use_triton
-from radixserve_kernels.lora import lora_add_triton
+from radixserve_kernels.lora import lora_add
 
 # PEFT's module name -> (our fused linear, its part)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 MAX_ADAPTER_BYTES = 4 << 30
-NATIVE_MAX_ROWS = 64  # a batch of decodes (and drafts); a prefill chunk's deltas are two GEMMs an adapter
 
 
 class AdapterError(ValueError):
@@ -183,34 +180,12 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig, dtype: torch.dty
 
 
 def apply(rows: LoRARows, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str]) -> torch.Tensor:
-    """y (the base linear's output for x) plus each adapter's delta on its rows: one Triton kernel
-    on CUDA, one native call for a batch of decodes where the CPU kernels take it (fp32), else per
-    adapter a shrink (x A^T)
-    and an expand (h B^T), the rows gathered and scattered once for the linear (S-LoRA's and
-    Punica's SGMV, in torch)."""
+    """y (the base linear's output for x) plus each adapter's delta on its rows
+    (radixserve_kernels.lora.lora_add: Triton, native or torch)."""
     present = [(f, lo, hi) for adapter, lo, hi in rows.groups if (f := adapter.linears.get(key)) is not None]
-    if not present:
-        return y
-    bounds = [b for _, lo, hi in present for b in (lo, hi)]
-    if use_triton(x):  # CUDA (or the interpreter): one kernel for the batch
-        lora_add_triton(y, x.contiguous(), rows.rows, bounds, [f.a for f, _, _ in present], [f.bt for f, _, _ in present])
-        return y
-    ops = cpu.native_for(x, y) if x.shape[0] <= NATIVE_MAX_ROWS else None  # more rows: a GEMM's (MKL's) work
-    if ops is not None and x.dtype == y.dtype == present[0][0].a.dtype == torch.float32:
-        ops.lora_add_(y, x.contiguous(), rows.rows, bounds,
-                      [f.a for f, _, _ in present], [f.bt for f, _, _ in present], [f.cols for f, _, _ in present])
-        return y
-    xs = x.index_select(0, rows.rows) if rows.perm else x[int(rows.rows[0]) :]
-    delta = torch.zeros(rows.rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device) if rows.perm else None
-    for f, lo, hi in present:
-        d = ((xs[lo:hi].to(f.a.dtype) @ f.a.t()) @ f.bt).to(y.dtype)
-        if delta is not None:
-            delta[lo:hi] = d
-        else:
-            start = int(rows.rows[0])
-            y[start + lo : start + hi] += d
-    if delta is not None:
-        y.index_add_(0, rows.rows, delta)
+    if present:
+        lora_add(y, x, rows.rows, [b for _, lo, hi in present for b in (lo, hi)], [f.a for f, _, _ in present],
+                 [f.bt for f, _, _ in present], [f.cols for f, _, _ in present], rows.start)
     return y
 
 
