@@ -101,11 +101,12 @@ def extra_key(ns_key: bytes, public: int = 0) -> tuple[Any, ...]:
     return (ns_key.hex(), public) if public else (ns_key.hex(),)
 
 
-def chain(parent: int | None, ns_key: bytes, tokens: Sequence[int], block_size: int) -> list[int]:
-    """The hashes of the whole blocks of `tokens`, the first chained to `parent`."""
+def chain(parent: int | None, ns_key: bytes, tokens: Sequence[int], block_size: int, public: int = 0) -> list[int]:
+    """The hashes of the whole blocks of `tokens`, the first chained to `parent` (and holding
+    `public` public tokens)."""
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, ns_key, tokens[i : i + block_size])
+        parent = block_hash(parent, ns_key, tokens[i : i + block_size], public if i == 0 else 0)
         out.append(parent)
     return out
 
@@ -202,12 +203,15 @@ class BlockEvents:
             out, self._pending = self._pending, []
         return out
 
-    def counts(self) -> dict[str, int]:
-        """Blocks told as stored, per medium (group 0), and with window KV (group 1)."""
+    def count(self, medium: str | None = None, group: int = FULL) -> int:
+        """Blocks told as stored in a medium (the pool's by default) and group."""
         with self._lock:
-            out = {f"{m.lower()}_blocks": len(s) for (m, g), s in self.live.items() if g == FULL}
-            out.update({f"{m.lower()}_window_blocks": len(s) for (m, g), s in self.live.items() if g == WINDOW})
-            return out
+            return len(self.live.get((medium or self.medium, group), ()))
+
+    def has_disk(self, key: str) -> bool:
+        """Whether the disk block `key` is told as stored."""
+        with self._lock:
+            return key in self._disk
 
 
 def batch(events: list[KVCacheEvent], rank: int | None) -> KVEventBatch:

@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from radixserve.cache.events import FULL, WINDOW, BlockEvents, block_hash, extra_key, namespace_key
+from radixserve.cache.events import FULL, WINDOW, BlockEvents, chain, extra_key, namespace_key
 from radixserve.cache.prefix import PUBLIC, Namespace, PrefixCache, PrefixMatch, common_prefix_len
 
 
@@ -85,7 +85,6 @@ class RadixCache(PrefixCache):
         self._evict_key = EVICTION_POLICIES[eviction]
         self.quotas: dict[str, int] = dict(quotas or {})  # tenant -> max cached tokens
         self.reach = max(window - 1, 0)  # positions before its own a sliding-window query sees
-        self.window = window
         self._evicted = 0
         self.events: BlockEvents | None = None  # set to tell what is cached as KV events (cache/events.py)
         self._clear()
@@ -461,11 +460,9 @@ class RadixCache(PrefixCache):
             return
         parent, head, public = self._before(node, first - b, start - (first - b))
         seq = head + node.key  # from position first - b
-        n = (end - first) // b + 1
-        hashes, prev, key = [], parent, namespace_key(node.ns)
-        for j in range(n):
-            prev = block_hash(prev, key, seq[j * b : (j + 1) * b], public if j == 0 else 0)
-            hashes.append(prev)
+        key = namespace_key(node.ns)
+        hashes = chain(parent, key, seq, b, public)
+        n = len(hashes)
         node.blocks = [[first + j * b - start, h, False] for j, h in enumerate(hashes)]
         ev.stored(hashes, parent, seq[: n * b], [extra_key(key, public)] + [extra_key(key)] * (n - 1))
         if self.reach:
@@ -629,11 +626,10 @@ class RadixCache(PrefixCache):
             x, tail, tail_public, prev = stack.pop()
             seq = tail + x.key
             key = namespace_key(x.ns)
-            public = tail_public if x.ns != PUBLIC else 0
-            want = []
-            for j in range(len(seq) // b):
-                prev = block_hash(prev, key, seq[j * b : (j + 1) * b], public if j == 0 else 0)
-                want.append([(j + 1) * b - len(tail), prev, self.reach > 0 and self._windowed(x, (j + 1) * b - len(tail))])
+            hashes = chain(prev, key, seq, b, tail_public if x.ns != PUBLIC else 0)
+            want = [[(j + 1) * b - len(tail), h, self.reach > 0 and self._windowed(x, (j + 1) * b - len(tail))]
+                    for j, h in enumerate(hashes)]
+            prev = hashes[-1] if hashes else prev
             _check(x.blocks == want, f"{x!r} holds blocks {x.blocks} where its tokens make {want}")
             full.update(h for _, h, _ in want)
             window.update(h for _, h, w in want if w)

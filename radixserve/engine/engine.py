@@ -18,7 +18,7 @@ import torch
 from grammars.spec import GrammarSpec
 from radixserve.attention import create_backend
 from radixserve.cache.allocator import SlotAllocator, WindowedAllocator
-from radixserve.cache.events import BlockEvents
+from radixserve.cache.events import DISK, WINDOW, BlockEvents
 from radixserve.cache.pool import KVPool, available_memory_bytes, kv_bytes_per_token, kv_cache_dtype
 from radixserve.cache.prefix import NullPrefixCache, PrefixCache
 from radixserve.cache.radix import RadixCache
@@ -525,11 +525,9 @@ class Engine(RequestFront):
 
     def _event_stats(self) -> dict[str, int]:
         assert self.kv_events is not None
-        counts = self.kv_events.events.counts()
-        medium = self.kv_events.events.medium.lower()
-        return {"kv_events_batches": self.kv_events.published, "kv_events_blocks": counts.get(f"{medium}_blocks", 0),
-                "kv_events_window_blocks": counts.get(f"{medium}_window_blocks", 0),
-                "kv_events_disk_blocks": counts.get("disk_blocks", 0)}
+        ev = self.kv_events.events
+        return {"kv_events_batches": self.kv_events.published, "kv_events_blocks": ev.count(),
+                "kv_events_window_blocks": ev.count(group=WINDOW), "kv_events_disk_blocks": ev.count(DISK)}
 
     def flush_cache(self, keep_disk: bool = False) -> int:
         """Drop every cached prefix, the disk tier's blocks too unless `keep_disk` (then the

@@ -28,6 +28,7 @@ the pool's bytes, at most 1 GiB); past it a prompt's further blocks are not writ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -152,8 +153,9 @@ class KVTier:
                 if key in self._pending or self.store.has(key):
                     if until:
                         self._writes.put(("retain", key, until))
-                    if told is not None and key not in self._pending:  # e.g. found on disk at the start
-                        self._writes.put(("tell", key, told(i)))
+                    if told is not None and self.events is not None and key not in self._pending \
+                            and not self.events.has_disk(key):
+                        self._writes.put(("tell", key, told(i)))  # e.g. found on disk at the start
                     continue
                 if self._pending_bytes + self.block_bytes > self.max_pending_bytes:
                     self.skipped_tokens += b
@@ -165,15 +167,20 @@ class KVTier:
                               told(i) if told is not None else None))
 
     def _told(self, ns: Namespace, tokens: list[int]) -> Callable[[int], tuple[Any, ...]] | None:
-        """With KV events: disk block i's event blocks (hashes, parent, tokens, namespace key)."""
+        """With KV events: disk block i's event blocks (hashes, parent, tokens, namespace key), the
+        prompt's chain hashed at the first block that needs telling (most saves need none)."""
         if self.events is None:
             return None
         e, key = self.events.block_size, namespace_key(ns)
-        hashes = chain(None, key, tokens, e)
         k = self.block // e
 
+        @functools.cache
+        def hashes() -> list[int]:
+            return chain(None, key, tokens, e)
+
         def told(i: int) -> tuple[Any, ...]:
-            return hashes[i * k : (i + 1) * k], hashes[i * k - 1] if i else None, tokens[i * self.block : (i + 1) * self.block], key
+            h = hashes()
+            return h[i * k : (i + 1) * k], h[i * k - 1] if i else None, tokens[i * self.block : (i + 1) * self.block], key
 
         return told
 
