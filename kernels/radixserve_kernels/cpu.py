@@ -6,7 +6,7 @@ The sources are one file per op family over one vector layer (csrc/vec.h):
     attention.cpp      decode_attention, decode_attention_quant      radixserve_kernels.decode_attention.decode_attention_ref
     kv_store.cpp       store_kv, store_kv_quant                      radixserve_kernels.store_kv.store_kv_ref / store_kv_quant_ref
     norm_rope_act.cpp  rms_norm, rope_, silu_and_mul                 F.rms_norm, models.layers.apply_rope, F.silu * up
-    lora.cpp           lora_add_                                     radixserve.models.lora.apply's torch path
+    lora.cpp           lora_add_                                     radixserve_kernels.lora.lora_add_ref
     linear.cpp         pack_linear, linear, linear_supports          F.linear
     quant_linear.cpp   pack_quant, dequant_quant, qlinear            gguf-py, radixserve_kernels.quant_matmul.dequant_ref
     kquant_linear.cpp  (the same, for Q5_0/Q5_1/Q4_K/Q5_K/Q6_K)     gguf-py, tests/test_quant.py reference_qlinear

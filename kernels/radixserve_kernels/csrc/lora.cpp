@@ -3,7 +3,7 @@
 // Bt_g (r, out) fp32, each rank row k of Bt_g read only in its columns [cols_g[k][0], cols_g[k][1])
 // (a fused linear's parts: zero elsewhere). One call a linear for the whole batch: the shrink in parallel over each
 // group's rank rows, the expand over blocks of output columns, so each group's weights are read
-// once for all its rows. Torch reference: models.lora.apply's torch path.
+// once for all its rows. Torch reference: radixserve_kernels.lora.lora_add_ref.
 #include "common.h"
 
 namespace rs {
