@@ -144,6 +144,43 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
         assert all(torch.equal(ys[0], y) for y in ys[1:]), m
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_amx_tiles_make_the_vnni_tiles_numbers_bit_for_bit(kind, bits):
+    """On a CPU with AMX-INT8, calls of 32 rows or more run on the tiles (csrc/amx.h): the same
+    integer sums as vpdpbusd, scaled by the same float operations in the same order, so the
+    output is the VNNI path's bit for bit (whatever the batch: a request's numbers do not depend
+    on how many rows it shares a step with): whole 16-row tiles and a ragged last one, a ragged
+    last panel, bf16 in and out with a bias, and qlinear_many."""
+    from radixserve_kernels import cpu
+
+    ops = cpu.ops_for("avx512")
+    if ops is None or not ops.set_amx(True):
+        pytest.skip("no AMX-INT8 on this CPU (or the kernel refused the tile state)")
+    assert ops.isa().endswith("+amx")
+    n, k = 70, 256 * 3
+    raw, _ = gguf_blocks(kind, n, k, seed=5)
+    packed = ops.pack_quant(raw, kind, n, k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    try:
+        for m in (32, 45, 64):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            runs = []
+            for amx in (True, False):
+                ops.set_amx(amx)
+                runs.append((ops.qlinear(x, packed, n, None, True, False, bits),
+                             ops.qlinear(x.bfloat16(), packed, n, bias, False, False, bits),
+                             ops.qlinear_many([x, x[:33]], [packed, packed], [n, n], bits)))
+            (a, ab, am), (v, vb, vm) = runs
+            assert torch.equal(a, v) and torch.equal(ab, vb), m
+            assert all(torch.equal(p, q) for p, q in zip(am, vm)), m
+            assert (a.double() - reference_qlinear(x, torch.from_numpy(
+                quants.dequantize(raw.numpy(), KINDS[kind]).reshape(n, k).copy()), bits)).abs().max() \
+                <= 2e-5 * a.abs().max()
+    finally:
+        ops.set_amx(True)
+
+
 # the bytes of a GGUF block that hold its quants (every other byte: scales), per 5/6-bit kind
 _QUANT_BYTES = {"q5_0": (2, 22), "q5_1": (4, 24), "q4_k": (16, 144), "q5_k": (16, 176), "q6_k": (0, 192)}
 

@@ -13,8 +13,8 @@ The sources are one file per op family over one vector layer (csrc/vec.h):
     decode_step.cpp    decode_layers                                 the same ops layer by layer (models.llama.FusedDecode)
     ops.cpp            the module (and `isa()`, the build's name)
 
-Instruction sets (`ISAS`, best first): `avx512` (AVX-512 F/BW/DQ/VL, plus VNNI and BF16 where the
-CPU has them), `avx2` (AVX2 + FMA + F16C: every x86-64 CPU of the last decade), `generic`
+Instruction sets (`ISAS`, best first): `avx512` (AVX-512 F/BW/DQ/VL, plus VNNI, BF16 and the
+AMX-INT8 tiles where the CPU has them), `avx2` (AVX2 + FMA + F16C: every x86-64 CPU of the last decade), `generic`
 (portable C++, any CPU). `ops()` loads the best one this CPU runs, or the one named by
 RADIXSERVE_CPU_ISA (`avx2` on an AVX-512 machine measures the AVX2 kernels there); a log line
 names it. `ops_for(isa)` loads any other one this CPU runs (the tests compare them).
@@ -98,12 +98,14 @@ def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
 
 def isa_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     """The compiler flags of one build: the instruction set, and for avx512 the extensions
-    (VNNI, BF16) this CPU has."""
+    (VNNI, BF16, AMX-INT8) this CPU has."""
     flags = cpu_flags() if flags is None else flags
     if isa == "avx2":
         return _AVX2
     if isa == "avx512":
         extra = [f for f, name in (("-mavx512vnni", "avx512_vnni"), ("-mavx512bf16", "avx512_bf16")) if name in flags]
+        if {"amx_tile", "amx_int8", "avx512_vnni"} <= flags:  # the AMX tiles (csrc/amx.h)
+            extra += ["-mamx-tile", "-mamx-int8"]
         return _AVX2 + _AVX512 + extra
     if isa == "generic":
         return []

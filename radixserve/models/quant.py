@@ -25,6 +25,10 @@ bit (tests/test_quant.py, every kind). How a `QuantLinear` computes, by the rows
                               numbers); `float` dequantizes the weight at each call and runs an
                               fp32 GEMM instead (exact, slow). `radixserve bench quality`
                               measures each choice against the exact model
+    32 rows or more, on a CPU with AMX-INT8 (Sapphire Rapids and later): the same integer sums on
+                              the AMX tiles (16 rows x 16 outputs x 32 weights per tdpbsud),
+                              scaled as the VNNI tiles do, so the same numbers bit for bit
+                              (kernels/radixserve_kernels/csrc/amx.h; 1.1-1.3x the VNNI tiles)
     many rows (prefill)       the same native kernel, 64 rows at a time, where it outruns
                               dequantize + fp32 GEMM (`QuantLinear.native_prefill`: with VNNI,
                               ~160-270 GMAC/s at 8 bits and 120-170 at 16 against MKL's ~55; on

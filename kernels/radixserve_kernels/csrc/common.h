@@ -121,6 +121,7 @@ std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at:
                                      int64_t act_bits);
 at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
                       bool generic, int64_t act_bits);
+bool set_amx(bool on);
 
 // --- decode_step.cpp ----------------------------------------------------------------------
 // One linear of a layer in the fused step: its packed parts (one; or one per shard where a GGUF

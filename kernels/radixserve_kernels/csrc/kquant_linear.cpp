@@ -23,6 +23,7 @@
 // A few rows (decode) work in integers as the Q4/Q8 kernels do; the per-half integer sums S0,
 // S1 are scaled in the same order on every ISA, so the AVX-512, AVX2 and portable paths give
 // the same numbers bit for bit. Many rows (prefill): dequant_kfamily, then fp32 GEMM.
+#include "amx.h"
 #include "quant.h"
 
 namespace rs {
@@ -289,6 +290,25 @@ inline void scales16(const uint8_t* rec, const uint8_t* sub, __m512& a0, __m512&
   off = _mm512_sub_ps(_mm512_setzero_ps(), dm);
 }
 
+// A sub-block's 8 weight vectors, all 16 outputs (w[c]: weights 4c .. 4c + 3 of each output,
+// w[4 + c]: 16 + 4c ..), the values q whole.
+template <int F>
+inline void weights16(const uint8_t* sub, __m512i* w) {
+  constexpr Fmt fm = FMTS[F];
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(sub + 64 * c);
+    w[c] = _mm512_and_si512(v, low);
+    w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (fm.hbits > 0) {
+      const __m512i e = plane64<fm.hbits>(plane_at(sub, fm.hbits, c));
+      constexpr int lo_mask = (1 << fm.hbits) - 1;
+      w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(e, _mm512_set1_epi8(lo_mask)), 4));
+      w[4 + c] = _mm512_or_si512(w[4 + c], _mm512_slli_epi16(_mm512_and_si512(e, _mm512_set1_epi8(lo_mask << fm.hbits)), 4 - fm.hbits));
+    }
+  }
+}
+
 template <int F, int MR, bool W, typename O>
 void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
@@ -297,24 +317,13 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
   const int64_t kb = nb * fm.subs();
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = panel + b * fm.rec();
     for (int64_t i = 0; i < fm.subs(); ++i) {
       const uint8_t* sub = rec + fm.header + i * fm.sub();
       prefetch_row(sub + 4 * fm.sub(), fm.sub());
       __m512i w[8];
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(sub + 64 * c);
-        w[c] = _mm512_and_si512(v, low);
-        w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        if constexpr (fm.hbits > 0) {
-          const __m512i e = plane64<fm.hbits>(plane_at(sub, fm.hbits, c));
-          constexpr int lo_mask = (1 << fm.hbits) - 1;
-          w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(e, _mm512_set1_epi8(lo_mask)), 4));
-          w[4 + c] = _mm512_or_si512(w[4 + c], _mm512_slli_epi16(_mm512_and_si512(e, _mm512_set1_epi8(lo_mask << fm.hbits)), 4 - fm.hbits));
-        }
-      }
+      weights16<F>(sub, w);
       __m512 a0, a1, off;
       scales16<F>(rec, sub, a0, a1, off);
       for (int m = 0; m < MR; ++m) {
@@ -504,9 +513,42 @@ void ktiles(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, co
 }
 #endif
 
+#if defined(RS_AMX)
+// A panel's sub-blocks into the tiles' scratch (amx.h): the VNNI tile's weight vectors and scales.
+template <int F, typename O>
+void amx_kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+  constexpr Fmt fm = FMTS[F];
+  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+  const int64_t kb = nb * fm.subs();
+  AmxPanel& pan = amx_scratch();
+  pan.reserve(kb);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = panel + b * fm.rec();
+    for (int64_t i = 0; i < fm.subs(); ++i) {
+      const uint8_t* sub = rec + fm.header + i * fm.sub();
+      __m512i w[8];
+      weights16<F>(sub, w);
+      uint8_t* t = pan.tile(b * fm.subs() + i);
+      for (int c = 0; c < 8; ++c) _mm512_storeu_si512(t + 64 * c, w[c]);
+      __m512 a0, a1, off;
+      scales16<F>(rec, sub, a0, a1, off);
+      pan.put_scales(b * fm.subs() + i, a0, a1, off);
+    }
+  }
+  if (xr.wide) amx_rows<Z, Z != 0, Z == 0, true>(pan, kb, xr, m, bias, y, n, n0, n);
+  else amx_rows<Z, Z != 0, Z == 0, false>(pan, kb, xr, m, bias, y, n, n0, n);
+}
+#endif
+
 template <int F, typename O>
 void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n,
             bool vector) {
+#if defined(RS_AMX)
+  if (vector && xr.tiles) {
+    amx_kpanel<F>(panel, nb, xr, m, bias, y, n0, n);
+    return;
+  }
+#endif
 #if defined(RS_INT_DOT)
   if (vector) {
     if (xr.wide) ktiles<F, true>(panel, nb, xr, m, bias, y, n0, n);

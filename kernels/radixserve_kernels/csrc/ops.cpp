@@ -2,6 +2,7 @@
 // once per instruction set (vec.h) and loads the best this CPU runs; `isa()` names the build.
 #include <torch/extension.h>
 
+#include "amx.h"
 #include "common.h"
 
 namespace {
@@ -14,6 +15,9 @@ std::string isa() {
 #if defined(RS_AVX512) && defined(__AVX512BF16__)
   s += "+bf16";
 #endif
+#if defined(RS_AMX)
+  if (rs::amx_ready()) s += "+amx";  // built with the tiles, and this process may use them
+#endif
   return s;
 }
 
@@ -22,7 +26,7 @@ bool linear_supports_dtype(torch::Tensor w) { return rs::linear_supports(w.scala
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", &isa, "the instruction set these kernels were built for (avx512[+vnni][+bf16], avx2, generic)");
+  m.def("isa", &isa, "the instruction set these kernels were built for (avx512[+vnni][+bf16][+amx], avx2, generic)");
   m.def("decode_attention", &rs::decode_attention, "paged decode attention, in place on the pool");
   m.def("decode_attention_quant", &rs::decode_attention_quant, "paged decode attention over an int8/fp8 pool, in place");
   m.def("rms_norm", &rs::rms_norm, "RMSNorm with an optional fused residual add");
@@ -37,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant", &rs::pack_quant, "repack GGUF blocks (raw, kind, n, k) of q4_0/q4_1/q8_0/q5_0/q5_1/q4_k/q5_k/q6_k for qlinear");
   m.def("dequant_quant", &rs::dequant_quant, "fp32 rows of a pack_quant weight (packed, n, k, rows)");
   m.def("qlinear_many", &rs::qlinear_many, "several quantized linears in one parallel region, fp32 out (xs, packed, ns, act_bits)");
+  m.def("set_amx", &rs::set_amx, "allow the AMX tiles for many-row quantized linears (on by default where built); returns whether they run");
   m.def("qlinear", &rs::qlinear, "a linear over a pack_quant weight, activations quantized to act_bits 8 or 16 (x, packed, n, bias, float_out, generic, act_bits)");
   // module-local: each build (avx512, avx2, generic) may be loaded in one process, each with its own type
   pybind11::class_<rs::DecodeWeights, std::shared_ptr<rs::DecodeWeights>>(m, "DecodeWeights", pybind11::module_local());

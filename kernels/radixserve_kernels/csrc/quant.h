@@ -33,6 +33,7 @@ struct QuantRows {
   std::vector<float> dx, sx;
   std::vector<int32_t> sq, sq0;
   bool wide = true;
+  bool tiles = false;  // for the AMX tiles (amx.h): the rows padded with zeros to a multiple of 16
   // xi of block `at`'s weight j, whichever the width
   int32_t value(int64_t at, int j) const {
     const int64_t i = at * 32 + j;
@@ -77,9 +78,9 @@ inline void finish_block(QuantRows& out, int64_t at, float d, int32_t sq, int32_
 
 
 // x (m, k) rows with stride ldx, into kb blocks of 32 each (the last one zero-padded), to 16
-// bits (wide) or 8.
+// bits (wide) or 8; tiles: rows of zeros after them, to a multiple of 16 (amx.h).
 template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bool wide, QuantRows& out);
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bool wide, QuantRows& out, bool tiles = false);
 
 // One panel's 16 sums v into row y's outputs n0.. (n0 + 16 <= n or fewer), plus the bias.
 template <typename O>

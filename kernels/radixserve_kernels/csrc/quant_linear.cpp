@@ -4,7 +4,16 @@
 // tests/test_quant.py's reference_qlinear (the 16-bit-activation dot product).
 #include <algorithm>
 
+#include "amx.h"
 #include "quant.h"
+
+#if defined(RS_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+#endif
 
 namespace rs {
 namespace {
@@ -49,6 +58,32 @@ int64_t quant_bits(const std::string& kind) {
 }
 
 }  // namespace
+
+#if defined(RS_AMX)
+namespace {
+std::atomic<bool> amx_on{true};
+}
+
+bool amx_ready() {
+  static const bool granted = [] {  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return granted && amx_on.load(std::memory_order_relaxed);
+}
+
+bool amx_rows_for(int64_t m) { return m >= AMX_MIN_ROWS && amx_ready(); }
+#endif
+
+// Whether the AMX tiles may run (only where built: amx.h); off: the VNNI tiles, as on CPUs without.
+bool set_amx(bool on) {
+#if defined(RS_AMX)
+  amx_on = on;
+  return amx_ready();
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 // GGUF blocks (n, k/32 * block bytes) -> panels (ceil(n/16), k/32, 320, 336 or 544).
 at::Tensor pack_quant(at::Tensor raw, const std::string& kind, int64_t n, int64_t k) {
@@ -217,14 +252,16 @@ inline __m512 load16_masked(const uint16_t* p, __mmask16 m) {
 }  // namespace
 
 template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bool wide, QuantRows& out) {
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bool wide, QuantRows& out, bool tiles) {
   out.wide = wide;
-  out.hi.assign(m * kb * QBLOCK, 0);
-  out.lo.assign(wide ? m * kb * QBLOCK : 0, 0);
-  out.dx.resize(m * kb);
-  out.sx.resize(m * kb);
-  out.sq.resize(m * kb);
-  out.sq0.resize(m * kb);
+  out.tiles = tiles;
+  const int64_t rows = tiles ? (m + 15) / 16 * 16 : m;
+  out.hi.assign(rows * kb * QBLOCK, 0);
+  out.lo.assign(wide ? rows * kb * QBLOCK : 0, 0);
+  out.dx.assign(rows * kb, 0.f);
+  out.sx.assign(rows * kb, 0.f);
+  out.sq.assign(rows * kb, 0);
+  out.sq0.assign(rows * kb, 0);
   const float steps = wide ? QSTEPS : QSTEPS8;
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
@@ -282,8 +319,8 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bo
   });
 }
 
-template void quantize_rows<float>(const float*, int64_t, int64_t, int64_t, int64_t, bool, QuantRows&);
-template void quantize_rows<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t, bool, QuantRows&);
+template void quantize_rows<float>(const float*, int64_t, int64_t, int64_t, int64_t, bool, QuantRows&, bool);
+template void quantize_rows<uint16_t>(const uint16_t*, int64_t, int64_t, int64_t, int64_t, bool, QuantRows&, bool);
 
 namespace {
 
@@ -479,12 +516,62 @@ void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, co
 #endif
 
 
+#if defined(RS_AMX)
+// A Q4 / MXFP4 / Q8 panel's blocks into the tiles' scratch (amx.h): the VNNI tile's weight
+// vectors and its scales (Q4: a0 = d, off = m; Q8: a0 = d, with the zero point 128).
+template <int BITS, bool LUT>
+void amx_fill(const uint8_t* panel, int64_t kb, AmxPanel& pan) {
+  constexpr int64_t bytes = BITS == 4 ? (LUT ? FP4_BYTES : Q4_BYTES) : Q8_BYTES;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)FP4_LUT)), low = _mm512_set1_epi8(0x0f);
+  pan.reserve(kb);
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+    uint8_t* t = pan.tile(b);
+    if constexpr (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (LUT) {
+          wl = _mm512_shuffle_epi8(lut, wl);
+          wh = _mm512_shuffle_epi8(lut, wh);
+        }
+        _mm512_storeu_si512(t + 64 * c, wl);
+        _mm512_storeu_si512(t + 256 + 64 * c, wh);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 256)));
+      pan.put_scales(b, d, d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288))));
+    } else {
+      std::memcpy(t, blk, 512);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 512)));
+      pan.put_scales(b, d, d, _mm512_setzero_ps());
+    }
+  }
+}
+
+template <int BITS, bool LUT, typename O>
+void amx_panel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+  AmxPanel& pan = amx_scratch();
+  amx_fill<BITS, LUT>(panel, kb, pan);
+  constexpr int Z = BITS == 8 ? 128 : 0;
+  if (xr.wide) amx_rows<Z, false, BITS == 4, true>(pan, kb, xr, m, bias, y, n, n0, n);
+  else amx_rows<Z, false, BITS == 4, false>(pan, kb, xr, m, bias, y, n, n0, n);
+}
+#endif
+
 // Panel p (outputs 16p ..) of a Q4 / Q8 packed weight times xr's m rows, into y (m, n).
 template <typename O>
 void qpanel_of(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, int64_t p,
                bool vector) {
   const int64_t kb = packed.size(1), bytes = packed.size(2);
   const uint8_t* panel = packed.data_ptr<uint8_t>() + p * kb * bytes;
+#if defined(RS_AMX)
+  if (vector && xr.tiles) {
+    if (bytes == Q4_BYTES) amx_panel<4, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    else if (bytes == FP4_BYTES) amx_panel<4, true>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    else amx_panel<8, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    return;
+  }
+#endif
 #if defined(RS_INT_DOT)
   if (vector) {
     if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true, false>(panel, kb, xr, m, bias, y, p * QPANEL, n)
@@ -508,6 +595,19 @@ void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, cons
 
 }  // namespace
 
+namespace {
+// Whether m rows run on the AMX tiles (where built and granted; never on the portable path).
+bool tiles_for(int64_t m, bool generic) {
+#if defined(RS_AMX)
+  return !generic && amx_rows_for(m);
+#else
+  (void)m;
+  (void)generic;
+  return false;
+#endif
+}
+}  // namespace
+
 // y (M, n) = x (M, k) W^T + bias over a pack_quant weight; y is x's dtype, or fp32; x quantized
 // per block of 32 to act_bits (8 or 16, see QuantRows).
 // generic: the portable C++ path even where AVX512-VNNI is built (tests compare the two).
@@ -526,7 +626,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
   if (m == 0) return y;
   QuantRows xr;
   const int64_t kb = f >= 0 ? k / QBLOCK : packed.size(1);
-  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, xr); });
+  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, xr, tiles_for(m, generic)); });
   if (f >= 0) {
     qlinear_kfamily(packed, f, xr, m, bd, y, n, generic);
     return y;
@@ -557,7 +657,7 @@ std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at:
     const int64_t m = x.size(0), k = x.size(1);
     fmt[j] = check_quant(packed[j], ns[j], k);
     const int64_t kb = fmt[j] >= 0 ? k / QBLOCK : packed[j].size(1);
-    DISPATCH_FLOAT_BF16(x, "qlinear_many", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, rows[j]); });
+    DISPATCH_FLOAT_BF16(x, "qlinear_many", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, rows[j], tiles_for(m, false)); });
     ys[j] = at::empty({m, ns[j]}, x.options().dtype(at::kFloat));
     start[j + 1] = start[j] + (m ? (ns[j] + QPANEL - 1) / QPANEL : 0);
   }
