@@ -17,8 +17,6 @@
 // for all the rows, where the VNNI tiles unpack it again every 4 rows.
 #pragma once
 
-#include <type_traits>
-
 #include "quant.h"
 
 #if defined(RS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
@@ -33,14 +31,15 @@ constexpr int64_t AMX_MIN_ROWS = 32;
 
 // Whether this process may use the tiles: Linux grants the tile state on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM), asked once; refused (a kernel before 5.16), the VNNI tiles serve.
-// set_amx(false) turns them off for the process (the tests compare both paths).
+// set_amx(false), or RADIXSERVE_AMX=0 in the environment, turns them off for the process (the
+// tests compare both paths).
 bool amx_ready();
 bool amx_rows_for(int64_t m);  // amx_ready() and m >= AMX_MIN_ROWS
 
 // One panel's sub-blocks as the tiles take them: per sub-block a 512-byte B tile and 48 floats
 // (a0, a1, off: 16 outputs each). A thread's scratch, grown as needed.
 struct AmxPanel {
-  std::vector<uint8_t> b;
+  aligned_vector<uint8_t> b;
   std::vector<float> sc;
   void reserve(int64_t kb) {
     if (int64_t(b.size()) < kb * 512) b.resize(kb * 512);
@@ -81,67 +80,47 @@ inline TileConfig make_tile_config(bool split) {
   return c;
 }
 
-// The tile work of G consecutive sub-blocks i0 .. i0 + G - 1 of 16 rows (A: the rows' first
-// block i0, a row every `stride` bytes), their sums stored to c (C tile t to c[t]). Per
-// sub-block, TPB = (SPLIT ? 2 : 1) * (W ? 2 : 1) C tiles, so G * TPB <= 4: the tile unit runs a
-// group while the vectors scale the one before (a store's data reaches the loads only once it
-// retires: one sub-block at a time, the two would wait on each other).
-// (GCC's tile intrinsics name their tiles by literal numbers: the groups are spelled out.)
-#define RS_TILE_WHOLE(T, A, B, g)                     \
-  _tile_loadd(B, pan.b.data() + (i0 + g) * 512, 64); \
-  _tile_zero(T);                                      \
-  _tile_loadd(A, hi + (i0 + g) * QBLOCK, stride);     \
-  _tile_dpbsud(T, A, B)
-#define RS_TILE_LOW(T, A, B, g)                   \
-  _tile_zero(T);                                  \
-  _tile_loadd(A, lo + (i0 + g) * QBLOCK, stride); \
-  _tile_dpbsud(T, A, B)
-#define RS_TILE_HALVES(T0, T1, x, g)                        \
-  _tile_loadd(5, pan.b.data() + (i0 + g) * 512, 64);       \
-  _tile_loadd(6, pan.b.data() + (i0 + g) * 512 + 256, 64); \
-  _tile_zero(T0);                                           \
-  _tile_zero(T1);                                           \
-  _tile_loadd(4, x + (i0 + g) * QBLOCK, stride);            \
-  _tile_loadd(7, x + (i0 + g) * QBLOCK + 16, stride);       \
-  _tile_dpbsud(T0, 4, 5);                                   \
-  _tile_dpbsud(T1, 7, 6)
-
-template <int G, bool SPLIT, bool W>
-inline void amx_issue(const AmxPanel& pan, int64_t i0, const int8_t* hi, const int8_t* lo, int64_t stride, int32_t (*c)[16][16]) {
-  constexpr int TPB = (SPLIT ? 2 : 1) * (W ? 2 : 1);
-  static_assert(G * TPB <= 4, "four C tiles");
-  if constexpr (!SPLIT && !W) {  // sub-block g in tile g, A and B tiles alternating
-    RS_TILE_WHOLE(0, 4, 5, 0);
-    if constexpr (G > 1) { RS_TILE_WHOLE(1, 7, 6, 1); }
-    if constexpr (G > 2) { RS_TILE_WHOLE(2, 4, 5, 2); }
-    if constexpr (G > 3) { RS_TILE_WHOLE(3, 7, 6, 3); }
-  } else if constexpr (!SPLIT) {  // sub-block g: hi in tile 2g, lo in 2g + 1
-    RS_TILE_WHOLE(0, 4, 5, 0);
-    RS_TILE_LOW(1, 7, 5, 0);
-    if constexpr (G > 1) {
-      RS_TILE_WHOLE(2, 4, 6, 1);
-      RS_TILE_LOW(3, 7, 6, 1);
+// The tile work of sub-block i of 16 rows (A: the rows' block 0, a row every `stride` bytes),
+// its sums stored to c: tile 0 (whole; SPLIT: the halves in 0 and 1; W: the low halves' sums
+// after them, in 1, or 2 and 3). (GCC's tile intrinsics take literal tile numbers.)
+template <bool SPLIT, bool W>
+inline void amx_issue(const AmxPanel& pan, int64_t i, const int8_t* hi, const int8_t* lo, int64_t stride, int32_t (*c)[16][16]) {
+  const uint8_t* b = pan.b.data() + i * 512;
+  if constexpr (!SPLIT) {
+    _tile_loadd(5, b, 64);
+    _tile_zero(0);
+    _tile_loadd(4, hi + i * QBLOCK, stride);
+    _tile_dpbsud(0, 4, 5);
+    if constexpr (W) {
+      _tile_zero(1);
+      _tile_loadd(7, lo + i * QBLOCK, stride);
+      _tile_dpbsud(1, 7, 5);
     }
-  } else if constexpr (!W) {  // sub-block g: S0 in tile 2g, S1 in 2g + 1
-    RS_TILE_HALVES(0, 1, hi, 0);
-    if constexpr (G > 1) { RS_TILE_HALVES(2, 3, hi, 1); }
-  } else {  // S0, S1 in tiles 0, 1; their low halves in 2, 3
-    RS_TILE_HALVES(0, 1, hi, 0);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(4, lo + i0 * QBLOCK, stride);
-    _tile_loadd(7, lo + i0 * QBLOCK + 16, stride);
-    _tile_dpbsud(2, 4, 5);
-    _tile_dpbsud(3, 7, 6);
+  } else {
+    _tile_loadd(5, b, 64);
+    _tile_loadd(6, b + 256, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(4, hi + i * QBLOCK, stride);
+    _tile_loadd(7, hi + i * QBLOCK + 16, stride);
+    _tile_dpbsud(0, 4, 5);
+    _tile_dpbsud(1, 7, 6);
+    if constexpr (W) {
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, lo + i * QBLOCK, stride);
+      _tile_loadd(7, lo + i * QBLOCK + 16, stride);
+      _tile_dpbsud(2, 4, 5);
+      _tile_dpbsud(3, 7, 6);
+    }
   }
   _tile_stored(0, c[0], 64);
-  if constexpr (G * TPB > 1) _tile_stored(1, c[1], 64);
-  if constexpr (G * TPB > 2) _tile_stored(2, c[2], 64);
-  if constexpr (G * TPB > 3) _tile_stored(3, c[3], 64);
+  if constexpr (SPLIT || W) _tile_stored(1, c[1], 64);
+  if constexpr (SPLIT && W) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
 }
-#undef RS_TILE_WHOLE
-#undef RS_TILE_LOW
-#undef RS_TILE_HALVES
 
 // The m rows of xr (padded to 16) times one panel's unpacked sub-blocks, into y's outputs
 // n0 .. n0 + 15 (those below n), plus the bias. Z: the weights' integer zero point; SPLIT: the
@@ -150,7 +129,6 @@ inline void amx_issue(const AmxPanel& pan, int64_t i0, const int8_t* hi, const i
 template <int Z, bool SPLIT, bool OFF, bool W, typename O>
 void amx_rows(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
               int64_t n) {
-  constexpr int TPB = (SPLIT ? 2 : 1) * (W ? 2 : 1), G = 4 / TPB;
   static const TileConfig cfg = make_tile_config(SPLIT);
   _tile_loadconfig(&cfg);
   alignas(64) int32_t c[4][16][16];
@@ -160,37 +138,27 @@ void amx_rows(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const f
     for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
     const int8_t* hi = xr.hi.data() + m0 * stride;
     const int8_t* lo = W ? xr.lo.data() + m0 * stride : nullptr;
-    for (int64_t i0 = 0; i0 < kb; i0 += G) {
-      const int64_t g_n = std::min<int64_t>(G, kb - i0);
-      if (g_n == G) amx_issue<G, SPLIT, W>(pan, i0, hi, lo, stride, c);
-      else if constexpr (G > 1) {  // the last few sub-blocks, one at a time
-        for (int64_t g = 0; g < g_n; ++g) {
-          amx_issue<1, SPLIT, W>(pan, i0 + g, hi, lo, stride, c + g * TPB);
-        }
-      }
-      for (int64_t g = 0; g < g_n; ++g) {
-        const int64_t i = i0 + g;
-        const int32_t (*cg)[16][16] = c + g * TPB;
-        const float* s = pan.scales(i);
-        const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + 16), off = _mm512_loadu_ps(s + 32);
-        for (int r = 0; r < AMX_ROWS; ++r) {
-          const int64_t at = (m0 + r) * kb + i;
-          const __m512 dx = _mm512_set1_ps(xr.dx[at]);
-          auto sum = [&](int t) {  // tile t's sums of row r, at 16 bits combined with its low half
-            const __m512i v = _mm512_load_si512(cg[t][r]);
-            if constexpr (W) return _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(cg[t + (SPLIT ? 2 : 1)][r]));
-            else return v;
-          };
-          if constexpr (SPLIT) {
-            const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum(0), z0)), _mm512_mul_ps(a0, dx), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum(1), z1)), _mm512_mul_ps(a1, dx), acc[r]);
-          } else {
-            __m512i si = sum(0);
-            if constexpr (Z != 0) si = _mm512_sub_epi32(si, _mm512_set1_epi32(Z * xr.sq[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(a0, dx), acc[r]);
-            if constexpr (OFF) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sx[at]), acc[r]);
-          }
+    for (int64_t i = 0; i < kb; ++i) {
+      amx_issue<SPLIT, W>(pan, i, hi, lo, stride, c);
+      const float* s = pan.scales(i);
+      const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + 16), off = _mm512_loadu_ps(s + 32);
+      for (int r = 0; r < AMX_ROWS; ++r) {
+        const int64_t at = (m0 + r) * kb + i;
+        const __m512 dx = _mm512_set1_ps(xr.dx[at]);
+        auto sum = [&](int t) {  // tile t's sums of row r, at 16 bits combined with its low half
+          const __m512i v = _mm512_load_si512(c[t][r]);
+          if constexpr (W) return _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(c[t + (SPLIT ? 2 : 1)][r]));
+          else return v;
+        };
+        if constexpr (SPLIT) {
+          const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum(0), z0)), _mm512_mul_ps(a0, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum(1), z1)), _mm512_mul_ps(a1, dx), acc[r]);
+        } else {
+          __m512i si = sum(0);
+          if constexpr (Z != 0) si = _mm512_sub_epi32(si, _mm512_set1_epi32(Z * xr.sq[at]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(a0, dx), acc[r]);
+          if constexpr (OFF) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sx[at]), acc[r]);
         }
       }
     }

@@ -3,6 +3,8 @@
 // outputs every packed quantized weight is cut into.
 #pragma once
 
+#include <new>
+
 #include "common.h"
 
 namespace rs {
@@ -28,8 +30,24 @@ constexpr int64_t QPANEL = 16, QBLOCK = 32;
 constexpr float QSTEPS = 32639.f;  // 127 * 256 + 127: hi = (xi + 128) >> 8 stays in -127..127
 constexpr float QSTEPS8 = 127.f;
 
+// Storage on 64-byte lines (the AMX tiles load rows of 32 or 64 bytes: a row split over two
+// lines costs a load up to 5x).
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
+template <typename T>
+using aligned_vector = std::vector<T, Aligned64<T>>;
+
 struct QuantRows {
-  std::vector<int8_t> hi, lo;  // lo: empty unless wide
+  aligned_vector<int8_t> hi, lo;  // lo: empty unless wide
   std::vector<float> dx, sx;
   std::vector<int32_t> sq, sq0;
   bool wide = true;

@@ -12,7 +12,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <mutex>
+#include <cstdlib>
+#include <cstring>
 #endif
 
 namespace rs {
@@ -61,7 +62,11 @@ int64_t quant_bits(const std::string& kind) {
 
 #if defined(RS_AMX)
 namespace {
-std::atomic<bool> amx_on{true};
+// RADIXSERVE_AMX=0: the VNNI tiles only (to measure what the tiles change)
+std::atomic<bool> amx_on{[] {
+  const char* v = std::getenv("RADIXSERVE_AMX");
+  return !(v && (std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "no") == 0));
+}()};
 }
 
 bool amx_ready() {
