@@ -10,6 +10,7 @@ The sources are one file per op family over one vector layer (csrc/vec.h):
     linear.cpp         pack_linear, linear, linear_supports          F.linear
     quant_linear.cpp   pack_quant, dequant_quant, qlinear            gguf-py, radixserve_kernels.quant_matmul.dequant_ref
     kquant_linear.cpp  (the same, for Q5_0/Q5_1/Q4_K/Q5_K/Q6_K)     gguf-py, tests/test_quant.py reference_qlinear
+    amx.h              both families' AMX-INT8 tiles (32+ rows)      the VNNI tiles, bit for bit
     decode_step.cpp    decode_layers                                 the same ops layer by layer (models.llama.FusedDecode)
     ops.cpp            the module (and `isa()`, the build's name)
 
