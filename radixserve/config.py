@@ -70,6 +70,9 @@ class ModelConfig:
     max_loras: int = option(4, "LoRA adapters held in memory at once (more registered: least recently used read "
                                "again from their folders when asked for)")
     max_lora_rank: int = option(64, "the largest LoRA rank an adapter may have")
+    lora_dtype: str = option("auto", "LoRA adapters' weights in memory; auto: the model's dtype, or bfloat16 over "
+                                     "quantized weights on a CPU (far finer than the base's rounding, half the bytes "
+                                     "a decode step reads)", ("auto", "float32", "bfloat16"))
 
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -131,25 +131,28 @@ def test_silu_and_mul(ops, dtype, n):
     assert rel_err(ops.silu_and_mul(x), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("wdtype", DTYPES)  # the adapters' weights (--lora-dtype); rows and sums fp32
 @pytest.mark.parametrize("n", [37, 1536])  # off the vector width, and a wide MLP
-def test_lora_add_gives_each_group_of_rows_its_own_adapters_delta(ops, n):
+def test_lora_add_gives_each_group_of_rows_its_own_adapters_delta(ops, n, wdtype):
     """Rows scattered over two adapters of ranks 3 and 16 (and rows with none, untouched), as
-    models.lora.apply's torch path computes them; a row out of range is refused."""
+    models.lora.apply's torch path computes them: one group of 6 rows (a tile of 4 and a tail),
+    a part's columns ending off the kernel's column blocks; a row out of range is refused."""
     g = torch.Generator().manual_seed(n)
-    x, y = torch.randn(9, 45, generator=g), torch.randn(9, n, generator=g)
-    a = [torch.randn(r, 45, generator=g) for r in (3, 16)]
-    bt = [torch.randn(r, n, generator=g) for r in (3, 16)]
-    rows, bounds = torch.tensor([5, 1, 7, 0, 3]), [0, 3, 3, 5]  # rows 5, 1, 7: adapter 0; rows 0, 3: adapter 1
-    cols = [torch.tensor([[0, n]] * 3), torch.tensor([[0, n // 2]] * 8 + [[n // 2, n]] * 8)]  # adapter 1: two parts
-    bt[1][:8, n // 2 :] = 0
-    bt[1][8:, : n // 2] = 0
+    x, y = torch.randn(13, 45, generator=g), torch.randn(13, n, generator=g)
+    a = [torch.randn(r, 45, generator=g).to(wdtype) for r in (3, 16)]
+    bt = [torch.randn(r, n, generator=g).to(wdtype) for r in (3, 16)]
+    rows, bounds = torch.tensor([5, 1, 7, 10, 12, 11, 0, 3]), [0, 6, 6, 8]  # rows 5, 1, 7, 10, 12, 11: adapter 0; 0, 3: 1
+    cut = n // 2 - 3
+    cols = [torch.tensor([[0, n]] * 3), torch.tensor([[0, cut]] * 8 + [[cut, n]] * 8)]  # adapter 1: two parts
+    bt[1][:8, cut:] = 0
+    bt[1][8:, :cut] = 0
     ref = y.clone()
-    for k, (lo, hi) in enumerate(((0, 3), (3, 5))):
+    for k, (lo, hi) in enumerate(((0, 6), (6, 8))):
         idx = rows[lo:hi]
-        ref[idx] += (x[idx] @ a[k].t()) @ bt[k]
+        ref[idx] += (x[idx] @ a[k].float().t()) @ bt[k].float()
     out = y.clone()
     ops.lora_add_(out, x, rows, bounds, a, bt, cols)
-    assert rel_err(out, ref) < 1e-5 and torch.equal(out[[2, 4, 6, 8]], y[[2, 4, 6, 8]])
+    assert rel_err(out, ref) < 1e-5 and torch.equal(out[[2, 4, 6, 8, 9]], y[[2, 4, 6, 8, 9]])
     with pytest.raises(RuntimeError, match="out of range"):
         ops.lora_add_(out, x, torch.tensor([9]), [0, 1], a[:1], bt[:1], cols[:1])
 

@@ -70,12 +70,12 @@ def _logits(model, seqs: list[tuple[object, list[int]]]) -> list[torch.Tensor]:
     return list(out.split([len(ids) for _, ids in seqs]))
 
 
-def _loaded(tiny_llama, adapters, quantization: str = "none"):
+def _loaded(tiny_llama, adapters, quantization: str = "none", lora_dtype: torch.dtype = torch.float32):
     from radixserve.engine.lora import LoRAManager
     from radixserve.models.loader import load_model
 
     model = load_model(str(tiny_llama), torch.float32, torch.device("cpu"), quantization).model
-    manager = LoRAManager(model, model.cfg, torch.float32, torch.device("cpu"), 4, 8, "base")
+    manager = LoRAManager(model, model.cfg, lora_dtype, torch.device("cpu"), 4, 8, "base")
     for name in ("a", "b"):
         manager.load(name, str(adapters[name]))
     return model, manager
@@ -98,18 +98,35 @@ def test_each_adapters_logits_equal_pefts_and_a_mixed_batch_equals_each_alone(ti
 
 
 def test_adapters_over_int8_weights_add_pefts_delta(tiny_llama, adapters):
-    """Over quantized base weights the adapter adds the delta PEFT's adds over the float ones (to
-    int8's error: the hidden states drift by it), and a mixed batch still equals each alone."""
+    """Over quantized base weights the adapter (in bf16 there: --lora-dtype auto) adds the delta
+    PEFT's adds over the float ones (to int8's error: the hidden states drift by it), and a mixed
+    batch still equals each alone."""
     with torch.inference_mode():
         ref_a = _peft_model(tiny_llama, adapters["a"])(torch.tensor([PROMPT])).logits[0]
         ref_base = _peft_model(tiny_llama)(torch.tensor([PROMPT])).logits[0]
-    model, m = _loaded(tiny_llama, adapters, "int8")
+    model, m = _loaded(tiny_llama, adapters, "int8", torch.bfloat16)
+    assert m.get("a").linears[(0, "qkv_proj")].a.dtype == torch.bfloat16
     base, lora = _logits(model, [(None, PROMPT), (m.get("a"), PROMPT)])
     want = ref_a - ref_base
     assert torch.nn.functional.cosine_similarity((lora - base).flatten(), want.flatten(), dim=0) > 0.99
     assert (lora - ref_a).abs().max() < 2 * (base - ref_base).abs().max()  # no more off than int8 makes the base
     (alone,) = _logits(model, [(m.get("a"), PROMPT)])
     assert torch.allclose(alone, lora, atol=1e-4)
+
+
+def test_lora_dtype_auto_is_the_models_or_bf16_over_quantized_weights_on_a_cpu():
+    """vLLM's --lora-dtype auto is the model's dtype; ours too, except over quantized weights on a
+    CPU (fp32 activations there), where bf16 halves the bytes a decode step reads."""
+    from types import SimpleNamespace
+
+    def chosen(choice, quantization, device="cpu", dtype=torch.float32):
+        stub = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(lora_dtype=choice)), quantization=quantization,
+                               device=torch.device(device), dtype=dtype)
+        return Engine.lora_dtype(stub)  # type: ignore[arg-type]
+
+    assert chosen("auto", "none") == torch.float32 and chosen("auto", "none", dtype=torch.bfloat16) == torch.bfloat16
+    assert chosen("auto", "q4_k+q6_k") == torch.bfloat16 and chosen("auto", "q8_0", "cuda", torch.float16) == torch.float16
+    assert chosen("float32", "q4_k") == torch.float32 and chosen("bfloat16", "none") == torch.bfloat16
 
 
 def test_bad_adapters_are_refused_by_name(tiny_llama, adapters, tmp_path):

@@ -3,7 +3,8 @@
 bounds[2g+1]) gets y[row] += (A_g x[row]) Bt_g, A_g (r_g, in), Bt_g (r_g, out).
 
 `lora_add` dispatches: the Triton kernel on CUDA (or the interpreter under TRITON_INTERPRET=1),
-radixserve_kernels.cpu's native `lora_add_` for a batch of up to NATIVE_MAX_ROWS fp32 rows,
+radixserve_kernels.cpu's native `lora_add_` for a batch of up to NATIVE_MAX_ROWS fp32 rows (fp32 or
+bf16 weights),
 else `lora_add_ref`, the torch reference: each group's shrink and expand as two matmuls, the rows
 gathered and scattered once for all groups (sliced instead where they are one run from `start`).
 The Triton kernel stacks the groups' weights (zero-padded to the largest rank), one program per
@@ -28,7 +29,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, bounds: list[
     if use_triton(x):
         lora_add_triton(y, x.contiguous(), rows, bounds, a, bt)
     elif ((ops := cpu.native_for(x, y)) is not None and x.shape[0] <= NATIVE_MAX_ROWS
-          and x.dtype == y.dtype == a[0].dtype == torch.float32):
+          and x.dtype == y.dtype == torch.float32 and a[0].dtype in (torch.float32, torch.bfloat16)):
         ops.lora_add_(y, x.contiguous(), rows, bounds, a, bt, cols)
     else:
         lora_add_ref(y, x, rows, bounds, a, bt, start)
@@ -40,7 +41,8 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, bounds: l
     delta = torch.zeros(rows.shape[0], y.shape[1], dtype=y.dtype, device=y.device) if start is None else None
     for g, (wa, wb) in enumerate(zip(a, bt)):
         lo, hi = bounds[2 * g], bounds[2 * g + 1]
-        d = ((xs[lo:hi].to(wa.dtype) @ wa.t()) @ wb).to(y.dtype)
+        dt = torch.promote_types(xs.dtype, wa.dtype)  # fp32 rows over bf16 weights: in fp32
+        d = ((xs[lo:hi].to(dt) @ wa.t().to(dt)) @ wb.to(dt)).to(y.dtype)
         if delta is not None:
             delta[lo:hi] = d
         else:

@@ -241,13 +241,23 @@ class Engine(RequestFront):
                              "--expert-parallel yet")
         if not hasattr(model, "model") or not hasattr(model.model, "layers"):
             raise ValueError(f"enable_lora: this model ({type(model).__name__}) does not take LoRA adapters")
-        manager = LoRAManager(model, self.arch, self.dtype, self.device, m.max_loras, m.max_lora_rank, self.model_name)
+        manager = LoRAManager(model, self.arch, self.lora_dtype(), self.device, m.max_loras, m.max_lora_rank, self.model_name)
         for name, path in modules:
             try:
                 manager.load(name, path)
             except ValueError as e:
                 raise ValueError(f"lora_modules: {name}={path}: {e}") from None
         return manager
+
+    def lora_dtype(self) -> torch.dtype:
+        """--lora-dtype: auto is the model's dtype, or bf16 over quantized weights on a CPU (vLLM's
+        auto is the model's dtype: our quantized models run fp32 activations, and fp32 adapters
+        there would read as many bytes a step as a small model's 4-bit weights)."""
+        choice = self.config.model.lora_dtype
+        if choice == "auto":
+            quantized = self.quantization != "none"
+            return torch.bfloat16 if quantized and self.device.type == "cpu" else self.dtype
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
 
     def load_lora(self, name: str, path: str) -> dict[str, Any]:
         """Read an adapter and serve it under `name` (ValueError naming the field at fault)."""
