@@ -154,7 +154,7 @@ def test_lora_add_gives_each_group_of_rows_its_own_adapters_delta(ops, n, wdtype
     ops.lora_add_(out, x, rows, bounds, a, bt, cols)
     assert rel_err(out, ref) < 1e-5 and torch.equal(out[[2, 4, 6, 8, 9]], y[[2, 4, 6, 8, 9]])
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.lora_add_(out, x, torch.tensor([9]), [0, 1], a[:1], bt[:1], cols[:1])
+        ops.lora_add_(out, x, torch.tensor([13]), [0, 1], a[:1], bt[:1], cols[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
