@@ -38,11 +38,12 @@ def forward_prompt(model: Any, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def fused_and_layered_logits(model: Any, lens: list[int]) -> tuple[list[torch.Tensor], int]:
+def fused_and_layered_logits(model: Any, lens: list[int], adapters: list[Any] | None = None) -> tuple[list[torch.Tensor], int]:
     """The logits of one decode step of len(lens) rows (each with that many tokens of random KV
     already stored) through the model's fused one-call step and layer by layer, from the same
-    pool; and how many times the fused step ran (1: it took the step)."""
-    from radixserve.batch import SeqView
+    pool; and how many times the fused step ran (1: it took the step). adapters: each row's
+    LoRA adapter (models.lora.Adapter or None)."""
+    from radixserve.batch import LoRARows, SeqView
 
     arch = model.cfg
     pool = KVPool(arch.num_layers, 128, arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
@@ -62,6 +63,8 @@ def fused_and_layered_logits(model: Any, lens: list[int]) -> tuple[list[torch.Te
             seqs = [SeqView(i, 1, n, list(range(32 * i, 32 * i + n + 1))) for i, n in enumerate(lens)]
             batch = ForwardBatch(torch.tensor([11 + i for i in range(len(lens))]), torch.tensor(lens),
                                  torch.tensor([s.slots[-1] for s in seqs]), seqs, backend)
+            if adapters is not None:
+                batch.lora = LoRARows.of([(a, i, 1) for i, a in enumerate(adapters)], torch.device("cpu"))
             backend.prepare(batch)
             with torch.inference_mode():
                 logits.append(model.compute_logits(model(batch)))

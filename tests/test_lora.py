@@ -114,6 +114,21 @@ def test_adapters_over_int8_weights_add_pefts_delta(tiny_llama, adapters):
     assert torch.allclose(alone, lora, atol=1e-4)
 
 
+def test_the_fused_decode_step_adds_the_deltas_as_the_per_layer_path_does(tiny_llama, adapters):
+    """A decode step whose rows mix two adapters (bf16 weights, as over quantized weights) and the
+    base runs all layers in one native call, each linear's deltas added inside it by the same
+    kernel as layer by layer: the same logits bit for bit."""
+    from tests.helpers import fused_and_layered_logits
+
+    model, m = _loaded(tiny_llama, adapters, "int8", torch.bfloat16)
+    assert model.fuse_decode()
+    a, b = m.get("a"), m.get("b")
+    (fused, layered), calls = fused_and_layered_logits(model, [5, 9, 17, 30], [a, None, b, a])
+    assert calls == 1 and torch.equal(fused, layered)
+    (base, _), _ = fused_and_layered_logits(model, [5, 9, 17, 30])
+    assert torch.equal(fused[1], base[1]) and not torch.allclose(fused[0], base[0])
+
+
 def test_lora_dtype_auto_is_the_models_or_bf16_over_quantized_weights_on_a_cpu():
     """vLLM's --lora-dtype auto is the model's dtype; ours too, except over quantized weights on a
     CPU (fp32 activations there), where bf16 halves the bytes a decode step reads."""

@@ -17,12 +17,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from radixserve.batch import ForwardBatch, NativeDecode
+from radixserve.batch import ForwardBatch, LoRARows, NativeDecode
 from radixserve.models.config import ArchConfig
 from radixserve.models.gguf import ROPE_FREQS
 from radixserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_qk
 from radixserve.models.linear import PACKED_MAX_ROWS, PackedLinear
-from radixserve.models.lora import LoRAContext
+from radixserve.models.lora import LoRAContext, LoRALinear
 from radixserve.models.moe import MoE
 from radixserve.models.quant import QuantLinear, SplitQuantLinear
 from radixserve_kernels import cpu
@@ -101,6 +101,7 @@ class FusedDecode:
     def __init__(self, model: LlamaModel, linears: list[list[list[Any]]], routed: dict[int, MoE], act_bits: int) -> None:
         self.ops: Any = linears[0][0][0].native
         layers = model.decoder_layers()
+        self.layers = len(layers)
         attn = layers[0].self_attn
         norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
         parts = [[[(m.packed, m.out_features, m.native_bias) for m in layer] for layer in slot] for slot in linears]
@@ -151,9 +152,15 @@ class FusedDecode:
             return None
         return cls(model, linears, routed, bits.pop() if bits else 16) if len(model.layers) else None
 
-    def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, rope: Rope, plan: NativeDecode, lora: LoRARows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """lora: the rows' adapters, whose deltas the native call adds after each linear as
+        models.lora.LoRALinear does layer by layer (the same kernel, so the same numbers)."""
+        rows, bounds, adapters = None, [], []
+        if lora is not None:
+            rows, bounds = lora.rows, [b for _, lo, hi in lora.groups for b in (lo, hi)]
+            adapters = [adapter.step_weights(self.ops, self.layers) for adapter, _, _ in lora.groups]
         x, residual = self.ops.decode_layers(x, *rope, plan.k_pools, plan.v_pools, plan.out_slots, plan.rows, plan.table,
-                                             plan.lens, self.weights, plan.k_scales, plan.v_scales)
+                                             plan.lens, self.weights, plan.k_scales, plan.v_scales, rows, bounds, adapters)
         return x, residual
 
 
@@ -174,7 +181,10 @@ def _native_experts(moe: MoE) -> list[QuantLinear] | None:
 
 def _native_parts(module: nn.Module) -> list[nn.Module] | None:
     """A linear's packed parts as the fused step runs them (each adds its fp32 bias in its
-    kernel: a split linear's slices too); None where a part has no native kernel."""
+    kernel: a split linear's slices too); None where a part has no native kernel. (A LoRALinear:
+    its base's; the step adds the adapters' deltas itself.)"""
+    if isinstance(module, LoRALinear):
+        module = module.base
     if isinstance(module, SplitQuantLinear):
         if module.bias is not None and not module.bias_in_parts:
             return None
@@ -212,10 +222,11 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.tables(positions)
         plan = None
         if (self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS and cpu.native_for(x) is not None
-                and batch.lora is None and not (self.min_window and max(s.kv_len for s in batch.seqs) > self.min_window)):
+                and (batch.lora is None or x.dtype == torch.float32)  # adapters: the native kernel's fp32 rows
+                and not (self.min_window and max(s.kv_len for s in batch.seqs) > self.min_window)):
             plan = batch.attn_backend.native_decode(batch)
         if plan is not None and self.fused is not None:
-            x, residual = self.fused.run(x, rope, plan)
+            x, residual = self.fused.run(x, rope, plan, batch.lora)
         else:
             local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
             residual = None

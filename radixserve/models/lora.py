@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from radixserve_kernels.lora import lora_add
 # PEFT's module name -> (our fused linear, its part)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+FUSED_STEP_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # decode_layers' order, per layer
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 MAX_ADAPTER_BYTES = 4 << 30
 
@@ -71,6 +72,16 @@ class Adapter:
     targets: list[str]
     linears: dict[tuple[int, str], Fused]
     nbytes: int
+    step: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)  # (kernels, step_weights' object)
+
+    def step_weights(self, ops: Any, layers: int) -> Any:
+        """Its weights as the fused decode step takes them (radixserve_kernels.cpu step_lora: A, Bt
+        and cols per layer and linear), built once per kernels module."""
+        if self.step is None or self.step[0] is not ops:
+            fs = [self.linears.get((i, name)) for i in range(layers) for name in FUSED_STEP_LINEARS]
+            self.step = (ops, ops.step_lora([f.a if f else None for f in fs], [f.bt if f else None for f in fs],
+                                            [f.cols if f else None for f in fs]))
+        return self.step[1]
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "rank": self.rank, "alpha": self.alpha, "targets": self.targets,

@@ -162,9 +162,20 @@ at::Tensor moe_experts(at::Tensor h, at::Tensor weights, at::Tensor chosen, std:
                        std::vector<at::Tensor> down, int64_t inter, int64_t act_bits);
 void decode_moe(DecodeWeights& w, int64_t layer, at::Tensor router, std::vector<at::Tensor> gate_up,
                 std::vector<at::Tensor> down, int64_t inter, int64_t top_k, bool renorm);
+// One LoRA adapter's weights as decode_layers takes them (models/lora.py Fused): per layer and
+// linear (qkv, o, gate_up, down: index 4 * layer + j), A, Bt and cols for lora_add_, undefined
+// where the adapter does not target that linear.
+struct StepLoRA {
+  std::vector<at::Tensor> a, bt, cols;
+};
+std::shared_ptr<StepLoRA> step_lora(std::vector<c10::optional<at::Tensor>> a, std::vector<c10::optional<at::Tensor>> bt,
+                                    std::vector<c10::optional<at::Tensor>> cols);
+// loras: one per group of rows [bounds[2g], bounds[2g+1]) of lora_rows (an fp32 step): each
+// linear's output gets its adapters' deltas (lora_add_), as the per-layer path adds them.
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                                       std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows, at::Tensor table,
                                       at::Tensor lens, const DecodeWeights& w, std::vector<at::Tensor> k_scales,
-                                      std::vector<at::Tensor> v_scales);
+                                      std::vector<at::Tensor> v_scales, c10::optional<at::Tensor> lora_rows,
+                                      std::vector<int64_t> lora_bounds, std::vector<std::shared_ptr<StepLoRA>> loras);
 
 }  // namespace rs

@@ -174,12 +174,60 @@ std::shared_ptr<DecodeWeights> decode_weights(std::vector<at::Tensor> in_norm, s
   return w;
 }
 
+std::shared_ptr<StepLoRA> step_lora(std::vector<c10::optional<at::Tensor>> a, std::vector<c10::optional<at::Tensor>> bt,
+                                    std::vector<c10::optional<at::Tensor>> cols) {
+  TORCH_CHECK(a.size() == bt.size() && a.size() == cols.size() && a.size() % 4 == 0,
+              "step_lora: A, Bt and cols for each layer's qkv, o, gate_up and down (None: not targeted)");
+  auto l = std::make_shared<StepLoRA>();
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK(a[i].has_value() == bt[i].has_value() && a[i].has_value() == cols[i].has_value(),
+                "step_lora: a linear has all of A, Bt and cols or none");
+    l->a.push_back(a[i].value_or(at::Tensor()));
+    l->bt.push_back(bt[i].value_or(at::Tensor()));
+    l->cols.push_back(cols[i].value_or(at::Tensor()));
+  }
+  return l;
+}
+
+namespace {
+
+// The adapters' deltas over linear j of layer i (y = its output for x): the groups whose adapter
+// targets it, as models.lora.apply calls lora_add_.
+void add_lora(at::Tensor& y, const at::Tensor& x, size_t i, int j, const at::Tensor& rows, const std::vector<int64_t>& bounds,
+              const std::vector<std::shared_ptr<StepLoRA>>& loras) {
+  std::vector<int64_t> b;
+  std::vector<at::Tensor> as, bts, cols;
+  for (size_t g = 0; g < loras.size(); ++g) {
+    const StepLoRA& l = *loras[g];
+    const size_t at = 4 * i + j;
+    if (at >= l.a.size() || !l.a[at].defined()) continue;
+    b.push_back(bounds[2 * g]);
+    b.push_back(bounds[2 * g + 1]);
+    as.push_back(l.a[at]);
+    bts.push_back(l.bt[at]);
+    cols.push_back(l.cols[at]);
+  }
+  if (!as.empty()) lora_add_(y, x.contiguous(), rows, b, as, bts, cols);
+}
+
+}  // namespace
+
 // Returns (x, residual) before the final norm.
 std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                                       std::vector<at::Tensor> v_pools, at::Tensor slots, at::Tensor q_rows, at::Tensor table,
                                       at::Tensor lens, const DecodeWeights& w, std::vector<at::Tensor> k_scales,
-                                      std::vector<at::Tensor> v_scales) {
+                                      std::vector<at::Tensor> v_scales, c10::optional<at::Tensor> lora_rows,
+                                      std::vector<int64_t> lora_bounds, std::vector<std::shared_ptr<StepLoRA>> loras) {
   const size_t layers = w.in_norm.size();
+  const bool lora = lora_rows.has_value() && !loras.empty();
+  TORCH_CHECK(!lora || (lora_bounds.size() == 2 * loras.size() && x.scalar_type() == at::kFloat),
+              "decode_layers: LoRA adapters on an fp32 step, a range of lora_rows (first, end) per adapter");
+  const at::Tensor lrows = lora ? lora_rows->contiguous() : at::Tensor();
+  auto linear_at = [&](const at::Tensor& in, const StepLinear& l, size_t i, int j) {
+    at::Tensor y = run_linear(in, l, w.act_bits);
+    if (lora) add_lora(y, in, i, j, lrows, lora_bounds, loras);
+    return y;
+  };
   const int64_t heads = w.heads, kv_heads = w.kv_heads, head_dim = w.head_dim;
   const bool quantized = !k_scales.empty();  // an int8 / fp8 pool: stored and read with its scales
   TORCH_CHECK(!quantized || (k_scales.size() == layers && v_scales.size() == layers),
@@ -208,7 +256,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
       h = r[0];
       residual = r[1];
     }
-    auto proj = run_linear(h, w.qkv[i], w.act_bits);
+    auto proj = linear_at(h, w.qkv[i], i, 0);
     auto q = proj.narrow(1, 0, q_size).view({rows, heads, head_dim});
     auto k = proj.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
     auto v = proj.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
@@ -225,14 +273,14 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, at::Tensor cos, at::Tensor s
       run_store(k_pools[i], v_pools[i], out_slots, k, v);
       run_decode(q, k_pools[i], v_pools[i], attn, nullptr, rows_c, table, lens_c, w.scale);
     }
-    auto o = run_linear(attn.view({rows, q_size}), w.o_proj[i], w.act_bits);
+    auto o = linear_at(attn.view({rows, q_size}), w.o_proj[i], i, 1);
     auto r = rms_norm(o, residual, w.post_norm[i], w.eps);
     residual = r[1];
     if (!w.moe[i].gate_up.empty()) {
       x = moe_step(r[0], w.moe[i], w.act_bits);
     } else {
       TORCH_CHECK(!w.gate_up[i].parts.empty(), "decode_layers: layer ", i, " has neither an MLP nor experts");
-      x = run_linear(silu_and_mul(run_linear(r[0], w.gate_up[i], w.act_bits)), w.down[i], w.act_bits);
+      x = linear_at(silu_and_mul(linear_at(r[0], w.gate_up[i], i, 2)), w.down[i], i, 3);
     }
   }
   return {x, residual};

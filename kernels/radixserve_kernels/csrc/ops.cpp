@@ -52,5 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a routed layer's chosen experts, fp32 sums in h's dtype (h, weights, experts, gate_ups, downs, inter, act_bits)");
   m.def("decode_moe", &rs::decode_moe,
         "a routed layer's experts for decode_layers (weights, layer, router panel, gate_ups, downs, inter, top_k, renorm)");
-  m.def("decode_layers", &rs::decode_layers, "every decoder layer of a decode-only batch, in one call");
+  pybind11::class_<rs::StepLoRA, std::shared_ptr<rs::StepLoRA>>(m, "StepLoRA", pybind11::module_local());
+  m.def("step_lora", &rs::step_lora, "one LoRA adapter's weights for decode_layers (A, Bt, cols per layer and linear; None: not targeted)");
+  m.def("decode_layers", &rs::decode_layers,
+        "every decoder layer of a decode-only batch, in one call (and its rows' LoRA adapters: lora_rows, bounds, step_lora each)");
 }
