@@ -297,7 +297,7 @@ def test_a_mixed_soak_ends_with_no_kv_in_use_a_clean_pool_and_no_5xx(tiny_llama,
 
     import aiohttp
 
-    n = 3000 if request.config.getoption("--long") else 300
+    n = 3000 if request.config.getoption("--long") else 200
     (tmp_path / "tenants.toml").write_text(
         '[[tenants]]\nid = "alice"\napi_key = "key-alice"\nadmin = true\nallow_public_prefix = true\n\n'
         '[[tenants]]\nid = "bob"\napi_key = "key-bob"\nallow_public_prefix = true\n')
