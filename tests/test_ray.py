@@ -93,15 +93,19 @@ def test_radixserve_serve_ray_serves_on_a_local_cluster_and_stops(tiny_llama: Pa
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # the command makes its own choices
     env.update(RAY_TMPDIR=ray_tmp, RADIXSERVE_API_KEY=CLI_KEY)
-    port, log = free_port(), tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--ray", "--replicas", "1", "--model", str(tiny_llama),
-           "--port", str(port), "--kv-cache-tokens", "4096", "--grammar-compile-workers", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    for _ in range(3):  # a free port can be taken by another test's server before Ray's proxy binds it: another port
+        port = free_port()
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--ray", "--replicas", "1", "--model", str(tiny_llama),
+               "--port", str(port), "--kv-cache-tokens", "4096", "--grammar-compile-workers", "1"]
+        proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + scaled(180)
         while time.monotonic() < deadline and proc.poll() is None and "radixserve ready on Ray Serve" not in log.read_text():
             time.sleep(0.5)
+        if proc.poll() is None or f"Failed to bind to address '127.0.0.1:{port}'" not in log.read_text():
+            break
+    try:
+        url = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             assert r.status == 200
         assert proc.poll() is None, log.read_text()
