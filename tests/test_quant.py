@@ -410,6 +410,18 @@ def _check_prefill(model: torch.nn.Module, ref: torch.nn.Module, vocab: int, mon
     amplify rounding, 8 bits' far more); float activations exactly the reference's. Returns the
     prompt."""
     prompt = [(i * 37) % (vocab - 3) + 3 for i in range(quant.MAX_NATIVE_ROWS + 8)]
+    # one thread: MKL may take fewer threads when the machine is busy (MKL_DYNAMIC), and another
+    # split of the sums rounds differently (seen once in CI on a loaded 2-core Xeon)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _check_prefill_at_one_thread(model, ref, prompt, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_prefill_at_one_thread(model: torch.nn.Module, ref: torch.nn.Module, prompt: list[int],
+                                 monkeypatch: pytest.MonkeyPatch) -> list[int]:
     theirs = _logits(ref, prompt)
     with monkeypatch.context() as m:
         m.setattr(quant, "NATIVE_PREFILL", False)
