@@ -83,37 +83,29 @@ inline TileConfig make_tile_config(bool split) {
 
 // The tile work of sub-block i of 16 rows (A: the rows' block 0, a row every `stride` bytes),
 // its sums stored to c: tile 0 (whole; SPLIT: the halves in 0 and 1; W: the low halves' sums
-// after them, in 1, or 2 and 3). (GCC's tile intrinsics take literal tile numbers.)
+// after them, in 1, or 2 and 3). (GCC's tile intrinsics take literal tile numbers: macros.)
+#define RS_AMX_WHOLE(T, A, x)     \
+  _tile_zero(T);                  \
+  _tile_loadd(A, (x), stride);    \
+  _tile_dpbsud(T, A, 5)
+#define RS_AMX_HALVES(T0, T1, x)     \
+  _tile_zero(T0);                    \
+  _tile_zero(T1);                    \
+  _tile_loadd(4, (x), stride);       \
+  _tile_loadd(7, (x) + 16, stride);  \
+  _tile_dpbsud(T0, 4, 5);            \
+  _tile_dpbsud(T1, 7, 6)
 template <bool SPLIT, bool W>
 inline void amx_issue(const AmxPanel& pan, int64_t i, const int8_t* hi, const int8_t* lo, int64_t stride, int32_t (*c)[16][16]) {
   const uint8_t* b = pan.b.data() + i * 512;
+  _tile_loadd(5, b, 64);
   if constexpr (!SPLIT) {
-    _tile_loadd(5, b, 64);
-    _tile_zero(0);
-    _tile_loadd(4, hi + i * QBLOCK, stride);
-    _tile_dpbsud(0, 4, 5);
-    if constexpr (W) {
-      _tile_zero(1);
-      _tile_loadd(7, lo + i * QBLOCK, stride);
-      _tile_dpbsud(1, 7, 5);
-    }
+    RS_AMX_WHOLE(0, 4, hi + i * QBLOCK);
+    if constexpr (W) { RS_AMX_WHOLE(1, 7, lo + i * QBLOCK); }
   } else {
-    _tile_loadd(5, b, 64);
     _tile_loadd(6, b + 256, 64);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(4, hi + i * QBLOCK, stride);
-    _tile_loadd(7, hi + i * QBLOCK + 16, stride);
-    _tile_dpbsud(0, 4, 5);
-    _tile_dpbsud(1, 7, 6);
-    if constexpr (W) {
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_loadd(4, lo + i * QBLOCK, stride);
-      _tile_loadd(7, lo + i * QBLOCK + 16, stride);
-      _tile_dpbsud(2, 4, 5);
-      _tile_dpbsud(3, 7, 6);
-    }
+    RS_AMX_HALVES(0, 1, hi + i * QBLOCK);
+    if constexpr (W) { RS_AMX_HALVES(2, 3, lo + i * QBLOCK); }
   }
   _tile_stored(0, c[0], 64);
   if constexpr (SPLIT || W) _tile_stored(1, c[1], 64);
@@ -122,6 +114,8 @@ inline void amx_issue(const AmxPanel& pan, int64_t i, const int8_t* hi, const in
     _tile_stored(3, c[3], 64);
   }
 }
+#undef RS_AMX_WHOLE
+#undef RS_AMX_HALVES
 
 // The m rows of xr (padded to 16) times one panel's unpacked sub-blocks, into y's outputs
 // n0 .. n0 + 15 (those below n), plus the bias. Z: the weights' integer zero point; SPLIT: the
@@ -170,6 +164,13 @@ void amx_rows(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const f
     }
   }
   _tile_release();
+}
+
+// amx_rows at xr's activation width.
+template <int Z, bool SPLIT, bool OFF, typename O>
+void amx_rows_of(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+  if (xr.wide) amx_rows<Z, SPLIT, OFF, true>(pan, kb, xr, m, bias, y, n, n0, n);
+  else amx_rows<Z, SPLIT, OFF, false>(pan, kb, xr, m, bias, y, n, n0, n);
 }
 
 }  // namespace rs

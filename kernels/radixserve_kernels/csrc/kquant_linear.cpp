@@ -535,8 +535,7 @@ void amx_kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m
       pan.put_scales(b * fm.subs() + i, a0, a1, off);
     }
   }
-  if (xr.wide) amx_rows<Z, Z != 0, Z == 0, true>(pan, kb, xr, m, bias, y, n, n0, n);
-  else amx_rows<Z, Z != 0, Z == 0, false>(pan, kb, xr, m, bias, y, n, n0, n);
+  amx_rows_of<Z, Z != 0, Z == 0>(pan, kb, xr, m, bias, y, n0, n);
 }
 #endif
 

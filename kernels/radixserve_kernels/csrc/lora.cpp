@@ -64,43 +64,39 @@ void expand(float* yd, int64_t out, const std::vector<int64_t>& items, const std
   at::parallel_for(0, (out + BC - 1) / BC, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t lo = c * BC, hi = std::min(out, lo + BC);
+      const bool whole = hi - lo == BC;
       for (size_t g = 0; g < ranks.size(); ++g) {
         const int64_t* cols = cp[g];
         for (int64_t i0 = first[g]; i0 < first[g + 1]; i0 += KR) {
           const int64_t rn = std::min(KR, first[g + 1] - i0);
-          VecF acc[KR][NV];
-          const bool whole = hi - lo == BC;
-          if (whole)
+          auto covers = [&](int64_t k) { return whole && cols[2 * k] <= lo && hi <= cols[2 * k + 1]; };
+          if (whole) {  // the rank rows that cover the whole block: NV vectors of each row's accumulators
+            VecF acc[KR][NV];
             for (int64_t r = 0; r < rn; ++r)
               for (int64_t v = 0; v < NV; ++v) acc[r][v] = vload(yd + items[i0 + r] * out + lo + v * L);
-          for (int64_t k = 0; k < ranks[g]; ++k) {
-            const int64_t from = std::max(lo, cols[2 * k]), to = std::min(hi, cols[2 * k + 1]);
-            if (from >= to) continue;  // a fused linear's part: zero outside its columns
-            const W* bk = bp[g] + k * out;
-            if (whole && from == lo && to == hi) {
+            for (int64_t k = 0; k < ranks[g]; ++k) {
+              if (!covers(k)) continue;
+              const W* bk = bp[g] + k * out;
               VecF b[NV];
               for (int64_t v = 0; v < NV; ++v) b[v] = vload(bk + lo + v * L);
               for (int64_t r = 0; r < rn; ++r) {
                 const VecF hk = vset1(h[(i0 + r) * max_rank + k]);
                 for (int64_t v = 0; v < NV; ++v) acc[r][v] = vfma(hk, b[v], acc[r][v]);
               }
-            } else {  // part of the block (a part's edge, the last block): column by column, in y itself
-              if (whole)
-                for (int64_t r = 0; r < rn; ++r)
-                  for (int64_t v = 0; v < NV; ++v) vstore(yd + items[i0 + r] * out + lo + v * L, acc[r][v]);
-              for (int64_t r = 0; r < rn; ++r) {
-                const float hk = h[(i0 + r) * max_rank + k];
-                float* yr = yd + items[i0 + r] * out;
-                for (int64_t j = from; j < to; ++j) yr[j] = std::fma(hk, ld(bk, j), yr[j]);
-              }
-              if (whole)
-                for (int64_t r = 0; r < rn; ++r)
-                  for (int64_t v = 0; v < NV; ++v) acc[r][v] = vload(yd + items[i0 + r] * out + lo + v * L);
             }
-          }
-          if (whole)
             for (int64_t r = 0; r < rn; ++r)
               for (int64_t v = 0; v < NV; ++v) vstore(yd + items[i0 + r] * out + lo + v * L, acc[r][v]);
+          }
+          for (int64_t k = 0; k < ranks[g]; ++k) {  // the rest (a part's edge, the last block): column by column
+            const int64_t from = std::max(lo, cols[2 * k]), to = std::min(hi, cols[2 * k + 1]);
+            if (from >= to || covers(k)) continue;  // (a fused linear's part: zero outside its columns)
+            const W* bk = bp[g] + k * out;
+            for (int64_t r = 0; r < rn; ++r) {
+              const float hk = h[(i0 + r) * max_rank + k];
+              float* yr = yd + items[i0 + r] * out;
+              for (int64_t j = from; j < to; ++j) yr[j] = std::fma(hk, ld(bk, j), yr[j]);
+            }
+          }
         }
       }
     }

@@ -557,9 +557,7 @@ template <int BITS, bool LUT, typename O>
 void amx_panel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
   AmxPanel& pan = amx_scratch();
   amx_fill<BITS, LUT>(panel, kb, pan);
-  constexpr int Z = BITS == 8 ? 128 : 0;
-  if (xr.wide) amx_rows<Z, false, BITS == 4, true>(pan, kb, xr, m, bias, y, n, n0, n);
-  else amx_rows<Z, false, BITS == 4, false>(pan, kb, xr, m, bias, y, n, n0, n);
+  amx_rows_of<BITS == 8 ? 128 : 0, false, BITS == 4>(pan, kb, xr, m, bias, y, n0, n);
 }
 #endif
 
