@@ -26,6 +26,13 @@ from grammars.pool import CompilePool
 from grammars.spec import GrammarError, GrammarSpec
 
 
+def _helper_thread() -> None:
+    """The loader's thread never starts an OpenMP team of its own (radixserve_kernels.threads)."""
+    from radixserve_kernels.threads import helper_thread
+
+    helper_thread()
+
+
 class CompileCache:
     """`workers` compile processes; at most `tenant_compiles` (default: half the workers, at
     least 1) compiles of one tenant at once; each compile stopped at `timeout_s` seconds from
@@ -38,7 +45,7 @@ class CompileCache:
         self.factory = factory
         self.timeout_s = timeout_s
         self.max_entries = max_entries
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar-load")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar-load", initializer=_helper_thread)
         self._backend: Future[Backend] | None = None
         per_tenant = max(1, workers // 2) if tenant_compiles is None else tenant_compiles
         self._pool = CompilePool(factory, workers=workers, tenant_compiles=per_tenant, timeout_s=timeout_s, memory_mb=memory_mb,

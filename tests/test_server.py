@@ -388,6 +388,9 @@ def test_bench_compare_roof_prints_the_first_servers_decode_step_against_the_mac
     assert roof["weight_bytes"] == info["weight_bytes"] and roof["step_ms"] > 0 and roof["read_roof_gb_s"] > 1
     assert roof["weights_gb_s"] == pytest.approx(roof["weight_bytes"] / roof["step_ms"] * 1e3 / 1e9)
     assert roof["share"] == pytest.approx(roof["weights_gb_s"] / roof["read_roof_gb_s"])
+    shares = sorted(r["share"] for r in roof["rounds"])  # each round judged by the roof measured beside it
+    assert len(shares) == 3 and roof["share"] == shares[1]
+    assert all(r["share"] == pytest.approx(r["weights_gb_s"] / r["read_roof_gb_s"]) for r in roof["rounds"])
     assert "memory roof: a's decode step at batch 1" in capsys.readouterr().out
 
 

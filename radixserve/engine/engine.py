@@ -48,6 +48,7 @@ from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.spec import NgramProposer
 from radixserve_kernels import cpu as cpu_kernels
 from radixserve_kernels.kv_quant import is_quantized
+from radixserve_kernels.threads import release_workers
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class Engine(RequestFront):
         if self.kv_events is not None:
             self.kv_events.on_batch = self._events_sent
         if loop_thread:
+            release_workers()  # this thread's OpenMP workers (it loaded the model) would slow every step of the loop's
             self._loop.start()
 
     def run_loop(self) -> None:

@@ -31,6 +31,7 @@ from radixserve.cache.pool import KVPool
 from radixserve.engine import kv_connector
 from radixserve.request import FinishReason, Req
 from radixserve.sched.cache_manager import CacheManager
+from radixserve_kernels.threads import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class KVHandoff:
     def __init__(self, pool: KVPool, connector: kv_connector.KVConnector) -> None:
         self.pool = pool
         self.connector = connector
-        self._reader = ThreadPoolExecutor(2, thread_name_prefix="radixserve-kv-take")
+        self._reader = ThreadPoolExecutor(2, thread_name_prefix="radixserve-kv-take", initializer=helper_thread)
         self.exported_tokens = 0
         self.imported_tokens = 0
 

@@ -53,6 +53,7 @@ from radixserve.models.files import file_digest
 from radixserve.models.gguf import cache_root
 from radixserve.request import FinishReason, Req
 from radixserve.sched.cache_manager import CacheManager
+from radixserve_kernels.threads import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,9 @@ class KVTier:
         self._writes: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="radixserve-kv-disk-write", daemon=True)
         self._writer.start()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-disk-load")
-        self._blocks = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="radixserve-kv-disk-read")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-disk-load", initializer=helper_thread)
+        self._blocks = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="radixserve-kv-disk-read",
+                                          initializer=helper_thread)
         self.written_tokens = 0  # tokens written to the store
         self.skipped_tokens = 0  # tokens not written: the writer was too far behind, or the store had no room
         self.loaded_tokens = 0  # tokens put back into the pool from the store
@@ -185,6 +187,7 @@ class KVTier:
         return told
 
     def _write_loop(self) -> None:
+        helper_thread()
         while (job := self._writes.get()) is not None:
             try:
                 if job[0] == "retain":

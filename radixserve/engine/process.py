@@ -481,6 +481,9 @@ class _Core:
 
     def read(self) -> None:
         """The reader thread: until the server closes its end or says shutdown."""
+        from radixserve_kernels.threads import helper_thread
+
+        helper_thread()  # (a LoRA adapter loads here: its torch ops must not start a second OpenMP team)
         dec = decoder(ToEngine)
         try:
             while True:

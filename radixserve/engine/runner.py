@@ -16,6 +16,7 @@ from radixserve.cache.allocator import WindowTables
 from radixserve.engine.sampler import Sampler, logprob_entries
 from radixserve.request import Req, TokenLogprob
 from radixserve.sched.scheduler import PlanItem, SchedulePlan
+from radixserve_kernels.threads import helper_thread
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ModelRunner:
         self.device = device
         self.fault_hook: Callable[[SchedulePlan], None] | None = None  # tests inject faults here
         self.parallel: Any = None  # tensor or pipeline parallelism: runs the forward with the workers (engine/model_parallel.py)
-        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-masks")
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-masks", initializer=helper_thread)
 
     def close(self) -> None:
         self._mask_pool.shutdown(wait=False)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from radixserve_kernels.threads import helper_thread
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"RSPACK01"
@@ -108,6 +110,7 @@ def save_soon(path: Path, buffers: dict[str, torch.Tensor]) -> None:
     buffers = dict(buffers)
 
     def run() -> None:
+        helper_thread()
         with contextlib.suppress(OSError, AttributeError):  # Linux: this thread alone, at the lowest priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         save(path, buffers)
