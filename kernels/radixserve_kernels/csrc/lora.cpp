@@ -14,6 +14,7 @@ namespace {
 
 constexpr int64_t KR = 4;  // rank rows per shrink task; rows per expand tile
 constexpr int64_t NV = 4;  // vectors of output columns per expand block
+constexpr int64_t PFD = 2;  // expand blocks ahead whose rank rows the first rows' pass prefetches
 
 template <typename W>
 std::vector<const W*> cast_all(const std::vector<at::Tensor>& ts) {
@@ -33,10 +34,15 @@ void shrink(const float* xd, int64_t in, const std::vector<int64_t>& items, cons
   constexpr int64_t L = VecF::W;
   const int64_t body = in / L * L;
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    auto block_of = [&](int64_t t) { return ap[tasks[t].first] + tasks[t].second * in; };
+    auto rows_of = [&](int64_t t) { return std::min(KR, ranks[tasks[t].first] - tasks[t].second); };
+    prefetch_row(block_of(begin), rows_of(begin) * in * int64_t(sizeof(W)));
     for (int64_t t = begin; t < end; ++t) {
       const auto [g, k0] = tasks[t];
-      const int64_t kn = std::min(KR, ranks[g] - k0);
-      const W* a = ap[g] + k0 * in;
+      const int64_t kn = rows_of(t);
+      const W* a = block_of(t);
+      if (t + 1 < end)  // the next task's rank rows come off memory while these are summed
+        prefetch_row(block_of(t + 1), rows_of(t + 1) * in * int64_t(sizeof(W)));
       for (int64_t i = first[g]; i < first[g + 1]; ++i) {
         const float* xr = xd + items[i] * in;
         VecF acc[KR] = {vzero(), vzero(), vzero(), vzero()};
@@ -77,6 +83,8 @@ void expand(float* yd, int64_t out, const std::vector<int64_t>& items, const std
             for (int64_t k = 0; k < ranks[g]; ++k) {
               if (!covers(k)) continue;
               const W* bk = bp[g] + k * out;
+              if (i0 == first[g] && lo + (PFD + 1) * BC <= out)  // (48-192 rank rows: more streams than the prefetcher follows)
+                prefetch_row(bk + lo + PFD * BC, BC * int64_t(sizeof(W)));
               VecF b[NV];
               for (int64_t v = 0; v < NV; ++v) b[v] = vload(bk + lo + v * L);
               for (int64_t r = 0; r < rn; ++r) {
