@@ -4,7 +4,8 @@
 //
 // Types: fp32 and bf16 tensors; bf16 is read as raw uint16 and widened to fp32, and every
 // sum is accumulated in fp32. A quantized KV pool is int8 or fp8 e4m3 (raw uint8) rows with
-// fp32 scales. Threads: at::parallel_for, torch's own OpenMP pool.
+// fp32 scales. Threads: at::parallel_for, torch's own OpenMP pool (parallel_dynamic below for the
+// quantized linears' panels).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 #include <c10/util/Optional.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <tuple>
 #include <string>
@@ -25,6 +27,22 @@
 #include "vec.h"
 
 namespace rs {
+
+// f(begin, end) over [0, n) in chunks that the threads take as they come (~8 a thread): a
+// thread held up (the server's process or a neighbour on its core) leaves the rest of its share
+// to the others instead of keeping them at the barrier, as a static split does. For work whose
+// items are independent (a linear's output panels: the same numbers whoever computes them).
+template <typename F>
+void parallel_dynamic(int64_t n, const F& f) {
+  const int64_t threads = at::get_num_threads();
+  if (n <= 0) return;
+  if (threads <= 1 || n == 1 || at::in_parallel_region()) return f(0, n);
+  const int64_t chunk = std::max<int64_t>(1, n / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < n;) f(b, std::min(n, b + chunk));
+  });
+}
 
 template <typename T>
 T* ptr(const at::Tensor& t) {

@@ -575,7 +575,7 @@ void kfamily_panel_of(int f, const at::Tensor& packed, const QuantRows& xr, int6
 
 template <typename O>
 void kfamily_impl(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
-  at::parallel_for(0, (n + QPANEL - 1) / QPANEL, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic((n + QPANEL - 1) / QPANEL, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) kfamily_panel_of(f, packed, xr, m, bias, y, n, p, vector);
   });
 }

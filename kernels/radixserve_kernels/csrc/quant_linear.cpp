@@ -591,7 +591,7 @@ void qpanel_of(const at::Tensor& packed, const QuantRows& xr, int64_t m, const f
 
 template <typename O>
 void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
-  at::parallel_for(0, (n + QPANEL - 1) / QPANEL, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic((n + QPANEL - 1) / QPANEL, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) qpanel_of(packed, xr, m, bias, y, n, p, vector);
   });
 }
