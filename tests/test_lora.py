@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -311,3 +312,36 @@ def test_a_disaggregated_prompt_is_computed_with_its_adapter_and_an_unknown_one_
         stats = [r.engine.stats() for r in dp.replicas]
     assert out.token_ids == want and stats[0].kv_exported_tokens > 0  # prefilled on the prefill replica
     assert ghost.finish_reason == "error" and ghost.error_field == "model" and "ghost" in (ghost.error or "")
+
+
+def test_kv_events_name_the_adapter_whose_blocks_they_are(tiny_llama, adapters):
+    """Blocks cached for an adapter's request carry its lora_name and lora_id (its number, in load
+    order) in BlockStored, read by a subscriber built from vLLM's types; the base model's carry
+    none, and the same tokens cached for both never share a hash."""
+    from server_helpers import free_port
+    from test_kv_events import Subscriber
+
+    pub, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
+              "topic": "kv-events", "block_size": 4}
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Engine(str(tiny_llama), kv_cache_tokens=1024, lora_modules=(f"a={adapters['a']}", f"b={adapters['b']}"),
+                    kv_events_config=json.dumps(config)) as engine:
+            time.sleep(0.5)  # (the subscription reaches the publisher)
+            params = SamplingParams(temperature=0, max_new_tokens=2)
+            for lora in (None, "b"):
+                async def run(lora=lora):
+                    async for _ in engine.submit(engine.make_req(PROMPT, params, lora=lora)):
+                        pass
+                asyncio.run(run())
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and sub.view.last + 1 < engine.stats().kv_events_batches:
+                sub.pump(0.2)
+        stored = [e for raw in sub.raw for e in sub.decode(raw).events if type(e).__name__ == "BlockStored"]
+        by = {lora: {h for e in stored if (e.lora_name, e.lora_id) == lora for h in e.block_hashes}
+              for lora in {(e.lora_name, e.lora_id) for e in stored}}
+        assert set(by) == {(None, None), ("b", 2)}, set(by)
+        assert len(by["b", 2]) >= len(PROMPT) // 4 and not by["b", 2] & by[None, None]
+    finally:
+        sub.close()

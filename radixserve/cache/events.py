@@ -18,6 +18,11 @@ that split the same tokens differently between the public prefix and a namespace
 subscriber can recompute every hash from the token ids and the `extra_keys` each event carries
 (one per block: the namespace key in hex, then the public count where there is one).
 
+A block cached for a LoRA adapter's requests (whose namespace folds in the adapter) carries the
+adapter as vLLM's do: `lora_name` its served name and `lora_id` the number the server gave it
+when it was loaded (1, 2, ... in load order: `/v1/load_lora_adapter` answers it as
+`adapter.id`); the base model's: None.
+
 Media: the KV pool is "GPU" on a GPU and "CPU" on a CPU; the disk tier is "DISK". Models with
 sliding-window layers tell two groups, as vLLM's hybrid allocator does: group 0 (full attention:
 the block is cached) and group 1 (sliding window: every token of the block still holds its
@@ -40,6 +45,7 @@ import msgspec
 from radixserve.cache.prefix import Namespace
 
 FULL, WINDOW = 0, 1  # groups: full-attention KV, sliding-window KV
+MAX_LORA_NAMESPACES = 65536  # the adapters' namespaces remembered (the oldest first forgotten)
 KINDS = {FULL: "full_attention", WINDOW: "sliding_window"}
 DISK = "DISK"
 
@@ -128,6 +134,16 @@ class BlockEvents:
         self.live: dict[tuple[str, int], set[int]] = {}  # (medium, group) -> block hashes stored
         self._disk: dict[str, list[int]] = {}  # disk block key -> its blocks' hashes
         self._disk_refs: Counter[int] = Counter()  # block hash -> disk blocks holding it (they are coarser)
+        self._lora: dict[str, tuple[int, str]] = {}  # a namespace key (hex) -> the LoRA adapter it caches for
+
+    def tag_lora(self, ns: Namespace, lora_id: int, name: str) -> None:
+        """The blocks cached in `ns` are the adapter's (the engine tells this as each such request comes)."""
+        key = namespace_key(ns).hex()
+        with self._lock:
+            self._lora.pop(key, None)
+            self._lora[key] = (lora_id, name)
+            if len(self._lora) > MAX_LORA_NAMESPACES:
+                del self._lora[next(iter(self._lora))]
 
     def stored(self, hashes: list[int], parent: int | None, tokens: list[int], extra: Sequence[tuple[Any, ...] | None],
                medium: str | None = None, group: int = FULL) -> None:
@@ -137,8 +153,10 @@ class BlockEvents:
         spec = self.window if group == WINDOW else None
         with self._lock:
             self.live.setdefault((medium, group), set()).update(hashes)
-            self._pending.append(BlockStored(hashes, parent, tokens, self.block_size, None, medium, None, list(extra),
-                                             group, KINDS[group], spec))
+            last = extra[-1] if extra else None  # (the namespace of the blocks' last token: an adapter's own)
+            lora_id, lora_name = self._lora.get(last[0], (None, None)) if last else (None, None)
+            self._pending.append(BlockStored(hashes, parent, tokens, self.block_size, lora_id, medium, lora_name,
+                                             list(extra), group, KINDS[group], spec))
         self._ready.set()
 
     def removed(self, hashes: list[int], medium: str | None = None, group: int = FULL) -> None:
@@ -178,7 +196,8 @@ class BlockEvents:
             b = self.block_size
             new, parent = hashes[held:], hashes[held - 1] if held else parent
             self.live.setdefault((DISK, FULL), set()).update(new)
-            self._pending.append(BlockStored(new, parent, tokens[held * b :], b, None, DISK, None,
+            lora_id, lora_name = self._lora.get(ns_key.hex(), (None, None))
+            self._pending.append(BlockStored(new, parent, tokens[held * b :], b, lora_id, DISK, lora_name,
                                              [extra_key(ns_key)] * len(new), FULL, KINDS[FULL]))
         self._ready.set()
 

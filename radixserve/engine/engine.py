@@ -173,6 +173,8 @@ class Engine(RequestFront):
                 raise InvalidParam("model", f"{req.lora!r}: this engine serves no LoRA adapters (--enable-lora)")
             with self._loop.lock:
                 self.lora.resolve(req)
+                if self.kv_events is not None:  # its blocks' events name the adapter
+                    self.kv_events.events.tag_lora(CacheManager.namespace(req), self.lora.ids[req.lora], req.lora)
         self._loop.add(req, sink)
 
     def _split(self, model: Any) -> None:

@@ -50,6 +50,8 @@ class LoRAManager:
         self.ctx = wrap_model(model)
         model.model.lora_ctx = self.ctx  # type: ignore[union-attr]
         self.registered: dict[str, tuple[str, str]] = {}  # name -> (path, digest)
+        self.ids: dict[str, int] = {}  # name -> its number (vLLM's lora_int_id: KV events' lora_id), in load order
+        self._next_id = 1
         self.resident: OrderedDict[str, Adapter] = OrderedDict()
         self.loads = self.evictions = 0
 
@@ -63,14 +65,16 @@ class LoRAManager:
             raise AdapterError(f"lora_name: an adapter named {name!r} is already loaded; unload it first")
         adapter = self._read(name, path)
         self.registered[name] = (path, adapter.digest)
+        self.ids[name], self._next_id = self._next_id, self._next_id + 1
         self._keep(adapter)
         log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
-        return adapter.describe()
+        return {**adapter.describe(), "id": self.ids[name]}
 
     def unload(self, name: str) -> None:
         if name not in self.registered:
             raise AdapterError(f"lora_name: no adapter named {name!r} is loaded")
         del self.registered[name]
+        del self.ids[name]
         self.resident.pop(name, None)
         log.info("LoRA adapter %r unloaded", name)
 
@@ -108,4 +112,5 @@ class LoRAManager:
         req.public_prefix_len = 0
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"name": n, "path": p, "digest": d, "resident": n in self.resident} for n, (p, d) in self.registered.items()]
+        return [{"name": n, "id": self.ids[n], "path": p, "digest": d, "resident": n in self.resident}
+                for n, (p, d) in self.registered.items()]
