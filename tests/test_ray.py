@@ -201,6 +201,9 @@ def test_routing_key_follows_the_conversation_and_the_namespace():
     assert route_key((("Authorization", "Bearer sk-b"),), json.dumps(turn1).encode()).namespace != k1.namespace
     salted = route_key(acme, json.dumps({**turn1, "cache_salt": "s", "prompt_cache_key": "conv-1"}).encode())
     assert salted.namespace != k1.namespace and salted.hint == "conv-1" and "sk-a" not in repr(salted)
+    adapter = route_key(acme, json.dumps({**turn1, "model": "sql-lora"}).encode())  # a LoRA adapter's KV is its own
+    assert adapter.namespace != k1.namespace and adapter.prefix == k1.prefix
+    assert route_key(acme, json.dumps({**turn2, "model": "sql-lora"}).encode()).namespace == adapter.namespace
     assert route_key(acme, json.dumps({"prompt": [5, 6, 7]}).encode()).prefix == [5, 6, 7]  # token ids stay tokens
     assert route_key(acme, b"not json") is None and route_key(acme, b"") is None and route_key(acme, b"[1]") is None
 

@@ -4,8 +4,11 @@ a replica streams back (a `Head`, then the body's bytes). Pure Python: no ray, n
 The routing key is read from the JSON body without validating it (the replica's server does,
 and answers a bad body with its own 4xx, passed back unchanged):
 
-- namespace: (a keyed digest of the API key, cache_salt): the server's cache namespace is
-  (tenant, cache_salt), and a tenant is one API key. The key itself never leaves the ingress.
+- namespace: (a keyed digest of the API key, cache_salt, model): the server's cache namespace is
+  (tenant, cache_salt), and a tenant is one API key (the key itself never leaves the ingress);
+  a LoRA adapter's KV is its own (the request's `model` names it), so prefixes are keyed by the
+  model named too (a client that names the base model and one that leaves `model` out are
+  routed apart: affinity only, nothing cached is shared wrongly either way).
 - prefix: the prompt's start as one canonical string, stable fields first (system,
   instructions, tools) and then the growing ones (messages, input, prompt, text), one element
   after another, so turn 2 of a conversation extends turn 1's string; token ids (`input_ids`,
@@ -73,8 +76,8 @@ def route_key(headers: Headers, body: bytes) -> RouteKey | None:
         return None
     if not isinstance(doc, dict):
         return None
-    salt, hint = doc.get("cache_salt"), doc.get("prompt_cache_key")
-    namespace = (key_digest(headers), salt if isinstance(salt, str) else None)
+    salt, hint, model = doc.get("cache_salt"), doc.get("prompt_cache_key"), doc.get("model")
+    namespace = (key_digest(headers), salt if isinstance(salt, str) else None, model if isinstance(model, str) and model else None)
     return RouteKey(namespace, prompt_prefix(doc), hint if isinstance(hint, str) else None)
 
 
