@@ -199,8 +199,11 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* table, int64_t 
 // For request b: query row q[q_rows[b]] (heads, D) attends to the KV slots table[b, :lens[b]]
 // of the pools (slots, kv_heads, D) of element type E. All query heads of one KV head are
 // scored together, so each K/V row is read once per group. Writes out[q_rows[b]] and, if
-// given, lse[b, head]. Work goes KV head by KV head, the items inside, so consecutive items
-// read the same head's rows. Shapes off the vector path (dim not a multiple of W or over 128,
+// given, lse[b, head]. Where items share slots (a fork's prefix, a draft's pieces) work goes KV
+// head by KV head, the items inside, so consecutive items read the same head's rows from cache;
+// otherwise item by item, its heads inside: a pool row holds every head's (slots, kv_heads, D),
+// and a head-major pass over distinct rows fetched each row from memory once per head (the
+// prefetchers bring its neighbours' lines too). Shapes off the vector path (dim not a multiple of W or over 128,
 // more than 8 query heads per KV head) take the portable path, one row at a time.
 template <typename T, typename E>
 void decode_impl(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor* ksc,
@@ -216,10 +219,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   const auto runs = row_runs(table, table_stride, lens, batch, vec);
   const int64_t items = int64_t(runs.size());
+  bool shared = false;
+  for (int64_t i = 1; i < items && !shared; ++i) {
+    const int64_t a = runs[i - 1].first, b = runs[i].first;
+    shared = lens[a] > 0 && lens[b] > 0 && table[a * table_stride] == table[b * table_stride];
+  }
   at::parallel_for(0, items * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, mx, sum;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t h = w / items, b0 = runs[w % items].first, count = runs[w % items].second, n0 = lens[b0];
+      const int64_t h = shared ? w / items : w % kv_heads, item = shared ? w % items : w / kv_heads;
+      const int64_t b0 = runs[item].first, count = runs[item].second, n0 = lens[b0];
       qf.resize(count * group * dim);
       acc.resize(count * group * dim);
       mx.resize(count * group);
