@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# Two test workers, each with torch's two OpenMP threads, and the servers they start, share 2
+# cores: OpenMP's default spin-waiting at its barriers then burns the core another process needs
+# (a quarter of the suite's modules took 116 s spinning, 64 s passive, on a 2-core Xeon). Set
+# before torch is imported; servers the tests start inherit it. Speed is measured by the
+# benchmarks, which leave it unset.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def _import_triton_for_the_interpreter() -> None:
     """Triton's own library functions (tl.max, tl.sum, ...) are built when triton is first
