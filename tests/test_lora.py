@@ -345,3 +345,45 @@ def test_kv_events_name_the_adapter_whose_blocks_they_are(tiny_llama, adapters):
         assert len(by["b", 2]) >= len(PROMPT) // 4 and not by["b", 2] & by[None, None]
     finally:
         sub.close()
+
+
+def test_bench_lora_peer_sends_llama_servers_lora_field_and_counts_its_tokens():
+    """--peer: the same prompts to llama-server's /completion, the base with no adapter applied
+    ("lora": []) and the mixed run round robin over the adapters by id, prompt caching off."""
+    import argparse
+    import threading
+
+    from aiohttp import web
+
+    from radixserve.bench.lora import measure_peer
+
+    seen: list[dict] = []
+
+    async def completion(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        return web.json_response({"content": "x", "tokens_predicted": body["n_predict"]})
+
+    app = web.Application()
+    app.router.add_post("/completion", completion)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        args = argparse.Namespace(num_requests=6, prompt_len=10, output_len=7, seed=0)
+        r = measure_peer(f"http://127.0.0.1:{port}", 3, 1000, args)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    assert r["lora"]["output_tokens"] == 6 * 7 and all(b["output_tokens"] == 42 for b in r["base"])
+    mixed = [b for b in seen if b["lora"]]
+    assert [b["lora"] for b in mixed[-6:]] == [[{"id": i % 3, "scale": 1.0}] for i in range(6)]
+    assert len(seen) - len(mixed) == 2 + 12 and all(not b["cache_prompt"] and b["ignore_eos"] for b in seen)
+    assert all(9 <= len(b["prompt"]) <= 11 and max(b["prompt"]) < 1000 for b in seen)
