@@ -238,9 +238,8 @@ async def step_roof(url: str, key: str | None, model: str, seed: int, steps: int
             rounds.append({"step_s": (t2 - t1) / max(1, n2 - n1), "whole_s": t2 / max(1, n2), "read_roof_gb_s": roof})
     bound = statistics.median(x["step_s"] for x in rounds) <= 0  # a step below the requests' noise (a tiny model)
     for x in rounds:
-        step_s = x.pop("whole_s") if bound else x["step_s"]
-        x.pop("step_s", None)
-        x.pop("whole_s", None)
+        step, whole = x.pop("step_s"), x.pop("whole_s")
+        step_s = whole if bound else step
         x["step_ms"] = step_s * 1e3
         x["weights_gb_s"] = weight_bytes / step_s / 1e9
         x["share"] = x["weights_gb_s"] / x["read_roof_gb_s"]

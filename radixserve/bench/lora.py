@@ -17,7 +17,7 @@ import asyncio
 import json
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +82,22 @@ async def _run(engine: Any, prompts: list[list[int]], loras: Sequence[str | None
 
 
 def measure(engine: Any, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    prompts = make_prompts(args.num_requests, args.prompt_len, engine.vocab_size, args.seed)
-    spread = [names[i % len(names)] for i in range(len(prompts))]
-    asyncio.run(_run(engine, prompts[:2], spread[:2], 4))  # warm-up: both paths
-    asyncio.run(_run(engine, prompts[:2], [None, None], 4))
-    base1 = asyncio.run(_run(engine, prompts, [None] * len(prompts), args.output_len))
-    lora = asyncio.run(_run(engine, prompts, spread, args.output_len))
-    base2 = asyncio.run(_run(engine, prompts, [None] * len(prompts), args.output_len))
+    return _base_lora_base(lambda p, loras, n: _run(engine, p, loras, n), names, engine.vocab_size, args)
+
+
+def _base_lora_base(run: Callable[[list[list[int]], Sequence[Any], int], Coroutine[Any, Any, dict[str, float]]],
+                    adapters: Sequence[Any], vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm both paths, then the base, the adapters round robin, the base again (`run`: one
+    server's requests, all at once, each with its adapter or None)."""
+    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
+    spread = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    asyncio.run(run(prompts[:2], spread[:2], 4))  # warm-up: both paths
+    asyncio.run(run(prompts[:2], [None, None], 4))
+    base1 = asyncio.run(run(prompts, [None] * len(prompts), args.output_len))
+    lora = asyncio.run(run(prompts, spread, args.output_len))
+    base2 = asyncio.run(run(prompts, [None] * len(prompts), args.output_len))
     base = (base1["output_tokens_per_s"] + base2["output_tokens_per_s"]) / 2
-    return {"base": [base1, base2], "lora": lora, "adapters": len(names), "ratio": lora["output_tokens_per_s"] / base}
+    return {"base": [base1, base2], "lora": lora, "adapters": len(adapters), "ratio": lora["output_tokens_per_s"] / base}
 
 
 async def _peer_run(url: str, prompts: list[list[int]], loras: Sequence[int | None], out_len: int) -> dict[str, float]:
@@ -114,15 +121,7 @@ async def _peer_run(url: str, prompts: list[list[int]], loras: Sequence[int | No
 
 
 def measure_peer(url: str, adapters: int, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
-    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
-    spread = [i % adapters for i in range(len(prompts))]
-    asyncio.run(_peer_run(url, prompts[:2], spread[:2], 4))  # warm-up: both paths
-    asyncio.run(_peer_run(url, prompts[:2], [None, None], 4))
-    base1 = asyncio.run(_peer_run(url, prompts, [None] * len(prompts), args.output_len))
-    lora = asyncio.run(_peer_run(url, prompts, spread, args.output_len))
-    base2 = asyncio.run(_peer_run(url, prompts, [None] * len(prompts), args.output_len))
-    base = (base1["output_tokens_per_s"] + base2["output_tokens_per_s"]) / 2
-    return {"base": [base1, base2], "lora": lora, "adapters": adapters, "ratio": lora["output_tokens_per_s"] / base}
+    return _base_lora_base(lambda p, loras, n: _peer_run(url, p, loras, n), list(range(adapters)), vocab, args)
 
 
 def _print(title: str, r: dict[str, Any]) -> None:

@@ -203,8 +203,8 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* table, int64_t 
 // head by KV head, the items inside, so consecutive items read the same head's rows from cache;
 // otherwise item by item, its heads inside: a pool row holds every head's (slots, kv_heads, D),
 // and a head-major pass over distinct rows fetched each row from memory once per head (the
-// prefetchers bring its neighbours' lines too). Shapes off the vector path (dim not a multiple of W or over 128,
-// more than 8 query heads per KV head) take the portable path, one row at a time.
+// prefetchers bring its neighbours' lines too). Shapes off the vector path (dim not a multiple
+// of W or over 128, more than 8 query heads per KV head) take the portable path, one row at a time.
 template <typename T, typename E>
 void decode_impl(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor* ksc,
                  const at::Tensor* vsc, at::Tensor& out, float* lse, const int64_t* rows, const int64_t* table,
