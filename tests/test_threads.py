@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 SCRIPT = textwrap.dedent("""
@@ -69,28 +68,22 @@ def test_the_engines_helper_threads_run_torch_serially(tiny_engine):
     assert tiny_engine.runner._mask_pool.submit(torch.get_num_threads).result() == 1
 
 
-def test_a_quantized_linears_panels_taken_as_threads_come_give_one_threads_numbers():
+def test_a_quantized_linears_panels_taken_as_threads_come_give_one_threads_numbers(ops):
     """The native linears hand out their output panels at run time (csrc/common.h
     parallel_dynamic): whichever thread takes a panel, the numbers are the same."""
     from test_quant import gguf_blocks
 
-    from radixserve_kernels import cpu
-
-    if cpu.native_for(torch.zeros(1), torch.zeros(1)) is None:
-        pytest.skip("no native CPU kernels")
     before = torch.get_num_threads()
     try:
-        for isa in [i for i in cpu.runnable_isas() if i != "generic"] + ["generic"]:
-            ops = cpu.ops_for(isa)
-            for kind, n, k in (("q4_k", 2000, 512), ("q4_0", 1040, 256)):
-                raw, _ = gguf_blocks(kind, n, k, 3)
-                packed = ops.pack_quant(raw, kind, n, k)
-                for m in (1, 3, 40):
-                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                    outs = []
-                    for threads in (1, 2):
-                        torch.set_num_threads(threads)
-                        outs.append(ops.qlinear(x, packed, n, None, True, False, 8))
-                    assert torch.equal(outs[0], outs[1]), (isa, kind, m)
+        for kind, n, k in (("q4_k", 2000, 512), ("q4_0", 1040, 256)):
+            raw, _ = gguf_blocks(kind, n, k, 3)
+            packed = ops.pack_quant(raw, kind, n, k)
+            for m in (1, 3, 40):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                outs = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    outs.append(ops.qlinear(x, packed, n, None, True, False, 8))
+                assert torch.equal(outs[0], outs[1]), (kind, m)
     finally:
         torch.set_num_threads(before)

@@ -43,8 +43,7 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, bounds: l
         lo, hi = bounds[2 * g], bounds[2 * g + 1]
         dt = torch.promote_types(xs.dtype, wa.dtype)  # fp32 rows over bf16 weights: in fp32
         h = xs[lo:hi].to(dt) @ wa.t().to(dt)
-        if delta is None and y.dtype == dt:  # a prefill's run of rows: the expand adds into y in place (no temporary)
-            assert start is not None
+        if start is not None and y.dtype == dt:  # a prefill's run of rows: the expand adds into y in place (no temporary)
             y[start + lo : start + hi].addmm_(h, wb.to(dt))
             continue
         d = (h @ wb.to(dt)).to(y.dtype)
