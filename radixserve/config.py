@@ -276,10 +276,10 @@ class ServerConfig:
     responses_max_stored: int = option(10000, "stored /v1/responses kept per tenant; past it the tenant's oldest are "
                                               "deleted (a store can never fill the disk)")
     log_requests: bool = option(False, "also write each request's prompt text to the access log (never its API key)")
-    precompute_history: bool = option(False, "chat: once an answer ends, compute the KV of the conversation as the next "
-                                            "turn will render it (a reasoning model's template drops the reasoning), at "
-                                            "the lowest priority, so a returning turn computes only its new message "
-                                            "(server/chat/history.py)")
+    precompute_history: bool = option(True, "chat: once an answer ends, compute the KV of the conversation as the next "
+                                           "turn will render it where that leaves the turn as it ran (a reasoning model's "
+                                           "template drops the reasoning), at the lowest priority, so a returning turn "
+                                           "computes only its new message (server/chat/history.py)")
     chat_template: str | None = option(None, "a Jinja chat template replacing the model's own: a file, or the template "
                                              "text itself (as vLLM's --chat-template)")
     reasoning_parser: str | None = option(None, "chat: return <think>...</think> reasoning as reasoning_content, apart "

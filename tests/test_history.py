@@ -1,6 +1,6 @@
 """A reasoning model's returning turns find their whole history cached: its template drops the
 last answer's reasoning, so the server computes the conversation as the next turn renders it
-once an answer ends (`--precompute-history`). Four turns on a tiny model served with a template
+once an answer ends (`--precompute-history`, on by default). Four turns on a tiny model served with a template
 (`--chat-template`) that opens the reasoning and drops it from earlier turns (as DeepSeek-R1's
 and Qwen3's do): with the precompute each returning turn's cached tokens are its whole
 history, up to its new message; without, they stop where the last answer began; the answers
@@ -56,7 +56,7 @@ def test_returning_turns_find_their_whole_history_cached_and_answer_the_same(tin
     args, extra = MODES[mode]
     runs = {}
     for flag in ("--precompute-history", "--no-precompute-history")[: 2 if mode == "template" else 1]:
-        on_flag = [flag] if flag == "--precompute-history" else []  # (off by default)
+        on_flag = [flag] if flag == "--no-precompute-history" else []  # (on by default)
         s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--dtype", "float32", "--chat-template",
                           str(tmp_path / "template.jinja"), *args, *on_flag, log=tmp_path / f"{flag}.log")
         try:
@@ -67,6 +67,7 @@ def test_returning_turns_find_their_whole_history_cached_and_answer_the_same(tin
             assert s.stop() == 0, (tmp_path / f"{flag}.log").read_text()[-2000:]
         if flag == "--precompute-history":
             assert history["enabled"] and history["precomputes"] == 4 and history["hits"] == 3, history
+            assert history["in_cache"] == 0, history
             assert history["hit_tokens"] > 0 and history["precomputed_tokens"] > 0
         else:
             assert not history["enabled"] and history["precomputes"] == 0
@@ -80,6 +81,25 @@ def test_returning_turns_find_their_whole_history_cached_and_answer_the_same(tin
             assert off[turn][1] < cached - 5, (on[turn], off[turn])  # off: only up to where the last answer began
     if off is not None:
         assert [a for _, _, a in on] == [a for _, _, a in off]  # the same answers
+
+
+def test_a_template_that_keeps_the_answer_as_written_precomputes_nothing(tiny_llama, tmp_path):
+    """The answer sent back is the answer as it ran (a one-token text, re-tokenized the same):
+    the cache holds the next turn's history already, so the default precomputes nothing (it
+    only renders the history, counted in_cache) and the returning turns still hit it."""
+    from server_helpers import ServerProcess
+
+    keep = TEMPLATE.replace("m['content'].split('</think>')[-1] | trim", "m['content']").replace("<think>\n", "")
+    s = ServerProcess(tiny_llama, "--kv-cache-tokens", "8192", "--dtype", "float32", "--chat-template", keep,
+                      log=tmp_path / "keep.log")
+    try:
+        turns = _session(s, 3, {"max_tokens": 4, "regex": "a"})
+        history = s.get("/server_info")[1]["history"]
+    finally:
+        assert s.stop() == 0, (tmp_path / "keep.log").read_text()[-2000:]
+    assert history["enabled"] and history["in_cache"] == 3 and history["precomputes"] == 0, history
+    for turn in range(1, 3):
+        assert turns[turn][1] >= turns[turn - 1][0], turns  # at least the whole last prompt, its answer after it
 
 
 def test_a_chat_template_is_a_file_or_the_text_and_a_bad_one_is_refused_by_name(tmp_path):

@@ -484,7 +484,8 @@ def app_args(model: Path, tenants: Path, **options: object) -> dict:
     config = yaml.safe_load(CONFIG.read_text())
     ServeDeploySchema.model_validate(config)  # a config `serve run` / `serve deploy` accept
     args = config["applications"][0]["args"]
-    small = {"kv_cache_tokens": 8192, "grammar_compile_workers": 1, "tenants": str(tenants), "max_request_bytes": MAX_BODY}
+    small = {"kv_cache_tokens": 8192, "grammar_compile_workers": 1, "tenants": str(tenants), "max_request_bytes": MAX_BODY,
+             "precompute_history": False}  # (the prefill counts here are the requests' own: no answer's history after)
     return {**args, "model": str(model), "health_check_period_s": 1.0, "health_check_timeout_s": 10.0,
             "options": {**args["options"], **small, **options}}
 

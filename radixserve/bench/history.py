@@ -77,7 +77,8 @@ async def _session(args: argparse.Namespace, template: str, precompute: bool) ->
     while len(system) < args.system_tokens * CHARS_PER_TOKEN:
         system += documentation(rng, 10)
     regex = THINKING.format(lo=args.think_chars // 2, hi=args.think_chars)
-    server = Server(args, ["--chat-template", template, *(["--precompute-history"] if precompute else [])], "history")
+    flag = "--precompute-history" if precompute else "--no-precompute-history"
+    server = Server(args, ["--chat-template", template, flag], "history")
     turns = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:

@@ -1,4 +1,4 @@
-"""The next turn's prefix, computed before it comes (`--precompute-history`, opt-in).
+"""The next turn's prefix, computed before it comes (`--precompute-history`, on by default).
 
 A reasoning model's chat template drops an earlier turn's reasoning (Qwen3 strips `<think>`,
 DeepSeek-R1 likewise, gpt-oss's harmony its analysis channel), so the next turn's prompt
@@ -10,7 +10,10 @@ or a tool's after calls), up to where that message's text would start. It comput
 prefix's KV into the radix tree as a request of its own: no output, the lowest priority (it
 never goes before a waiting request), in the asking tenant's namespace, at most
 MAX_IN_FLIGHT at a time and only while nothing waits. The returning turn then finds its whole
-history cached and computes only its new message.
+history cached and computes only its new message. Where the history form begins with the turn
+as it ran (its prompt and its answer's tokens, which the cache holds: a template that keeps
+the answer as written, re-tokenized the same), there is nothing to compute ahead and nothing
+runs: only the rendering, on a thread.
 
 Counted in /metrics (radixserve_history_*: tokens precomputed, turns that hit a precomputed
 history and the tokens the hits saved) and /server_info's `history`."""
@@ -58,6 +61,7 @@ class _Warmed:
 class HistoryCounters:
     precomputes: int = 0  # histories computed
     skipped: int = 0  # not computed: requests waited, or MAX_IN_FLIGHT ran
+    in_cache: int = 0  # nothing to compute: the history form begins with the turn as it ran
     failed: int = 0
     precomputed_tokens: int = 0
     hits: int = 0  # returning turns whose prompt began with a precomputed history, still cached
@@ -67,6 +71,7 @@ class HistoryCounters:
 HISTORY_HELP = {
     "precomputes": "conversations whose next turn's prefix was computed after an answer",
     "skipped": "answers whose history was not precomputed: requests waited, or enough precomputes ran",
+    "in_cache": "answers whose history form begins with the turn as it ran (cached already: nothing to precompute)",
     "failed": "history precomputes that failed",
     "precomputed_tokens": "prompt tokens the history precomputes computed",
     "hits": "returning turns that found their precomputed history cached",
@@ -116,7 +121,10 @@ class HistoryWarmer:
         if not warm:
             return
         try:
-            ids = await self.state.off_loop(self._history_ids, plan, out)
+            ids = await self.state.off_loop(self._history_ids, plan, out, prompt)
+            if ids == []:
+                self.counters.in_cache += 1
+                return
             if ids is None or len(ids) <= out.prompt_tokens // 2 or len(ids) >= self.state.engine.context_len:
                 self.counters.skipped += 1  # (a template that renders no history; a conversation at the window's end)
                 return
@@ -155,9 +163,11 @@ class HistoryWarmer:
                     self.counters.hit_tokens += saved
                 return
 
-    def _history_ids(self, plan: Plan, out: Output) -> list[int] | None:
+    def _history_ids(self, plan: Plan, out: Output, prompt: list[int]) -> list[int] | None:
         """The conversation with this answer, as the next request will render it, up to where
-        the next message's text starts (None: the template does not render it so)."""
+        the next message's text starts (None: the template does not render it so; empty: it
+        begins with the prompt and the answer's tokens, all but the last of which the cache
+        holds, so the next turn would compute no more of it than the precompute would)."""
         a = reasoning.answer(out.text, out.finish_reason, plan.parser, plan.mode, plan.offered, plan.tool_format,
                              plan.one_call)
         calls = [{"function": {"name": c.function.name, "arguments": c.function.arguments}} for c in a.calls]
@@ -166,7 +176,11 @@ class HistoryWarmer:
         engine = self.state.engine
         messages, specs = tools.render([*plan.messages, {"role": "assistant", "content": content}, after], plan.offered,
                                        getattr(engine.tokenizer, "chat_template", None))
-        return engine.turn_prefix_ids(messages, specs, plan.template_kwargs or None, SENTINEL)
+        ids = engine.turn_prefix_ids(messages, specs, plan.template_kwargs or None, SENTINEL)
+        ran = len(prompt) + len(out.token_ids)
+        if ids is not None and len(ids) >= ran and ids[:len(prompt)] == prompt and ids[len(prompt):ran] == out.token_ids:
+            return []
+        return ids
 
     async def _compute(self, tenant: Tenant, prompt: list[int], ids: list[int], opts: RequestOptions) -> Output | None:
         engine = self.state.engine
