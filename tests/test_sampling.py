@@ -89,6 +89,28 @@ def test_penalties_and_filters_in_the_sampler():
         assert s.sample(logits, [_req(temperature=1.0, min_p=0.9, seed=seed)])[0] == [7]
 
 
+def test_argmax_rows_is_torchs_argmax_ties_infinities_and_views_included():
+    """The greedy pick (numpy's argmax on CPU) is torch's: the first of equal maxima, -inf
+    and +inf rows, a padded batch's sliced view; and a plain batch's logits are not changed."""
+    from radixserve.engine.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 10] = x[1, 500] = 99.0  # a tie: the first
+    x[2] = float("-inf")
+    x[3, 7] = float("inf")
+    x[4, ::2] = -1e30
+    x[5] = 0.0
+    for v in (x, x[:, :700], x[2:5]):
+        assert argmax_rows(v) == v.argmax(dim=-1).tolist()
+    s = Sampler(vocab_size=700, eos_ids={1})
+    before = x.clone()
+    assert s.sample(x, [_req(temperature=0) for _ in range(6)])[0] == x[:, :700].argmax(dim=-1).tolist()
+    assert torch.equal(x, before)
+    assert s.sample(x, [_req(temperature=0, min_new_tokens=9) for _ in range(6)])[0][1] == 10  # held-off EOS: a copy
+    assert torch.equal(x, before)
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "field"),
     [

@@ -11,6 +11,7 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixserve.request import Req, TokenLogprob
@@ -42,6 +43,24 @@ def _grammar_states(reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> Ite
                 if advanced:
                     m.rollback(advanced)
         i = j
+
+
+def _plain(r: Req) -> bool:
+    """Nothing changes this request's logits before it samples: no bias, penalty, token
+    held back by min_new_tokens, nor grammar (what _apply_bias, _apply_penalties and
+    _apply_grammars would touch)."""
+    p = r.params
+    return (not r.bias_ids and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and r.output_len >= p.min_new_tokens and (r.grammar is None or not r.grammar_active))
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as torch's). On CPU numpy's, vectorized
+    along the row: about 10 us for a row of Qwen2.5's 151,936 logits, where torch's argmax takes
+    about 230 (2-core Xeon, one thread each)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return [int(np.argmax(row)) for row in x.numpy()]
+    return [int(t) for t in x.argmax(dim=-1).tolist()]
 
 
 def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprob]:
@@ -89,22 +108,23 @@ class Sampler:
         raw = logits
         drafts = drafts if drafts is not None else [()] * len(reqs)
         want_lp = [i for i, r in enumerate(reqs) if r.params.return_logprob]
-        logits = self._apply_penalties(_apply_bias(logits.clone(), reqs), reqs, drafts)
-        self._apply_grammars(logits, reqs, masks, drafts)
-        tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
+        if not all(_plain(r) for r in reqs):  # (rows that nothing changes are read in place: no copy)
+            logits = self._apply_penalties(_apply_bias(logits.clone(), reqs), reqs, drafts)
+            self._apply_grammars(logits, reqs, masks, drafts)
+        out = [0] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
+            picked = argmax_rows(logits if len(greedy) == len(reqs) else logits[torch.tensor(greedy, device=logits.device)])
+            for i, t in zip(greedy, picked):
+                out[i] = t
             if any(reqs[i].grammar is not None and reqs[i].grammar_active for i in greedy):
-                self._greedy_grammar_rows(logits, reqs, drafts, tokens)
+                self._greedy_grammar_rows(logits, reqs, drafts, out)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
             probs = self._probs([reqs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)])
             for j, i in enumerate(sampled):
                 g = self._generator(reqs[i], logits.device)
-                tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
-        out = tokens.tolist()
+                out[i] = int(torch.multinomial(probs[j], 1, generator=g)[0])
         lps: list[TokenLogprob | None] = [None] * len(reqs)
         if want_lp:
             entries = logprob_entries(
@@ -130,12 +150,12 @@ class Sampler:
         return rows, mask[: len(rows)]
 
     def _greedy_grammar_rows(self, logits: torch.Tensor, reqs: Sequence[Req], drafts: Sequence[Sequence[int]],
-                             tokens: torch.Tensor) -> None:
+                             tokens: list[int]) -> None:
         """A constrained greedy row's argmax stands if its grammar accepts it (masking only
         removes tokens, so the masked argmax is the same); a row whose argmax it refuses is
         masked and its argmax taken again. Exact, and most rows skip the bitmask (~2 ms each on
         SmolLM2's vocabulary)."""
-        picked = tokens.tolist()
+        picked = list(tokens)
         for row, m in _grammar_states(reqs, drafts):
             if not reqs[row].params.greedy:
                 continue
@@ -147,7 +167,7 @@ class Sampler:
             from radixserve_kernels.bitmask import apply_bitmask
 
             apply_bitmask(logits, mask.to(logits.device), torch.tensor([row], device=logits.device))
-            tokens[row] = logits[row].argmax()
+            tokens[row] = argmax_rows(logits[row : row + 1])[0]
 
     def _apply_grammars(self, logits: torch.Tensor, reqs: Sequence[Req], masks: tuple[list[int], torch.Tensor] | None,
                         drafts: Sequence[Sequence[int]]) -> None:
