@@ -128,7 +128,9 @@ def test_mxfp4_scales_fp16_cannot_hold_are_refused_and_a_block_of_zeros_takes_an
 def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(kind, bits):
     """The AVX-512 VNNI tile (vpdpbusd) and the AVX2 one (vpmaddubsw + vpmaddwd) sum the same
     integers and combine them in the same order: the same output bit for bit (and for the 5/6-bit
-    and K-quant kinds, the portable path too: it does the same fused multiply-adds)."""
+    and K-quant kinds, the portable path too: it does the same fused multiply-adds), at a few rows
+    and at many (the K-family tiles then unpack each panel once for all rows: AVX2's from 16,
+    AVX-512's from 32 for the kinds with high-bit planes; AMX, where the CPU has it, at 40)."""
     from radixserve_kernels import cpu
 
     builds = [cpu.ops_for(isa) for isa in cpu.runnable_isas() if isa != "generic"]
@@ -136,7 +138,7 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
         pytest.skip(f"this CPU runs one vector build only ({cpu.runnable_isas()[0]})")
     n, k = 70, 256 * 3
     raw, _ = gguf_blocks(kind, n, k, seed=11)
-    for m in (1, 3, 4, 9):
+    for m in (1, 3, 4, 9, 22, 40):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ys = [b.qlinear(x, b.pack_quant(raw, kind, n, k), n, None, True, False, bits) for b in builds]
         if kind not in PANEL_KINDS:
@@ -190,7 +192,7 @@ def test_the_largest_quants_against_full_scale_activations_sum_without_overflow(
     """Every quant at its largest (15, 31 or 63) against activations all at +127 or all at
     -127 (8 bits): the AVX2 tile adds vpmaddubsw's 16-bit pair sums before widening, four
     chunks at a time (two for 6 bits); any wrap shows against the reference's exact sum."""
-    n, k, m = 16, 512, 4
+    n, k, m = 16, 512, 12  # (12: the AVX2 K-family tiles' many-row path, three groups of 4)
     raw, _ = gguf_blocks(kind, n, k, seed=3)
     qt = KINDS[kind]
     block, size = quants.GGML_QUANT_SIZES[qt]
@@ -199,7 +201,7 @@ def test_the_largest_quants_against_full_scale_activations_sum_without_overflow(
     blocks[..., lo:hi] = 0xFF
     raw = torch.from_numpy(blocks.reshape(n, -1))
     w = torch.from_numpy(quants.dequantize(raw.numpy(), qt).reshape(n, k).copy())
-    x = torch.ones(m, k) * torch.tensor([[1.0], [-1.0], [3.0], [-0.5]])
+    x = torch.ones(m, k) * torch.tensor([[1.0], [-1.0], [3.0], [-0.5]]).repeat(3, 1)
     ref = reference_qlinear(x, w, 8)
     from radixserve_kernels import cpu
 

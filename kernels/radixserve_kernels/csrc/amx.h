@@ -12,9 +12,9 @@
 //   C  stored after each sub-block and scaled by the same float operations, in the same order, as
 //      the VNNI tiles (acc += float(S - z*sq) * (a*dx) [+ off*sx]), so both paths give the same
 //      numbers bit for bit (tests/test_quant.py compares them).
-// A panel's sub-blocks are unpacked once per call into a thread's scratch (AmxPanel: the B tiles
-// and each sub-block's scale vectors) and reused by every row tile: the weight is unpacked once
-// for all the rows, where the VNNI tiles unpack it again every 4 rows.
+// A panel's sub-blocks are unpacked once per call into a thread's scratch (PanelScratch: the B tiles
+// and each sub-block's scale vectors, the K-family VNNI tiles' own for 8 rows or more) and
+// reused by every row tile.
 #pragma once
 
 #include "quant.h"
@@ -37,27 +37,12 @@ constexpr int64_t AMX_MIN_ROWS = 32;
 bool amx_ready();
 bool amx_rows_for(int64_t m);  // amx_ready() and m >= AMX_MIN_ROWS
 
-// One panel's sub-blocks as the tiles take them: per sub-block a 512-byte B tile and 48 floats
-// (a0, a1, off: 16 outputs each). A thread's scratch, grown as needed.
-struct AmxPanel {
-  aligned_vector<uint8_t> b;
-  std::vector<float> sc;
-  void reserve(int64_t kb) {
-    if (int64_t(b.size()) < kb * 512) b.resize(kb * 512);
-    if (int64_t(sc.size()) < kb * 48) sc.resize(kb * 48);
-  }
-  uint8_t* tile(int64_t i) { return b.data() + i * 512; }
-  float* scales(int64_t i) { return sc.data() + i * 48; }
-  void put_scales(int64_t i, __m512 a0, __m512 a1, __m512 off) {
-    _mm512_storeu_ps(scales(i), a0);
-    _mm512_storeu_ps(scales(i) + 16, a1);
-    _mm512_storeu_ps(scales(i) + 32, off);
-  }
-};
-
-inline AmxPanel& amx_scratch() {
-  thread_local AmxPanel p;
-  return p;
+// The tiles take a panel's sub-blocks from the thread's PanelScratch (quant.h): per sub-block a
+// 512-byte B tile and 48 floats (a0, a1, off: 16 outputs each).
+inline void put_scales(PanelScratch& pan, int64_t i, __m512 a0, __m512 a1, __m512 off) {
+  _mm512_storeu_ps(pan.scales(i), a0);
+  _mm512_storeu_ps(pan.scales(i) + 16, a1);
+  _mm512_storeu_ps(pan.scales(i) + 32, off);
 }
 
 struct alignas(64) TileConfig {
@@ -96,7 +81,7 @@ inline TileConfig make_tile_config(bool split) {
   _tile_dpbsud(T0, 4, 5);            \
   _tile_dpbsud(T1, 7, 6)
 template <bool SPLIT, bool W>
-inline void amx_issue(const AmxPanel& pan, int64_t i, const int8_t* hi, const int8_t* lo, int64_t stride, int32_t (*c)[16][16]) {
+inline void amx_issue(const PanelScratch& pan, int64_t i, const int8_t* hi, const int8_t* lo, int64_t stride, int32_t (*c)[16][16]) {
   const uint8_t* b = pan.b.data() + i * 512;
   _tile_loadd(5, b, 64);
   if constexpr (!SPLIT) {
@@ -122,7 +107,7 @@ inline void amx_issue(const AmxPanel& pan, int64_t i, const int8_t* hi, const in
 // halves scaled apart (a0 for K 0..15, a1 for 16..31); OFF: acc += off * sx; W: 16-bit
 // activations (S = 256 * S(hi) + S(lo)). The float combination is the VNNI tiles' (see above).
 template <int Z, bool SPLIT, bool OFF, bool W, typename O>
-void amx_rows(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+void amx_rows(PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
               int64_t n) {
   static const TileConfig cfg = make_tile_config(SPLIT);
   _tile_loadconfig(&cfg);
@@ -168,7 +153,7 @@ void amx_rows(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const f
 
 // amx_rows at xr's activation width.
 template <int Z, bool SPLIT, bool OFF, typename O>
-void amx_rows_of(AmxPanel& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+void amx_rows_of(PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
   if (xr.wide) amx_rows<Z, SPLIT, OFF, true>(pan, kb, xr, m, bias, y, n, n0, n);
   else amx_rows<Z, SPLIT, OFF, false>(pan, kb, xr, m, bias, y, n, n0, n);
 }

@@ -46,6 +46,27 @@ struct Aligned64 {
 template <typename T>
 using aligned_vector = std::vector<T, Aligned64<T>>;
 
+// One panel's sub-blocks unpacked once for all of a call's rows (the AMX tiles', amx.h, and the
+// AVX2 K-family tiles' for many rows): per sub-block 512 bytes of weight vectors and 48 floats
+// of scales (a0, a1, off for the 16 outputs). A thread's scratch, grown as needed.
+struct PanelScratch {
+  aligned_vector<uint8_t> b;
+  std::vector<float> sc;
+  void reserve(int64_t kb) {
+    if (int64_t(b.size()) < kb * 512) b.resize(kb * 512);
+    if (int64_t(sc.size()) < kb * 48) sc.resize(kb * 48);
+  }
+  uint8_t* tile(int64_t i) { return b.data() + i * 512; }
+  const uint8_t* tile(int64_t i) const { return b.data() + i * 512; }
+  float* scales(int64_t i) { return sc.data() + i * 48; }
+  const float* scales(int64_t i) const { return sc.data() + i * 48; }
+};
+
+inline PanelScratch& panel_scratch() {
+  thread_local PanelScratch p;
+  return p;
+}
+
 struct QuantRows {
   aligned_vector<int8_t> hi, lo;  // lo: empty unless wide
   std::vector<float> dx, sx;

@@ -525,7 +525,7 @@ void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, co
 // A Q4 / MXFP4 / Q8 panel's blocks into the tiles' scratch (amx.h): the VNNI tile's weight
 // vectors and its scales (Q4: a0 = d, off = m; Q8: a0 = d, with the zero point 128).
 template <int BITS, bool LUT>
-void amx_fill(const uint8_t* panel, int64_t kb, AmxPanel& pan) {
+void amx_fill(const uint8_t* panel, int64_t kb, PanelScratch& pan) {
   constexpr int64_t bytes = BITS == 4 ? (LUT ? FP4_BYTES : Q4_BYTES) : Q8_BYTES;
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)FP4_LUT)), low = _mm512_set1_epi8(0x0f);
   pan.reserve(kb);
@@ -544,18 +544,18 @@ void amx_fill(const uint8_t* panel, int64_t kb, AmxPanel& pan) {
         _mm512_storeu_si512(t + 256 + 64 * c, wh);
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 256)));
-      pan.put_scales(b, d, d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288))));
+      put_scales(pan, b, d, d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288))));
     } else {
       std::memcpy(t, blk, 512);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 512)));
-      pan.put_scales(b, d, d, _mm512_setzero_ps());
+      put_scales(pan, b, d, d, _mm512_setzero_ps());
     }
   }
 }
 
 template <int BITS, bool LUT, typename O>
 void amx_panel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
-  AmxPanel& pan = amx_scratch();
+  PanelScratch& pan = panel_scratch();
   amx_fill<BITS, LUT>(panel, kb, pan);
   amx_rows_of<BITS == 8 ? 128 : 0, false, BITS == 4>(pan, kb, xr, m, bias, y, n0, n);
 }
