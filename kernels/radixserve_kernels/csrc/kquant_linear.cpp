@@ -309,11 +309,28 @@ inline void weights16(const uint8_t* sub, __m512i* w) {
   }
 }
 
+// One row's sub-block `at` against the panel's 8 weight vectors: acc += its scaled sums (the
+// tiles below, unpacking as they go or from the scratch).
+template <int F, bool W>
+inline void ksub16(const __m512i* w, const QuantRows& xr, int64_t at, __m512 a0, __m512 a1, __m512 off, __m512& acc) {
+  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+  __m512i s0, s1;
+  dot_block_vnni<W>(w, xr, at, s0, s1);
+  const __m512 dx = _mm512_set1_ps(xr.dx[at]);
+  if constexpr (Z != 0) {
+    const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, z0)), _mm512_mul_ps(a0, dx), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, z1)), _mm512_mul_ps(a1, dx), acc);
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(a0, dx), acc);
+    acc = _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sx[at]), acc);
+  }
+}
+
 template <int F, int MR, bool W, typename O>
 void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy, int64_t n0,
            int64_t n) {
   constexpr Fmt fm = FMTS[F];
-  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
   const int64_t kb = nb * fm.subs();
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
@@ -326,20 +343,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
       weights16<F>(sub, w);
       __m512 a0, a1, off;
       scales16<F>(rec, sub, a0, a1, off);
-      for (int m = 0; m < MR; ++m) {
-        const int64_t at = (m0 + m) * kb + b * fm.subs() + i;
-        __m512i s0, s1;
-        dot_block_vnni<W>(w, xr, at, s0, s1);
-        const __m512 dx = _mm512_set1_ps(xr.dx[at]);
-        if constexpr (Z != 0) {
-          const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, z0)), _mm512_mul_ps(a0, dx), acc[m]);
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, z1)), _mm512_mul_ps(a1, dx), acc[m]);
-        } else {
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(a0, dx), acc[m]);
-          acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sx[at]), acc[m]);
-        }
-      }
+      for (int m = 0; m < MR; ++m) ksub16<F, W>(w, xr, (m0 + m) * kb + b * fm.subs() + i, a0, a1, off, acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -384,7 +388,6 @@ void kfill(const uint8_t* panel, int64_t nb, PanelScratch& pan) {
 template <int F, int MR, bool W, typename O>
 void ktile_scratch(const PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias, O* y, int64_t ldy,
                    int64_t n0, int64_t n) {
-  constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t j = 0; j < kb; ++j) {
@@ -392,20 +395,7 @@ void ktile_scratch(const PanelScratch& pan, int64_t kb, const QuantRows& xr, int
     for (int c = 0; c < 8; ++c) w[c] = _mm512_load_si512(pan.tile(j) + 64 * c);
     const float* sc = pan.scales(j);
     const __m512 a0 = _mm512_loadu_ps(sc), a1 = _mm512_loadu_ps(sc + 16), off = _mm512_loadu_ps(sc + 32);
-    for (int m = 0; m < MR; ++m) {
-      const int64_t at = (m0 + m) * kb + j;
-      __m512i s0, s1;
-      dot_block_vnni<W>(w, xr, at, s0, s1);
-      const __m512 dx = _mm512_set1_ps(xr.dx[at]);
-      if constexpr (Z != 0) {
-        const __m512i z0 = _mm512_set1_epi32(Z * xr.sq0[at]), z1 = _mm512_set1_epi32(Z * (xr.sq[at] - xr.sq0[at]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, z0)), _mm512_mul_ps(a0, dx), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, z1)), _mm512_mul_ps(a1, dx), acc[m]);
-      } else {
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(a0, dx), acc[m]);
-        acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sx[at]), acc[m]);
-      }
-    }
+    for (int m = 0; m < MR; ++m) ksub16<F, W>(w, xr, (m0 + m) * kb + j, a0, a1, off, acc[m]);
   }
   for (int m = 0; m < MR; ++m) {
     alignas(64) float v[QPANEL];
