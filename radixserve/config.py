@@ -53,7 +53,8 @@ class ModelConfig:
                                QUANTIZATIONS)
     # what quantized weights' native kernels multiply: activations quantized per block of 32 to 8 bits (auto, int8:
     # llama.cpp's Q8_0 form) or 16 (int16), or float (dequantize the weight each call: exact, slow)
-    activations: str = option("auto", "activations of quantized linears; auto: int8 (per block of 32, as llama.cpp), "
+    activations: str = option("auto", "activations of quantized linears; auto: int8 (per block of 32, as llama.cpp; "
+                                      "a Q8_0 head int16), "
                                       "int16: twice the integer work, float: dequantize each call (exact, slow)",
                               ACTIVATIONS)
     disable_packed_linears: bool = option(False, "CPU: keep plain torch linears (no oneDNN-packed copy of the weights)")

@@ -130,7 +130,9 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
     integers and combine them in the same order: the same output bit for bit (and for the 5/6-bit
     and K-quant kinds, the portable path too: it does the same fused multiply-adds), at a few rows
     and at many (the K-family tiles then unpack each panel once for all rows: AVX2's from 16,
-    AVX-512's from 32 for the kinds with high-bit planes; AMX, where the CPU has it, at 40)."""
+    AVX-512's from 32 for the kinds with high-bit planes; AMX, where the CPU has it, at 40), over
+    more rows than a pass takes (150: two passes, the numbers of its rows called 64 at a time),
+    and from bf16 rows (each build quantizes the rows alike)."""
     from radixserve_kernels import cpu
 
     builds = [cpu.ops_for(isa) for isa in cpu.runnable_isas() if isa != "generic"]
@@ -138,12 +140,17 @@ def test_every_builds_qlinear_makes_the_same_integer_sums_so_the_same_numbers(ki
         pytest.skip(f"this CPU runs one vector build only ({cpu.runnable_isas()[0]})")
     n, k = 70, 256 * 3
     raw, _ = gguf_blocks(kind, n, k, seed=11)
-    for m in (1, 3, 4, 9, 22, 40):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        ys = [b.qlinear(x, b.pack_quant(raw, kind, n, k), n, None, True, False, bits) for b in builds]
-        if kind not in PANEL_KINDS:
-            ys.append(builds[0].qlinear(x, builds[0].pack_quant(raw, kind, n, k), n, None, True, True, bits))
-        assert all(torch.equal(ys[0], y) for y in ys[1:]), m
+    packs = [b.pack_quant(raw, kind, n, k) for b in builds]
+    for m in (1, 3, 4, 9, 22, 40, 150):
+        for dtype in (torch.float32, torch.bfloat16) if m in (9, 150) else (torch.float32,):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            ys = [b.qlinear(x, p, n, None, True, False, bits) for b, p in zip(builds, packs)]
+            if kind not in PANEL_KINDS:
+                ys.append(builds[0].qlinear(x, packs[0], n, None, True, True, bits))
+            assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, dtype)
+            if m > 64:
+                alone = torch.cat([builds[0].qlinear(x[i:i + 64], packs[0], n, None, True, False, bits) for i in (0, 64, 128)])
+                assert torch.equal(ys[0], alone)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -266,11 +273,12 @@ def test_load_time_quantization_makes_valid_gguf_blocks_within_half_a_step(ops, 
 
 
 @pytest.mark.parametrize("bits", [8, 16, 0])
-def test_a_quant_linear_runs_many_rows_on_the_dequantized_weight_or_64_rows_a_native_call(ops, monkeypatch, bits):
+def test_a_quant_linear_runs_many_rows_on_the_dequantized_weight_or_the_native_kernel_in_passes(ops, monkeypatch, bits):
     """Prefill (more than 64 rows): dequantize + fp32 GEMM gives exactly the dequantized model's
-    numbers; the native path (the default with VNNI) gives, row for row, what the kernel gives
-    those rows in calls of 64. Float activations (act_bits 0): the dequantized model's numbers
-    at any row count."""
+    numbers; the native path (the default with VNNI) is one call, which the kernel takes in
+    passes of rows, and gives, row for row, what it gives those rows in calls of 64 (a row's
+    numbers do not depend on the rows beside it). Float activations (act_bits 0): the
+    dequantized model's numbers at any row count."""
     raw, w = gguf_blocks("q4_1", 70, 64, seed=3)
     mod = quant.QuantLinear(70, 64, "q4_1", bias=True)
     mod.packed.copy_(ops.pack_quant(raw, "q4_1", 70, 64))
@@ -446,6 +454,28 @@ def _check_prefill_at_one_thread(model: torch.nn.Module, ref: torch.nn.Module, p
         assert torch.equal(_logits(model, prompt), theirs)
         quant.set_activations(model, "int16")
     return prompt
+
+
+@pytest.mark.parametrize("kind,runs,head_bits", [("q8_0", "int8 (head int16)", 16), ("q6_k", "int8", 8)])
+def test_auto_keeps_an_8_bit_head_at_16_bits_and_a_coarser_one_at_8(ops, kind, runs, head_bits):
+    """`--activations auto`: 8 bits everywhere, but 16 for a head whose weights are 8-bit (Q8_0:
+    SmolLM2's), where the activations' rounding is as large as the weights'; a K-quant head
+    (Qwen2.5's Q6_K) takes 8 like the rest (quant.WIDE_HEAD_KINDS). The explicit choices apply
+    to the head too."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = quant.QuantLinear(256, 256, "q4_k", bias=False)
+            self.lm_head = quant.QuantLinear(512, 256, kind, bias=False)
+
+    model = Model()
+    for q in (model.body, model.lm_head):
+        q.finish()
+    assert quant.set_activations(model, "auto") == runs
+    assert model.body.act_bits == 8 and model.lm_head.act_bits == head_bits
+    assert quant.set_activations(model, "int16") == "int16" and model.lm_head.act_bits == 16
+    assert quant.set_activations(model, "int8") == "int8" and model.lm_head.act_bits == 8
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ bit (tests/test_quant.py, every kind). How a `QuantLinear` computes, by the rows
                               the AMX tiles (16 rows x 16 outputs x 32 weights per tdpbsud),
                               scaled as the VNNI tiles do, so the same numbers bit for bit
                               (kernels/radixserve_kernels/csrc/amx.h; 1.1-1.3x the VNNI tiles)
-    many rows (prefill)       the same native kernel, 64 rows at a time, where it outruns
+    many rows (prefill)       the same native kernel, 128 rows a pass, where it outruns
                               dequantize + fp32 GEMM (`QuantLinear.native_prefill`: with VNNI,
                               ~160-270 GMAC/s at 8 bits and 120-170 at 16 against MKL's ~55; on
                               AVX2 at 8 bits, 85-125); else (AVX2 at 16 bits) the weight is
@@ -65,8 +65,15 @@ from radixserve_kernels.quant_matmul import dequant_ref, quant_matmul_triton
 
 BLOCK = 32
 PANEL = 16
-MAX_NATIVE_ROWS = 64  # rows per native call; more rows (prefill): see NATIVE_PREFILL
+MAX_NATIVE_ROWS = 64  # rows the native kernel always takes; more rows (prefill): see NATIVE_PREFILL
 ACTIVATIONS = {"auto": 8, "int8": 8, "int16": 16, "float": 0}  # --activations -> QuantLinear.act_bits (0: float)
+# `auto` keeps a head of these kinds at 16 bits. The logits' error is the head weights' rounding
+# plus the activations': 8-bit weights round as finely as 8-bit activations, so 16 bits halve the
+# head's error (SmolLM2's Q8_0 head: mean KLD 0.00296 -> 0.00211); a head of 6 bits or fewer
+# (Qwen2.5's Q6_K) rounds 4x+ coarser, its activations' share is within the error (0.00125 against
+# 0.00120 +- 0.00006), and 16 bits would cost twice the integer work where a batch's rows all
+# sample (docs/quantization.md)
+WIDE_HEAD_KINDS = frozenset({"q8_0"})
 # prefill through the native kernel (True), through dequantize + fp32 GEMM (False), or (None) as
 # QuantLinear.native_prefill says; read at each call
 NATIVE_PREFILL: bool | None = {"native": True, "dequant": False}.get(os.environ.get("RADIXSERVE_QUANT_PREFILL", "auto"))
@@ -220,7 +227,7 @@ class QuantLinear(nn.Module):
 
     @property
     def native_prefill(self) -> bool:
-        """Whether prefill (more rows than one call takes) runs the integer kernel, 64 rows a call:
+        """Whether prefill (more rows than one call takes) runs the integer kernel (in passes of 128 rows):
         where it outruns dequantize + fp32 GEMM (MKL's ~55 GMAC/s here): with VNNI at either
         width, and on AVX2 at 8 bits (85-125 GMAC/s at 32-64 rows; 16 bits there: 40-80); never
         on the portable build (scalar loops). `scripts/quant_roofs.py` measures it."""
@@ -240,14 +247,9 @@ class QuantLinear(nn.Module):
         rows = x2.shape[0]
         if self.native_rows(rows) and x2.dtype in (torch.float32, torch.bfloat16) \
                 and not (torch.is_grad_enabled() and x2.requires_grad):
-            x2 = x2.contiguous()
-            if rows <= MAX_NATIVE_ROWS:
-                y = self.native.qlinear(x2, self.packed, self.out_features, self.native_bias, self.float_out, False,
-                                        self.act_bits)
-            else:  # prefill: 64 rows a call
-                y = torch.cat([self.native.qlinear(x2[i:i + MAX_NATIVE_ROWS], self.packed, self.out_features, self.native_bias,
-                                                   self.float_out, False, self.act_bits)
-                               for i in range(0, rows, MAX_NATIVE_ROWS)])
+            # prefill: the kernel takes MAX_NATIVE_ROWS rows a pass, into the one output
+            y = self.native.qlinear(x2.contiguous(), self.packed, self.out_features, self.native_bias, self.float_out, False,
+                                    self.act_bits)
         elif self.native is None and use_triton(x2):  # CUDA: kernels/radixserve_kernels/quant_matmul.py
             y = quant_matmul_triton(x2, self.packed, self.out_features, self.bias)
             y = y if self.float_out else y.to(x.dtype)
@@ -327,7 +329,7 @@ def dequantize_packed(packed: torch.Tensor, n: int, k: int, rows: torch.Tensor |
 
 def set_activations(model: nn.Module, choice: str) -> str:
     """Set every quantized linear's activations (`--activations`); returns what runs: "int8
-    (head int16)" (auto), "int8", "int16" or "float" ("float" too for a model with no quantized
+    (head int16)" (auto, a head of WIDE_HEAD_KINDS), "int8", "int16" or "float" ("float" too for a model with no quantized
     linear, where `auto` and `float` are the only choices). A choice the linears cannot take is a
     ValueError naming it."""
     if choice not in ACTIVATIONS:
@@ -349,9 +351,7 @@ def set_activations(model: nn.Module, choice: str) -> str:
     for m in linears:
         m.act_bits = bits
     head = getattr(model, "lm_head", None)
-    if choice == "auto" and isinstance(head, QuantLinear):
-        # the head at 16 bits: its rounding lands on the logits directly, and it costs nothing
-        # measurable (it runs on the rows that sample only, and decode is bound by its bytes)
+    if choice == "auto" and isinstance(head, QuantLinear) and head.kind in WIDE_HEAD_KINDS:
         head.act_bits = 16
         return "int8 (head int16)"
     return f"int{bits}"

@@ -252,6 +252,30 @@ inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_l
 inline __m512 load16_masked(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+#elif defined(RS_AVX2)
+// Eight values of a block, zeros past `lim` (a last block shorter than 32).
+inline __m256 load8_upto(const float* p, int64_t lim) {
+  if (lim >= 8) return _mm256_loadu_ps(p);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return lim <= 0 ? _mm256_setzero_ps() : _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(lim)), idx));
+}
+inline __m256 load8_upto(const uint16_t* p, int64_t lim) {
+  if (lim >= 8) return vload(p).v;
+  alignas(32) float v[8] = {};
+  for (int64_t j = 0; j < lim; ++j) v[j] = ld(p, j);
+  return _mm256_load_ps(v);
+}
+// 32 int32 lanes (in order) to 32 int8 (each in -128..127, so the saturating packs are exact).
+inline void store32_i8(int8_t* p, const __m256i* x) {
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3]));
+  _mm256_storeu_si256((__m256i*)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
 #endif
 
 }  // namespace
@@ -297,6 +321,27 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t kb, bo
         }
         const int32_t s0 = _mm512_reduce_add_epi32(x0);
         finish_block(out, at, amax / steps, s0 + _mm512_reduce_add_epi32(x1), s0);
+#elif defined(RS_AVX2)
+        // the scalar loop below, 8 lanes at a time (the same roundings, so the same numbers)
+        __m256 v[4];
+        for (int c = 0; c < 4; ++c) v[c] = load8_upto(xr + 8 * c, lim - 8 * c);
+        const float amax = vhmax(vmax(vmax(vabs({v[0]}), vabs({v[1]})), vmax(vabs({v[2]}), vabs({v[3]}))));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? steps / amax : 0.f), hi_q = _mm256_set1_ps(steps), lo_q = _mm256_set1_ps(-steps);
+        __m256i x[4];
+        for (int c = 0; c < 4; ++c) x[c] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[c], inv), lo_q), hi_q));
+        if (wide) {
+          __m256i h[4], l[4];
+          for (int c = 0; c < 4; ++c) {
+            h[c] = _mm256_srai_epi32(_mm256_add_epi32(x[c], _mm256_set1_epi32(128)), 8);
+            l[c] = _mm256_sub_epi32(x[c], _mm256_slli_epi32(h[c], 8));
+          }
+          store32_i8(hp, h);
+          store32_i8(out.lo.data() + at * QBLOCK, l);
+        } else {
+          store32_i8(hp, x);
+        }
+        const int32_t s0 = hsum_i32(_mm256_add_epi32(x[0], x[1]));
+        finish_block(out, at, amax / steps, s0 + hsum_i32(_mm256_add_epi32(x[2], x[3])), s0);
 #else
         float v[QBLOCK];
         float amax = 0.f;
@@ -627,16 +672,22 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
   const float* bd = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto y = at::empty({m, n}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (m == 0) return y;
-  QuantRows xr;
+  // A pass of at most QLINEAR_ROWS rows at a time (a prefill's rows): its quantized rows stay in
+  // cache while every panel of the weight goes by. The rows are independent, so the passes make
+  // the numbers a call of each pass's rows alone makes; the buffers are the thread's, kept.
+  thread_local QuantRows xr;
   const int64_t kb = f >= 0 ? k / QBLOCK : packed.size(1);
-  DISPATCH_FLOAT_BF16(x, "qlinear", [&] { quantize_rows(ptr<scalar>(x), x.stride(0), m, k, kb, act_bits == 16, xr, tiles_for(m, generic)); });
-  if (f >= 0) {
-    qlinear_kfamily(packed, f, xr, m, bd, y, n, generic);
-    return y;
-  }
   const bool vector = HAS_VEC_QTILE && !generic;
-  if (float_out) qlinear_impl(packed, xr, m, bd, y.data_ptr<float>(), n, vector);
-  else DISPATCH_FLOAT_BF16(y, "qlinear", [&] { qlinear_impl(packed, xr, m, bd, ptr<scalar>(y), n, vector); });
+  for (int64_t r0 = 0; r0 < m; r0 += QLINEAR_ROWS) {
+    const int64_t rows = std::min(QLINEAR_ROWS, m - r0);
+    DISPATCH_FLOAT_BF16(x, "qlinear", [&] {
+      quantize_rows(ptr<scalar>(x) + r0 * x.stride(0), x.stride(0), rows, k, kb, act_bits == 16, xr, tiles_for(rows, generic));
+    });
+    at::Tensor yp = y.narrow(0, r0, rows);
+    if (f >= 0) qlinear_kfamily(packed, f, xr, rows, bd, yp, n, generic);
+    else if (float_out) qlinear_impl(packed, xr, rows, bd, yp.data_ptr<float>(), n, vector);
+    else DISPATCH_FLOAT_BF16(yp, "qlinear", [&] { qlinear_impl(packed, xr, rows, bd, ptr<scalar>(yp), n, vector); });
+  }
   return y;
 }
 
