@@ -247,7 +247,7 @@ class QuantLinear(nn.Module):
         rows = x2.shape[0]
         if self.native_rows(rows) and x2.dtype in (torch.float32, torch.bfloat16) \
                 and not (torch.is_grad_enabled() and x2.requires_grad):
-            # prefill: the kernel takes MAX_NATIVE_ROWS rows a pass, into the one output
+            # prefill too: one call, which the kernel takes 128 rows a pass (csrc/quant.h QLINEAR_ROWS)
             y = self.native.qlinear(x2.contiguous(), self.packed, self.out_features, self.native_bias, self.float_out, False,
                                     self.act_bits)
         elif self.native is None and use_triton(x2):  # CUDA: kernels/radixserve_kernels/quant_matmul.py
