@@ -404,25 +404,6 @@ void ktile_scratch(const PanelScratch& pan, int64_t kb, const QuantRows& xr, int
   }
 }
 
-template <int F, bool W, typename O>
-void ktiles_scratch(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0,
-                    int64_t n) {
-  PanelScratch& pan = panel_scratch();
-  kfill<F>(panel, nb, pan);
-  const int64_t kb = nb * FMTS[F].subs();
-  for (int64_t m0 = 0; m0 < m; m0 += KMR_MANY) {
-    switch (std::min<int64_t>(KMR_MANY, m - m0)) {
-      case 1: ktile_scratch<F, 1, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 2: ktile_scratch<F, 2, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 3: ktile_scratch<F, 3, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 4: ktile_scratch<F, 4, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 5: ktile_scratch<F, 5, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 6: ktile_scratch<F, 6, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 7: ktile_scratch<F, 7, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      default: ktile_scratch<F, KMR_MANY, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-    }
-  }
-}
 constexpr bool HAS_VEC_KTILE = true;
 #elif defined(__AVX2__)
 constexpr int64_t KMR = 4;
@@ -571,17 +552,18 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
 }
 
 // Many rows (a prefill chunk, a batch's decode step): each sub-block's halves are unpacked once
-// for the call (weights8, scales8) into the thread's PanelScratch, and every KMR rows read them
-// back from cache, where ktile unpacks them again for every KMR rows. The same integer sums and
-// float operations, in the same order per output, as ktile: the same numbers bit for bit. From
-// 16 rows (Qwen2.5-shaped 2048 x 1536, 2-core Xeon, GMAC/s at 16 / 32 / 128 rows: Q4_K 115 ->
-// 118, 111-123 -> 132, 116 -> 142; Q6_K 80 -> 93, 85 -> 103, 81 -> 110; at 8 rows Q4_K lost).
+// for the call (weights8, scales8) into the thread's PanelScratch, and every KMR_MANY (here KMR)
+// rows read them back from cache, where ktile unpacks them again for every KMR rows. The same
+// integer sums and float operations, in the same order per output, as ktile: the same numbers
+// bit for bit. From 16 rows (Qwen2.5-shaped 2048 x 1536, 2-core Xeon, GMAC/s at 16 / 32 / 128
+// rows: Q4_K 115 -> 118, 111-123 -> 132, 116 -> 142; Q6_K 80 -> 93, 85 -> 103, 81 -> 110; at 8
+// rows Q4_K lost).
 #define RS_KSCRATCH 1
-constexpr int64_t KSCRATCH_MIN_ROWS = 4 * KMR;
+constexpr int64_t KMR_MANY = KMR, KSCRATCH_MIN_ROWS = 4 * KMR;
 constexpr bool kscratch_kind(int) { return true; }
 
 template <int F>
-void kfill8(const uint8_t* panel, int64_t nb, PanelScratch& pan) {
+void kfill(const uint8_t* panel, int64_t nb, PanelScratch& pan) {
   constexpr Fmt fm = FMTS[F];
   pan.reserve(nb * fm.subs());
   for (int64_t b = 0; b < nb; ++b) {
@@ -626,24 +608,31 @@ void ktile_scratch(const PanelScratch& pan, int64_t kb, const QuantRows& xr, int
   }
 }
 
+constexpr bool HAS_VEC_KTILE = true;
+#else
+constexpr bool HAS_VEC_KTILE = false;
+#endif
+
+#if defined(RS_KSCRATCH)
+// Rows m0 .. m0 + rows (1 <= rows <= R) on the scratch tile of that many rows.
+template <int F, int R, bool W, typename O>
+inline void ktile_scratch_rows(int64_t rows, const PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias,
+                               O* y, int64_t n0, int64_t n) {
+  if constexpr (R > 1)
+    if (rows < R) return ktile_scratch_rows<F, R - 1, W>(rows, pan, kb, xr, m0, bias, y, n0, n);
+  ktile_scratch<F, R, W>(pan, kb, xr, m0, bias, y, n, n0, n);
+}
+
+// The build's fill (kfill) once for the panel, then its scratch tiles KMR_MANY rows at a time.
 template <int F, bool W, typename O>
 void ktiles_scratch(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0,
                     int64_t n) {
   PanelScratch& pan = panel_scratch();
-  kfill8<F>(panel, nb, pan);
+  kfill<F>(panel, nb, pan);
   const int64_t kb = nb * FMTS[F].subs();
-  for (int64_t m0 = 0; m0 < m; m0 += KMR) {
-    switch (std::min<int64_t>(KMR, m - m0)) {
-      case 1: ktile_scratch<F, 1, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 2: ktile_scratch<F, 2, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      case 3: ktile_scratch<F, 3, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-      default: ktile_scratch<F, KMR, W>(pan, kb, xr, m0, bias, y, n, n0, n); break;
-    }
-  }
+  for (int64_t m0 = 0; m0 < m; m0 += KMR_MANY)
+    ktile_scratch_rows<F, KMR_MANY, W>(std::min<int64_t>(KMR_MANY, m - m0), pan, kb, xr, m0, bias, y, n0, n);
 }
-constexpr bool HAS_VEC_KTILE = true;
-#else
-constexpr bool HAS_VEC_KTILE = false;
 #endif
 
 #if defined(RS_INT_DOT)
