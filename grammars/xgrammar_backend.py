@@ -66,16 +66,18 @@ class XGrammarBackend(Backend):
             raise GrammarError(None, f"the compiled xgrammar grammar could not be loaded: {_first_line(e)}") from None
 
     def compile(self, spec: GrammarSpec) -> Compiled:
+        import xgrammar as xgr
+
         c = self._compiler
         try:
             if spec.kind == "json_schema":
                 compiled = c.compile_grammar(json_schema_ebnf(spec))
             elif spec.kind == "regex":
-                compiled = c.compile_regex(spec.source)
+                compiled = c.compile_grammar(strict_utf8(str(xgr.Grammar.from_regex(spec.source))))
             elif spec.kind == "ebnf":
-                compiled = c.compile_grammar(spec.source)
+                compiled = c.compile_grammar(strict_utf8(str(xgr.Grammar.from_ebnf(spec.source))))
             elif spec.kind == "structural_tag":
-                compiled = _structural_tag(c, json.loads(spec.source))
+                compiled = c.compile_grammar(strict_utf8(str(_structural_tag(c, json.loads(spec.source)))))
             elif spec.kind == "choice":
                 options = json.loads(spec.source)
                 compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
@@ -102,19 +104,84 @@ def json_schema_ebnf(spec: GrammarSpec) -> str:
     ws = spec.max_whitespace
     grammar = xgr.Grammar.from_json_schema(spec.source, any_whitespace=ws is None or ws > 0,
                                            max_whitespace_cnt=ws if ws else None, strict_mode=True)
-    return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+    return strict_utf8(str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _structural_tag(compiler: Any, tag: dict[str, Any]) -> Any:
     """SGLang's / OpenAI's shape ({"structures": [{"begin", "schema", "end"}], "triggers": [...]})
-    or xgrammar's own structural-tag object."""
+    or xgrammar's own structural-tag object, as a grammar. The latter's token triggers resolve
+    only against a vocabulary, so it goes through the compiler."""
     import xgrammar as xgr
 
     if "structures" in tag:
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
                  for s in tag["structures"]]
-        return compiler.compile_structural_tag(items, list(tag.get("triggers", [])))
-    return compiler.compile_structural_tag(tag)
+        return xgr.Grammar.from_structural_tag(items, list(tag.get("triggers", [])))
+    return compiler.compile_structural_tag(tag).grammar
+
+
+# xgrammar 0.2.9 matches a character class as UTF-8 over code points 0-0x10FFFF, surrogates
+# included: a negated class such as a JSON string's lets the model write ED A0 80 (U+D800),
+# which no UTF-8 decoder accepts: the text shows three U+FFFD and breaks a maxLength. Every
+# class of the printed grammar is rewritten to leave the surrogates out.
+_SURROGATES = (0xD800, 0xDFFF)
+_CLASS_ATOM = re.compile(r"\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\x[0-9a-fA-F]{2}|\\.|.", re.S)
+_NAMED_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
+
+
+def strict_utf8(ebnf: str) -> str:
+    """The grammar (as xgrammar prints it) with no character class matching a surrogate."""
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        ch = ebnf[i]
+        if ch == '"':  # a string literal: copied as it is
+            j = i + 1
+            while j < n and ebnf[j] != '"':
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i : j + 1])
+            i = j + 1
+        elif ch == "[":
+            j = i + 1
+            while j < n and ebnf[j] != "]":
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(_class_without_surrogates(ebnf[i + 1 : j]))
+            i = j + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def _class_without_surrogates(body: str) -> str:
+    if body.startswith("^"):
+        return f"[{body}\\uD800-\\uDFFF]"
+    atoms = _CLASS_ATOM.findall(body)
+    parts, k = [], 0
+    while k < len(atoms):
+        if k + 2 < len(atoms) and atoms[k + 1] == "-":
+            lo, hi = _code_point(atoms[k]), _code_point(atoms[k + 2])
+            if lo <= _SURROGATES[1] and hi >= _SURROGATES[0]:
+                kept = [(lo, _SURROGATES[0] - 1), (_SURROGATES[1] + 1, hi)]
+                parts += [f"{_escaped(a)}-{_escaped(b)}" for a, b in kept if a <= b]
+            else:
+                parts.append("".join(atoms[k : k + 3]))
+            k += 3
+        else:
+            parts.append(atoms[k] if not _SURROGATES[0] <= _code_point(atoms[k]) <= _SURROGATES[1] else "")
+            k += 1
+    return "[" + "".join(parts) + "]"
+
+
+def _code_point(atom: str) -> int:
+    if len(atom) == 1:
+        return ord(atom)
+    if atom[1] in "uUx" and len(atom) > 2:
+        return int(atom[2:], 16)
+    return _NAMED_ESCAPES.get(atom[1], ord(atom[1]))
+
+
+def _escaped(cp: int) -> str:
+    return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
