@@ -427,8 +427,25 @@ inline __m256i dot_q(__m256i w, int32_t x4, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), scale);
 }
 
+// The super-block's d (and -dmin) of outputs 8h .. 8h + 7 from the K-quants' header, once per
+// record for all its sub-blocks (Q5_0 and Q5_1 have none: their scales are per sub-block).
+struct Head8 {
+  __m256 d = _mm256_setzero_ps(), ndmin = _mm256_setzero_ps();
+};
+
 template <int F>
-inline void scales8(const uint8_t* rec, const uint8_t* sub, int h, __m256& a0, __m256& a1, __m256& off) {
+inline Head8 head8(const uint8_t* rec, int h) {
+  Head8 hd;
+  if constexpr (FMTS[F].header > 0) {
+    hd.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16 * h)));
+    if constexpr (F != Q6_K)
+      hd.ndmin = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 32 + 16 * h))));
+  }
+  return hd;
+}
+
+template <int F>
+inline void scales8(Head8 hd, const uint8_t* sub, int h, __m256& a0, __m256& a1, __m256& off) {
   const uint8_t* sc = sub + 256 + 64 * FMTS[F].hbits;
   off = _mm256_setzero_ps();
   auto f16 = [&](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h))); };
@@ -439,14 +456,13 @@ inline void scales8(const uint8_t* rec, const uint8_t* sub, int h, __m256& a0, _
     if constexpr (F == Q5_1) off = f16(sc + 32);
     return;
   }
-  const __m256 d = f16(rec);
   if constexpr (F == Q6_K) {
-    a0 = _mm256_mul_ps(d, i8(sc));
-    a1 = _mm256_mul_ps(d, i8(sc + 16));
+    a0 = _mm256_mul_ps(hd.d, i8(sc));
+    a1 = _mm256_mul_ps(hd.d, i8(sc + 16));
     return;
   }
-  a0 = a1 = _mm256_mul_ps(d, u8(sc));
-  off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f16(rec + 32), u8(sc + 16)));
+  a0 = a1 = _mm256_mul_ps(hd.d, u8(sc));
+  off = _mm256_mul_ps(hd.ndmin, u8(sc + 16));  // -(dmin * mn), exactly
 }
 
 // A sub-block's integer sums for one row at 8 bits: vpmaddubsw's pair sums added in 16 bits
@@ -476,7 +492,12 @@ inline void weights8(const uint8_t* sub, int h, __m256i* w) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(sub + 64 * c + 32 * h));
     w[c] = _mm256_and_si256(v, low);
     w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    if constexpr (fm.hbits > 0) {
+    if constexpr (fm.hbits == 2) {  // plane byte i: e_i (L's bits 0-1, H's 2-3), e_{i+32} above: each to bits 4-5
+      const __m256i e = _mm256_loadu_si256((const __m256i*)plane_at(sub, 2, c)), top = _mm256_set1_epi8(0x30);
+      const __m256i el = h ? e : _mm256_slli_epi16(e, 4), eh = h ? _mm256_srli_epi16(e, 2) : _mm256_slli_epi16(e, 2);
+      w[c] = _mm256_or_si256(w[c], _mm256_and_si256(el, top));  // (16-bit shifts: what crosses a byte is masked off)
+      w[4 + c] = _mm256_or_si256(w[4 + c], _mm256_and_si256(eh, top));
+    } else if constexpr (fm.hbits > 0) {
       const __m256i e = plane32<fm.hbits>(plane_at(sub, fm.hbits, c), h);
       constexpr int lo_mask = (1 << fm.hbits) - 1;
       w[c] = _mm256_or_si256(w[c], _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi8(lo_mask)), 4));
@@ -530,6 +551,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
   for (int pass = 0; pass < passes; ++pass) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* rec = panel + b * fm.rec();
+      const Head8 hd[2] = {head8<F>(rec, 0), head8<F>(rec, 1)};
       for (int64_t i = 0; i < fm.subs(); ++i) {
         const uint8_t* sub = rec + fm.header + i * fm.sub();
         prefetch_row(sub + 4 * fm.sub(), fm.sub());
@@ -537,7 +559,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
           __m256i w[8];
           weights8<F>(sub, h, w);
           __m256 a0, a1, off;
-          scales8<F>(rec, sub, h, a0, a1, off);
+          scales8<F>(hd[h], sub, h, a0, a1, off);
           for (int m = 0; m < MR; ++m) ksub8<F, W>(w, xr, (m0 + m) * kb + b * fm.subs() + i, a0, a1, off, acc[h][m]);
         }
       }
@@ -576,7 +598,7 @@ void kfill(const uint8_t* panel, int64_t nb, PanelScratch& pan) {
         weights8<F>(sub, h, w);
         for (int c = 0; c < 8; ++c) _mm256_store_si256((__m256i*)(pan.tile(j) + 256 * h + 32 * c), w[c]);
         __m256 a0, a1, off;
-        scales8<F>(rec, sub, h, a0, a1, off);
+        scales8<F>(head8<F>(rec, h), sub, h, a0, a1, off);
         float* sc = pan.scales(j) + 24 * h;
         _mm256_storeu_ps(sc, a0);
         _mm256_storeu_ps(sc + 8, a1);

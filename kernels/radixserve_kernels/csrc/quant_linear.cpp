@@ -507,11 +507,16 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
               const int32_t* lo = reinterpret_cast<const int32_t*>(xr.lo.data() + at * QBLOCK);
               s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, hi[c], x256), dot_nib(wh, hi[4 + c], x256)));
               s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, lo[c], x1), dot_nib(wh, lo[4 + c], x1)));
-            } else {
+            } else if constexpr (LUT) {
               s[m] = _mm256_add_epi32(s[m], _mm256_add_epi32(dot_nib(wl, hi[c], x1), dot_nib(wh, hi[4 + c], x1)));
+            } else {  // pairs summed in 16 bits (eight of at most 2 * 15 * 127), widened once below
+              s[m] = _mm256_add_epi16(s[m], _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_set1_epi32(hi[c])),
+                                                             _mm256_maddubs_epi16(wh, _mm256_set1_epi32(hi[4 + c]))));
             }
           }
         }
+        if constexpr (!W && !LUT)
+          for (int m = 0; m < MR; ++m) s[m] = _mm256_madd_epi16(s[m], x1);
       } else {
         for (int c = 0; c < 8; ++c) {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * c + 32 * h));
