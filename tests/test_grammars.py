@@ -323,6 +323,23 @@ def test_constrained_generation_on_a_random_model_always_validates(tiny_llama):
         assert regex.fullmatch(r"[A-C]{2}-[0-9]{3}", regex_out.text) and regex_out.finish_reason == "stop"
 
 
+def test_output_pushed_toward_surrogate_bytes_still_decodes_and_validates(tiny_llama, tok):
+    """A logit bias toward ED and A0-BF (U+D800-DFFF's UTF-8 form, which decoders refuse) once wrote
+    three U+FFFD into a maxLength-10 string; the grammar now never lets the pair through."""
+    byte = _byte_tokens(tok)
+    bias = {byte[b]: 8.0 for b in [0xED, *range(0xA0, 0xC0)]}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+              "additionalProperties": False}
+    with Engine(str(tiny_llama), kv_cache_tokens=8192) as e:
+        params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=60, json_schema=json.dumps(schema), logit_bias=bias)
+                  for i in range(24)]
+        outs = e.generate([[5, 6, 7, 8]] * len(params), params)
+    finished = [o.text for o in outs if o.finish_reason == "stop"]
+    assert finished and not any("\ufffd" in o.text for o in outs)
+    for text in finished:
+        jsonschema.validate(json.loads(text), schema)
+
+
 def test_smollm2_answers_in_valid_json(smollm2_engine):
     text = {"type": "string", "maxLength": 30}
     schema = {"type": "object", "properties": {"city": text, "country": text}, "required": ["city", "country"],
