@@ -427,10 +427,10 @@ inline __m256i dot_q(__m256i w, int32_t x4, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), scale);
 }
 
-// The super-block's d (and -dmin) of outputs 8h .. 8h + 7 from the K-quants' header, once per
+// The super-block's d (and dmin) of outputs 8h .. 8h + 7 from the K-quants' header, once per
 // record for all its sub-blocks (Q5_0 and Q5_1 have none: their scales are per sub-block).
 struct Head8 {
-  __m256 d = _mm256_setzero_ps(), ndmin = _mm256_setzero_ps();
+  __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
 };
 
 template <int F>
@@ -438,8 +438,7 @@ inline Head8 head8(const uint8_t* rec, int h) {
   Head8 hd;
   if constexpr (FMTS[F].header > 0) {
     hd.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16 * h)));
-    if constexpr (F != Q6_K)
-      hd.ndmin = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 32 + 16 * h))));
+    if constexpr (F != Q6_K) hd.dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 32 + 16 * h)));
   }
   return hd;
 }
@@ -462,7 +461,7 @@ inline void scales8(Head8 hd, const uint8_t* sub, int h, __m256& a0, __m256& a1,
     return;
   }
   a0 = a1 = _mm256_mul_ps(hd.d, u8(sc));
-  off = _mm256_mul_ps(hd.ndmin, u8(sc + 16));  // -(dmin * mn), exactly
+  off = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(hd.dmin, u8(sc + 16)));
 }
 
 // A sub-block's integer sums for one row at 8 bits: vpmaddubsw's pair sums added in 16 bits
