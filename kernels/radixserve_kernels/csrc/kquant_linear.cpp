@@ -564,12 +564,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float v[QPANEL];
-    _mm256_store_ps(v, acc[0][m]);
-    _mm256_store_ps(v + 8, acc[1][m]);
-    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
-  }
+  for (int m = 0; m < MR; ++m) store_halves16(y + (m0 + m) * ldy, n0, n, acc[0][m], acc[1][m], bias);
 }
 
 // Many rows (a prefill chunk, a batch's decode step): each sub-block's halves are unpacked once
@@ -621,12 +616,7 @@ void ktile_scratch(const PanelScratch& pan, int64_t kb, const QuantRows& xr, int
       for (int m = 0; m < MR; ++m) ksub8<F, W>(w, xr, (m0 + m) * kb + j, a0, a1, off, acc[h][m]);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float v[QPANEL];
-    _mm256_store_ps(v, acc[0][m]);
-    _mm256_store_ps(v + 8, acc[1][m]);
-    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
-  }
+  for (int m = 0; m < MR; ++m) store_halves16(y + (m0 + m) * ldy, n0, n, acc[0][m], acc[1][m], bias);
 }
 
 constexpr bool HAS_VEC_KTILE = true;

@@ -131,6 +131,17 @@ inline void store_row16(O* y, int64_t n0, int64_t n, const float* v, const float
   for (int64_t i = 0; i < QPANEL && n0 + i < n; ++i) st(y, n0 + i, v[i] + (bias ? bias[n0 + i] : 0.f));
 }
 
+#if defined(__AVX2__)
+// The AVX2 tiles' two 8-output halves of a panel's row, stored as store_row16 does.
+template <typename O>
+inline void store_halves16(O* y, int64_t n0, int64_t n, __m256 lo, __m256 hi, const float* bias) {
+  alignas(32) float v[QPANEL];
+  _mm256_store_ps(v, lo);
+  _mm256_store_ps(v + 8, hi);
+  store_row16(y, n0, n, v, bias);
+}
+#endif
+
 // --- kquant_linear.cpp: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K -------------------------------------
 int kfamily_of_kind(const std::string& kind);  // -1: not one of them
 int kfamily_of_record(int64_t bytes);          // the format whose packed record is this many bytes, or -1

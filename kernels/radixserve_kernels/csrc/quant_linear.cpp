@@ -544,12 +544,7 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float v[QPANEL];
-    _mm256_store_ps(v, acc[0][m]);
-    _mm256_store_ps(v + 8, acc[1][m]);
-    store_row16(y + (m0 + m) * ldy, n0, n, v, bias);
-  }
+  for (int m = 0; m < MR; ++m) store_halves16(y + (m0 + m) * ldy, n0, n, acc[0][m], acc[1][m], bias);
 }
 constexpr bool HAS_VEC_QTILE = true;
 #else
