@@ -63,10 +63,10 @@ inline void prefetch(const void* p) {
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) prefetch(static_cast<const char*>(p) + off);
 }
-// A weight stream's coming lines into L2 only (prefetcht2), for the kernels that read their
-// weights once a call (a decode step's). Against prefetch_row 4 K-quant sub-blocks (~1 KB) ahead:
-// 16 sub-blocks (~5 KB) ahead into L2 measured a Qwen2.5-1.5B decode step 72-74 -> 66-73 ms on
-// AVX2, and a head-shaped Q4_K call at one row 16.2-16.9 -> 17.0-19.2 GB/s (2-core Xeon).
+// A weight stream's coming lines into L2 only (prefetcht2), for the tiles that read each weight
+// once a call (a decode step's few rows). 16 K-quant sub-blocks (~5 KB) ahead into L2, against 4
+// (~1 KB) into L1 with prefetch_row: a Qwen2.5-1.5B decode step 67-71 -> 59-64 ms on the AVX-512
+// build and 72-75 -> 63-72 ms on AVX2 (2-core Xeon; docs/benchmarks.md).
 inline void prefetch_l2(const void* p, int64_t bytes) {
 #if defined(__GNUC__)
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 1);
