@@ -29,9 +29,6 @@
 namespace rs {
 namespace {
 
-// Sub-blocks ahead that the few-rows tiles prefetch their panel (prefetch_l2, vec.h).
-constexpr int64_t KPREFETCH = 16;
-
 struct Fmt {
   const char* name;
   int64_t block, src_bytes, header, hbits, scale;  // weights and bytes per GGUF block; record parts
@@ -341,7 +338,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
     const uint8_t* rec = panel + b * fm.rec();
     for (int64_t i = 0; i < fm.subs(); ++i) {
       const uint8_t* sub = rec + fm.header + i * fm.sub();
-      prefetch_l2(sub + KPREFETCH * fm.sub(), fm.sub());
+      prefetch_l2(sub + QPREFETCH * fm.sub(), fm.sub());
       __m512i w[8];
       weights16<F>(sub, w);
       __m512 a0, a1, off;
@@ -556,7 +553,7 @@ void ktile(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m0, co
       const Head8 hd[2] = {head8<F>(rec, 0), head8<F>(rec, 1)};
       for (int64_t i = 0; i < fm.subs(); ++i) {
         const uint8_t* sub = rec + fm.header + i * fm.sub();
-        prefetch_l2(sub + KPREFETCH * fm.sub(), fm.sub());
+        prefetch_l2(sub + QPREFETCH * fm.sub(), fm.sub());
         for (int h = passes == 1 ? 0 : pass; h < (passes == 1 ? 2 : pass + 1); ++h) {
           __m256i w[8];
           weights8<F>(sub, h, w);

@@ -14,6 +14,9 @@ constexpr int64_t QPANEL = 16, QBLOCK = 32;
 // sub-blocks unpacked once a pass). 128 measured 3-5 % faster than 64 on a Qwen2.5-1.5B prefill
 // (2-core Xeon, AVX2 and AMX builds), 256 level with 128.
 constexpr int64_t QLINEAR_ROWS = 128;
+// Weight blocks (a legacy kind's block, a K-quant's sub-block; 288-544 bytes a panel) that the
+// few-rows tiles prefetch ahead into L2 (prefetch_l2, vec.h): a decode step reads each weight once.
+constexpr int64_t QPREFETCH = 16;
 
 // The builds with a vector integer dot product for the quantized tiles: vpdpbusd (AVX512-VNNI)
 // or vpmaddubsw + vpmaddwd (AVX2, also AVX-512 without VNNI); elsewhere the portable tiles.

@@ -425,7 +425,7 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk = panel + b * bytes;
-    prefetch_l2(blk + 16 * bytes, bytes);  // ~5-9 KB ahead: DRAM's latency (at 3-4 rows too: without it a 4-row tile waited on memory, 1.7x slower)
+    prefetch_l2(blk + QPREFETCH * bytes, bytes);  // ~5-9 KB ahead: DRAM's latency (at 3-4 rows too: without it a 4-row tile waited on memory, 1.7x slower)
     __m512i w[8];
     __m512 d, mv = _mm512_setzero_ps();
     if constexpr (BITS == 4) {
@@ -487,7 +487,7 @@ void qtile(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m0, co
                 x256 = _mm256_set1_epi16(256), x4096 = _mm256_set1_epi16(4096);
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk = panel + b * bytes;
-    prefetch_l2(blk + 16 * bytes, bytes);
+    prefetch_l2(blk + QPREFETCH * bytes, bytes);
     for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7: bytes 32h .. 32h + 31 of each 64
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + (BITS == 4 ? 256 : 512) + 16 * h)));
       __m256i s[MR];
