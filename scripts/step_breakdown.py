@@ -49,7 +49,7 @@ def main() -> None:
     timed(runner, "run", "runner")
     timed(type(runner.model), "forward", "model forward")
     timed(llama.FusedDecode, "run", "fused native call")
-    weights = eng.weight_bytes
+    weights = eng.step_weight_bytes
 
     async def generate() -> None:
         params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, temperature=0)
@@ -66,8 +66,8 @@ def main() -> None:
     t.start()
     eng.run_loop()
     t.join()
-    print(f"{args.model}: {args.tokens} tokens, weights {weights / 2**20:.0f} MiB (all of them; a MoE step reads less: "
-          "/server_info's experts.step_weight_bytes)")
+    print(f"{args.model}: {args.tokens} tokens, a step reads {weights / 2**20:.0f} MiB of weights "
+          "(/server_info's step_weight_bytes)")
     for key, v in times.items():
         print(f"  {key:20s} median {1e3 * statistics.median(v):6.2f} ms over {len(v)} calls")
     eng.shutdown()

@@ -557,6 +557,18 @@ def test_quantization_int8_and_int4_serve_a_float_checkpoint_as_its_quantized_va
         Engine(str(tiny_llama), kv_cache_tokens=512, quantization="int3")
 
 
+def test_a_step_reads_every_weight_but_an_embedding_table_no_head_shares(tiny_models):
+    """`step_weight_bytes` (what `bench compare --roof` divides by a step's time): a tied head
+    reads the whole table, an untied model's step one row of it."""
+    from radixserve.models.loader import load_model
+
+    for arch, tied in (("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False)):
+        model = load_model(str(tiny_models[arch]), torch.float32, torch.device("cpu"), "none").model
+        table = model.model.embed_tokens.weight
+        assert (model.lm_head.weight is table) == tied
+        assert quant.unread_embedding_bytes(model) == (0 if tied else table.numel() * 4), arch
+
+
 @pytest.mark.smollm2
 def test_the_default_model_stays_within_its_measured_divergence_from_the_exact_model(smollm2_dir):
     """`bench quality`'s measurement on the default file (its Q4_1 blocks against the same file

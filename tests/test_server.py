@@ -385,7 +385,7 @@ def test_bench_compare_roof_prints_the_first_servers_decode_step_against_the_mac
                  "--workloads", "single", "--repeats", "1", "--scale", "0.05", "--roof", "--json", str(out)]) == 0
     roof = json.loads(out.read_text())["memory_roof"]
     _, info = server.get("/server_info")
-    assert roof["weight_bytes"] == info["weight_bytes"] and roof["step_ms"] > 0 and roof["read_roof_gb_s"] > 1
+    assert roof["weight_bytes"] == info["step_weight_bytes"] and roof["step_ms"] > 0 and roof["read_roof_gb_s"] > 1
     assert roof["weights_gb_s"] == pytest.approx(roof["weight_bytes"] / roof["step_ms"] * 1e3 / 1e9)
     assert roof["share"] == pytest.approx(roof["weights_gb_s"] / roof["read_roof_gb_s"])
     shares = sorted(r["share"] for r in roof["rounds"])  # each round judged by the roof measured beside it

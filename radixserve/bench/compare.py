@@ -9,10 +9,10 @@ on every server back to back, and the ratio of the first server to each other on
     json     16 concurrent JSON-schema chats (response_format json_schema): output tok/s
 
 `--roof`: the first server's decode step against the machine's memory roof, as a weight-bound
-step at batch 1 should be judged: its weights' bytes (`/server_info` `weight_bytes`; every
-weight is read once a step where the embedding is tied to the head, as on SmolLM2 and
-Qwen2.5-1.5B; a mixture of experts' `experts.step_weight_bytes` instead, the bytes a step
-reads: the dense layers' and, on average, its chosen experts') divided by its step time (the
+step at batch 1 should be judged: the bytes of weights a step reads (`/server_info`
+`step_weight_bytes`: every weight but an embedding table no head shares, of which a step reads
+one row, as in Qwen2.5-Coder-1.5B's GGUF with its own `output.weight`; of a mixture of experts,
+the dense layers' and, on average, its chosen experts') divided by its step time (the
 difference of a 2n- and an n-token completion of fresh prompts, so prefill and HTTP cancel out;
 where that difference is below the requests' noise, a tiny model's, the whole request's time a
 token instead, an upper bound, flagged `step_is_upper_bound`), beside the read rate of a
@@ -224,7 +224,7 @@ async def step_roof(url: str, key: str | None, model: str, seed: int, steps: int
         s = Server(session, url, "roof", key, model)
         async with session.get(url + "/server_info", headers=bearer(key)) as r:
             info = await r.json(content_type=None)
-        weight_bytes = int((info.get("experts") or {}).get("step_weight_bytes") or info["weight_bytes"])
+        weight_bytes = int(info.get("step_weight_bytes") or info["weight_bytes"])
         await s.complete("Hello", 2)
         rounds = []
         for _ in range(3):

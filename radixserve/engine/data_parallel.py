@@ -125,6 +125,7 @@ class DataParallelEngine(RequestFront):
         self.context_len, self.vocab_size, self.model_vocab_size = first.context_len, first.vocab_size, first.model_vocab_size
         self.eos_ids, self.num_slots, self.dtype, self.device = first.eos_ids, first.num_slots, first.dtype, first.device
         self.weight_bytes, self.default_max_new_tokens = first.weight_bytes, first.default_max_new_tokens
+        self.step_weight_bytes = first.step_weight_bytes
         self.load_seconds, self.load_peak_rss, self.cpu_kernels = first.load_seconds, first.load_peak_rss, first.cpu_kernels
         self.activations, self.experts = first.activations, first.experts
         self._placed: dict[str, int] = {}  # rid -> replica, routed and not submitted yet

@@ -41,7 +41,7 @@ from radixserve.models.linear import PACKED_MAX_ROWS, pack_linears
 from radixserve.models.loader import load_model, quantized_weights
 from radixserve.models.moe import describe as describe_experts
 from radixserve.models.moe import idle_bytes
-from radixserve.models.quant import set_activations, weight_bytes
+from radixserve.models.quant import set_activations, unread_embedding_bytes, weight_bytes
 from radixserve.request import InvalidParam, Req, Retention, SamplingParams
 from radixserve.sched.cache_manager import CacheManager
 from radixserve.sched.scheduler import Scheduler
@@ -105,9 +105,13 @@ class Engine(RequestFront):
                     "layer by layer (the one-call step reads a pool in the activations' dtype, or int8 / fp8, only)"
                 log.info("decode steps run all %d layers %s", loaded.arch.num_layers, how)
         self.weight_bytes = weight_bytes(loaded.model)  # with the packed copies of float linears
+        # what a decode step at batch 1 reads: not an untied embedding's table (one row of it), nor
+        # the experts it does not choose (bench compare --roof divides these by the step's time)
+        self.step_weight_bytes = self.weight_bytes - unread_embedding_bytes(loaded.model)
         self.experts = describe_experts(loaded.arch)  # a mixture of experts' layout, or None
-        if self.experts is not None:  # what a decode step at batch 1 reads: the chosen experts' bytes, not all
-            self.experts["step_weight_bytes"] = self.weight_bytes - idle_bytes(loaded.model)
+        if self.experts is not None:
+            self.step_weight_bytes -= idle_bytes(loaded.model)
+            self.experts["step_weight_bytes"] = self.step_weight_bytes
         self.load_seconds, self.load_peak_rss = time.monotonic() - t0, _peak_rss()
         kernels = cpu_kernels.ops() if self.device.type == "cpu" else None
         self.cpu_kernels = kernels.isa() if kernels is not None else ""

@@ -111,7 +111,7 @@ class EngineProcess(RequestFront):
         self.context_len, self.vocab_size, self.model_vocab_size = info.context_len, info.vocab_size, info.model_vocab_size
         self.eos_ids, self.num_slots = set(info.eos_ids), info.num_slots
         self.dtype, self.device, self.pid = info.dtype, info.device, info.pid
-        self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
+        self.quantization, self.weight_bytes, self.step_weight_bytes = info.quantization, info.weight_bytes, info.step_weight_bytes
         self.load_seconds, self.load_peak_rss, self.cpu_kernels = info.load_seconds, info.load_peak_rss, info.cpu_kernels
         self.activations, self.experts = info.activations, info.experts
         self.kv_location = info.kv_location
@@ -462,7 +462,8 @@ class _Core:
                              sorted(e.eos_ids), e.num_slots, str(e.dtype).removeprefix("torch."), str(e.device), os.getpid(),
                              e.quantization, e.weight_bytes,
                              str(e.kv_dtype).removeprefix("torch."), e.pool.bytes_per_token, e.load_seconds,
-                             e.load_peak_rss, e.cpu_kernels, e.kv_location, e.activations, e.experts))
+                             e.load_peak_rss, e.cpu_kernels, e.kv_location, e.activations, e.experts,
+                             e.step_weight_bytes))
         self._flush()  # the first stats, before any step
 
     def send(self, msg: Any) -> None:

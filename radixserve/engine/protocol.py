@@ -209,6 +209,7 @@ class EngineInfo(msgspec.Struct, tag="ready", frozen=True):
     kv_location: str = ""  # its KV connector's address (--kv-connector; engine/kv_connector.py), or ""
     activations: str = "float"  # what quantized linears multiply: int8, int16 or float (models.quant.set_activations)
     experts: dict[str, int] | None = None  # a mixture of experts' layout (models.moe.describe), or None
+    step_weight_bytes: int = 0  # what a decode step at batch 1 reads of weight_bytes (Engine.step_weight_bytes)
 
 
 class Deltas(msgspec.Struct, tag="deltas", frozen=True):
@@ -281,6 +282,7 @@ class EngineClient(Protocol):
     vocab_size: int
     tokenizer: Any
     weight_bytes: int
+    step_weight_bytes: int  # what a decode step at batch 1 reads of them: not an untied embedding, nor idle experts
     load_seconds: float  # the model's load, and the engine process's peak RSS by its end
     load_peak_rss: int
     cpu_kernels: str  # radixserve_kernels.cpu's build in use ("" on a GPU or without them)

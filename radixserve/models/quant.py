@@ -357,20 +357,31 @@ def set_activations(model: nn.Module, choice: str) -> str:
     return f"int{bits}"
 
 
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """A tensor's storage: (a key shared by the tensors that share it, its bytes)."""
+    try:
+        return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # an opaque (mkldnn) tensor
+        return id(t), t.numel() * t.element_size()
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer, each tensor's storage once (a tied head counts once;
     oneDNN's packed weights have no storage to share and count by their size)."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        try:
-            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        except (NotImplementedError, RuntimeError):  # an opaque (mkldnn) tensor
-            key, size = id(t), t.numel() * t.element_size()
-        if key not in seen:
-            seen.add(key)
-            total += size
-    return total
+    return sum(dict(_storage(t) for t in [*model.parameters(), *model.buffers()]).values())
+
+
+def unread_embedding_bytes(model: nn.Module) -> int:
+    """The bytes of the input embedding that no other weight shares: a decode step reads one row
+    of such a table (a head of its own, as Qwen2.5-Coder-1.5B's GGUF has), where a tied head
+    reads all of it."""
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not isinstance(emb, nn.Module):
+        return 0
+    inside = {id(m) for m in emb.modules()}  # (a tied head may hold the very same Parameter)
+    others = {_storage(t)[0] for m in model.modules() if id(m) not in inside
+              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    return sum(n for key, n in dict(_storage(t) for t in [*emb.parameters(), *emb.buffers()]).items() if key not in others)
 
 
 def describe(model: nn.Module) -> dict[str, int]:

@@ -154,6 +154,7 @@ async def server_info(request: web.Request) -> web.Response:
         "quantization": e.quantization,
         "activations": e.activations,
         "weight_bytes": e.weight_bytes,
+        "step_weight_bytes": e.step_weight_bytes,
         "experts": e.experts and {**e.experts, "expert_parallel": e.config.model.expert_parallel},
         "load": {"seconds": round(e.load_seconds, 3), "peak_rss_bytes": e.load_peak_rss},
         "cpu_kernels": e.cpu_kernels or None,
