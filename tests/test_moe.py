@@ -574,22 +574,53 @@ def test_qlinear_many_is_each_qlinear(ops, bits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 16])
+def test_qlinear_parts_is_each_qlinear_side_by_side(ops, dtype, bits):
+    """Parts of every kind family, widths off the 16-output panel, with and without a bias, in one
+    call: its columns are each part's qlinear, to the bit, at 1 to 130 rows (two passes of rows);
+    a part of another input width is refused."""
+    from tests.test_quant import gguf_blocks
+
+    k = 256
+    parts = [("q4_k", 40, True), ("q6_k", 32, False), ("q8_0", 16, True), ("q4_1", 24, False), ("q5_0", 70, True)]
+    packed, ns, biases = [], [], []
+    for i, (kind, n, has_bias) in enumerate(parts):
+        raw, _ = gguf_blocks(kind, n, k, seed=i)
+        packed.append(ops.pack_quant(raw, kind, n, k))
+        ns.append(n)
+        biases.append(torch.randn(n, generator=torch.Generator().manual_seed(10 + i)) if has_bias else None)
+    for rows in (1, 2, 5, 33, 130):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        y = ops.qlinear_parts(x, packed, ns, biases, bits)
+        assert y.dtype == dtype and y.shape == (rows, sum(ns))
+        want = torch.cat([ops.qlinear(x, w, n, b, False, False, bits) for w, n, b in zip(packed, ns, biases)], dim=-1)
+        assert torch.equal(y, want), rows
+    raw, _ = gguf_blocks("q4_k", 16, 512, seed=9)
+    with pytest.raises(RuntimeError, match="packed by pack_quant for this n and k"):
+        ops.qlinear_parts(torch.randn(1, k), [packed[0], ops.pack_quant(raw, "q4_k", 16, 512)], [40, 16], [None, None], 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_split_linear_runs_its_parts_in_one_call_as_each_part_computes(ops, dtype):
-    """q/k in Q4_K beside v in Q6_K (a Q4_K_M file's attention): one qlinear_many for a few rows,
-    equal to each part's own call, concatenated."""
+    """q/k in Q4_K beside v in Q6_K with a bias (a Q4_K_M file's Qwen2 attention): one
+    qlinear_parts, equal to each part's own call, concatenated."""
     from radixserve.models.quant import SplitQuantLinear
     from tests.test_quant import gguf_blocks
 
     parts = []
     for i, (kind, n) in enumerate([("q4_k", 64), ("q4_k", 32), ("q6_k", 32)]):
         raw, _ = gguf_blocks(kind, n, 256, seed=i)
-        q = QuantLinear(n, 256, kind, False, packed=ops.pack_quant(raw, kind, n, 256))
+        parts.append(QuantLinear(n, 256, kind, False, packed=ops.pack_quant(raw, kind, n, 256)))
+    split = SplitQuantLinear(parts, True)
+    with torch.no_grad():
+        split.bias.copy_(torch.randn(128))
+    split.finish()
+    for q in parts:
         q.finish()
-        parts.append(q)
-    split = SplitQuantLinear(parts, False)
-    for rows in (1, 3):
+    assert split.bias_in_parts
+    for rows in (1, 3, 80):
         x = torch.randn(rows, 256).to(dtype)
-        assert torch.equal(split(x), torch.cat([p(x) for p in parts], dim=-1))
+        assert torch.equal(split(x), torch.cat([p(x) for p in parts], dim=-1)), rows
 
 
 def test_quantizing_a_moe_folder_leaves_its_routers_float(tiny_moe_models):

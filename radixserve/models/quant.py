@@ -292,13 +292,13 @@ class SplitQuantLinear(nn.Module):
         parts = cast(list[QuantLinear], list(self.parts))
         x2 = x.reshape(-1, x.shape[-1])
         ops, bits, rows = parts[0].native, parts[0].act_bits, x2.shape[0]
-        if (self.bias is None and rows <= MAX_NATIVE_ROWS and x2.dtype in (torch.float32, torch.bfloat16)
+        if ((self.bias is None or self.bias_in_parts) and x2.dtype in (torch.float32, torch.bfloat16)
                 and not (torch.is_grad_enabled() and x2.requires_grad)
                 and all(p.native is ops and p.native_rows(rows) and p.act_bits == bits and not p.float_out for p in parts)):
-            # a few rows (decode): every part in one native call, one parallel region (qlinear_many)
-            x2 = x2.contiguous()
-            ys = ops.qlinear_many([x2] * len(parts), [p.packed for p in parts], [p.out_features for p in parts], bits)
-            return torch.cat(ys, dim=-1).to(x.dtype).view(*x.shape[:-1], self.out_features)
+            # every part in one native call: x quantized once, one parallel region, written in place
+            y = ops.qlinear_parts(x2.contiguous(), [p.packed for p in parts], [p.out_features for p in parts],
+                                  [p.bias for p in parts], bits)
+            return y.view(*x.shape[:-1], self.out_features)
         y = torch.cat([p(x) for p in parts], dim=-1)
         return y if self.bias is None or self.bias_in_parts else y + self.bias.to(y.dtype)
 

@@ -153,9 +153,10 @@ void amx_rows(PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m, con
 
 // amx_rows at xr's activation width.
 template <int Z, bool SPLIT, bool OFF, typename O>
-void amx_rows_of(PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
-  if (xr.wide) amx_rows<Z, SPLIT, OFF, true>(pan, kb, xr, m, bias, y, n, n0, n);
-  else amx_rows<Z, SPLIT, OFF, false>(pan, kb, xr, m, bias, y, n, n0, n);
+void amx_rows_of(PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+                 int64_t n) {
+  if (xr.wide) amx_rows<Z, SPLIT, OFF, true>(pan, kb, xr, m, bias, y, ldy, n0, n);
+  else amx_rows<Z, SPLIT, OFF, false>(pan, kb, xr, m, bias, y, ldy, n0, n);
 }
 
 }  // namespace rs

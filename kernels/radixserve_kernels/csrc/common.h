@@ -139,6 +139,8 @@ std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at:
                                      int64_t act_bits);
 at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, bool float_out,
                       bool generic, int64_t act_bits);
+at::Tensor qlinear_parts(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
+                         std::vector<c10::optional<at::Tensor>> biases, int64_t act_bits);
 bool set_amx(bool on);
 
 // --- decode_step.cpp ----------------------------------------------------------------------

@@ -26,6 +26,8 @@ at::Tensor part_linear(const at::Tensor& x, const StepLinear& l, size_t i, int64
 
 at::Tensor run_linear(const at::Tensor& x, const StepLinear& l, int64_t bits) {
   if (l.parts.size() == 1) return part_linear(x, l, 0, bits);
+  if (std::all_of(l.parts.begin(), l.parts.end(), [](const at::Tensor& p) { return p.scalar_type() == at::kByte; }))
+    return qlinear_parts(x, l.parts, l.widths, l.biases, bits);  // quantized parts of mixed kinds: one region
   std::vector<at::Tensor> outs;
   for (size_t i = 0; i < l.parts.size(); ++i) outs.push_back(part_linear(x, l, i, bits));
   return at::cat(outs, 1);

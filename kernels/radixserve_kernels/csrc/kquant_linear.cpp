@@ -628,33 +628,34 @@ constexpr bool HAS_VEC_KTILE = false;
 // Rows m0 .. m0 + rows (1 <= rows <= R) on the scratch tile of that many rows.
 template <int F, int R, bool W, typename O>
 inline void ktile_scratch_rows(int64_t rows, const PanelScratch& pan, int64_t kb, const QuantRows& xr, int64_t m0, const float* bias,
-                               O* y, int64_t n0, int64_t n) {
+                               O* y, int64_t ldy, int64_t n0, int64_t n) {
   if constexpr (R > 1)
-    if (rows < R) return ktile_scratch_rows<F, R - 1, W>(rows, pan, kb, xr, m0, bias, y, n0, n);
-  ktile_scratch<F, R, W>(pan, kb, xr, m0, bias, y, n, n0, n);
+    if (rows < R) return ktile_scratch_rows<F, R - 1, W>(rows, pan, kb, xr, m0, bias, y, ldy, n0, n);
+  ktile_scratch<F, R, W>(pan, kb, xr, m0, bias, y, ldy, n0, n);
 }
 
 // The build's fill (kfill) once for the panel, then its scratch tiles KMR_MANY rows at a time.
 template <int F, bool W, typename O>
-void ktiles_scratch(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0,
-                    int64_t n) {
+void ktiles_scratch(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy,
+                    int64_t n0, int64_t n) {
   PanelScratch& pan = panel_scratch();
   kfill<F>(panel, nb, pan);
   const int64_t kb = nb * FMTS[F].subs();
   for (int64_t m0 = 0; m0 < m; m0 += KMR_MANY)
-    ktile_scratch_rows<F, KMR_MANY, W>(std::min<int64_t>(KMR_MANY, m - m0), pan, kb, xr, m0, bias, y, n0, n);
+    ktile_scratch_rows<F, KMR_MANY, W>(std::min<int64_t>(KMR_MANY, m - m0), pan, kb, xr, m0, bias, y, ldy, n0, n);
 }
 #endif
 
 #if defined(RS_INT_DOT)
 template <int F, bool W, typename O>
-void ktiles(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+void ktiles(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+            int64_t n) {
   for (int64_t m0 = 0; m0 < m; m0 += KMR) {
     switch (std::min<int64_t>(KMR, m - m0)) {
-      case 1: ktile<F, 1, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-      case 2: ktile<F, 2, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-      case 3: ktile<F, 3, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
-      default: ktile<F, KMR, W>(panel, nb, xr, m0, bias, y, n, n0, n); break;
+      case 1: ktile<F, 1, W>(panel, nb, xr, m0, bias, y, ldy, n0, n); break;
+      case 2: ktile<F, 2, W>(panel, nb, xr, m0, bias, y, ldy, n0, n); break;
+      case 3: ktile<F, 3, W>(panel, nb, xr, m0, bias, y, ldy, n0, n); break;
+      default: ktile<F, KMR, W>(panel, nb, xr, m0, bias, y, ldy, n0, n); break;
     }
   }
 }
@@ -663,61 +664,63 @@ void ktiles(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, co
 #if defined(RS_AMX)
 // A panel's sub-blocks into the tiles' scratch (amx.h): the VNNI tile's weight vectors and scales.
 template <int F, typename O>
-void amx_kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+void amx_kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+                int64_t n) {
   constexpr Fmt fm = FMTS[F];
   constexpr int Z = F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
   const int64_t kb = nb * fm.subs();
   PanelScratch& pan = panel_scratch();
   kfill<F>(panel, nb, pan);
-  amx_rows_of<Z, Z != 0, Z == 0>(pan, kb, xr, m, bias, y, n0, n);
+  amx_rows_of<Z, Z != 0, Z == 0>(pan, kb, xr, m, bias, y, ldy, n0, n);
 }
 #endif
 
 template <int F, typename O>
-void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n,
-            bool vector) {
+void kpanel(const uint8_t* panel, int64_t nb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+            int64_t n, bool vector) {
 #if defined(RS_AMX)
   if (vector && xr.tiles) {
-    amx_kpanel<F>(panel, nb, xr, m, bias, y, n0, n);
+    amx_kpanel<F>(panel, nb, xr, m, bias, y, ldy, n0, n);
     return;
   }
 #endif
 #if defined(RS_KSCRATCH)
   if (vector && m >= KSCRATCH_MIN_ROWS && kscratch_kind(F)) {
-    if (xr.wide) ktiles_scratch<F, true>(panel, nb, xr, m, bias, y, n0, n);
-    else ktiles_scratch<F, false>(panel, nb, xr, m, bias, y, n0, n);
+    if (xr.wide) ktiles_scratch<F, true>(panel, nb, xr, m, bias, y, ldy, n0, n);
+    else ktiles_scratch<F, false>(panel, nb, xr, m, bias, y, ldy, n0, n);
     return;
   }
 #endif
 #if defined(RS_INT_DOT)
   if (vector) {
-    if (xr.wide) ktiles<F, true>(panel, nb, xr, m, bias, y, n0, n);
-    else ktiles<F, false>(panel, nb, xr, m, bias, y, n0, n);
+    if (xr.wide) ktiles<F, true>(panel, nb, xr, m, bias, y, ldy, n0, n);
+    else ktiles<F, false>(panel, nb, xr, m, bias, y, ldy, n0, n);
     return;
   }
 #endif
-  ktile_generic<F>(panel, nb, xr, m, bias, y, n, n0, n);
+  ktile_generic<F>(panel, nb, xr, m, bias, y, ldy, n0, n);
 }
 
-// Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into y (m, n).
+// Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into y (m, n; rows
+// ldy apart).
 template <typename O>
-void kfamily_panel_of(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n,
-                      int64_t p, bool vector) {
+void kfamily_panel_of(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy,
+                      int64_t n, int64_t p, bool vector) {
   const int64_t nb = packed.size(1);
   const uint8_t* panel = packed.data_ptr<uint8_t>() + p * nb * packed.size(2);
   switch (f) {
-    case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-    case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-    case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-    case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
-    default: kpanel<Q6_K>(panel, nb, xr, m, bias, y, p * QPANEL, n, vector); break;
+    case Q5_0: kpanel<Q5_0>(panel, nb, xr, m, bias, y, ldy, p * QPANEL, n, vector); break;
+    case Q5_1: kpanel<Q5_1>(panel, nb, xr, m, bias, y, ldy, p * QPANEL, n, vector); break;
+    case Q4_K: kpanel<Q4_K>(panel, nb, xr, m, bias, y, ldy, p * QPANEL, n, vector); break;
+    case Q5_K: kpanel<Q5_K>(panel, nb, xr, m, bias, y, ldy, p * QPANEL, n, vector); break;
+    default: kpanel<Q6_K>(panel, nb, xr, m, bias, y, ldy, p * QPANEL, n, vector); break;
   }
 }
 
 template <typename O>
 void kfamily_impl(int f, const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
   parallel_dynamic((n + QPANEL - 1) / QPANEL, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) kfamily_panel_of(f, packed, xr, m, bias, y, n, p, vector);
+    for (int64_t p = begin; p < end; ++p) kfamily_panel_of(f, packed, xr, m, bias, y, n, n, p, vector);
   });
 }
 
@@ -792,9 +795,15 @@ void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* 
 }
 
 // Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into fp32 y (m, n).
-void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, float* y, int64_t n, int64_t p, bool generic) {
-  kfamily_panel_of(f, packed, xr, m, nullptr, y, n, p, HAS_VEC_KTILE && !generic);
+template <typename O>
+void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n,
+                   int64_t p, bool generic) {
+  kfamily_panel_of(f, packed, xr, m, bias, y, ldy, n, p, HAS_VEC_KTILE && !generic);
 }
+template void kfamily_panel<float>(const at::Tensor&, int, const QuantRows&, int64_t, const float*, float*, int64_t, int64_t, int64_t,
+                                   bool);
+template void kfamily_panel<uint16_t>(const at::Tensor&, int, const QuantRows&, int64_t, const float*, uint16_t*, int64_t, int64_t,
+                                      int64_t, bool);
 
 // y (M, n) = the quantized rows xr times a packed weight of format f, plus bias.
 void qlinear_kfamily(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, at::Tensor& y, int64_t n,

@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_quant", &rs::dequant_quant, "fp32 rows of a pack_quant weight (packed, n, k, rows)");
   m.def("qlinear_many", &rs::qlinear_many, "several quantized linears in one parallel region, fp32 out (xs, packed, ns, act_bits)");
   m.def("set_amx", &rs::set_amx, "allow the AMX tiles for many-row quantized linears (on by default where built); returns whether they run");
+  m.def("qlinear_parts", &rs::qlinear_parts, "quantized linears of one x side by side in one parallel region, out (rows, sum ns) in x's dtype (x, packed, ns, biases, act_bits)");
   m.def("qlinear", &rs::qlinear, "a linear over a pack_quant weight, activations quantized to act_bits 8 or 16 (x, packed, n, bias, float_out, generic, act_bits)");
   // module-local: each build (avx512, avx2, generic) may be loaded in one process, each with its own type
   pybind11::class_<rs::DecodeWeights, std::shared_ptr<rs::DecodeWeights>>(m, "DecodeWeights", pybind11::module_local());

@@ -153,6 +153,11 @@ at::Tensor pack_kfamily(const at::Tensor& raw, int f, int64_t n, int64_t k);
 void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* rows, int64_t count, float* out);
 void qlinear_kfamily(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, at::Tensor& y, int64_t n,
                      bool generic);
-void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, float* y, int64_t n, int64_t p, bool generic);
+// Panel p of a packed weight of format f times xr's m rows into y (m, n; rows ldy apart), plus
+// bias: one panel of qlinear_kfamily, for the callers that spread several linears' panels over
+// one parallel region (qlinear_many, qlinear_parts). O: float, or uint16_t (bf16).
+template <typename O>
+void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n,
+                   int64_t p, bool generic);
 
 }  // namespace rs

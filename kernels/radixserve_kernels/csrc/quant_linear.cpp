@@ -553,13 +553,14 @@ constexpr bool HAS_VEC_QTILE = false;
 
 #if defined(RS_INT_DOT)
 template <int BITS, bool W, bool LUT, typename O>
-void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+void qpanel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+            int64_t n) {
   for (int64_t m0 = 0; m0 < m; m0 += QMR) {
     switch (std::min<int64_t>(QMR, m - m0)) {
-      case 1: qtile<1, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      case 2: qtile<2, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      case 3: qtile<3, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
-      default: qtile<4, BITS, W, LUT>(panel, kb, xr, m0, bias, y, n, n0, n); break;
+      case 1: qtile<1, BITS, W, LUT>(panel, kb, xr, m0, bias, y, ldy, n0, n); break;
+      case 2: qtile<2, BITS, W, LUT>(panel, kb, xr, m0, bias, y, ldy, n0, n); break;
+      case 3: qtile<3, BITS, W, LUT>(panel, kb, xr, m0, bias, y, ldy, n0, n); break;
+      default: qtile<4, BITS, W, LUT>(panel, kb, xr, m0, bias, y, ldy, n0, n); break;
     }
   }
 }
@@ -599,45 +600,47 @@ void amx_fill(const uint8_t* panel, int64_t kb, PanelScratch& pan) {
 }
 
 template <int BITS, bool LUT, typename O>
-void amx_panel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n0, int64_t n) {
+void amx_panel(const uint8_t* panel, int64_t kb, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n0,
+               int64_t n) {
   PanelScratch& pan = panel_scratch();
   amx_fill<BITS, LUT>(panel, kb, pan);
-  amx_rows_of<BITS == 8 ? 128 : 0, false, BITS == 4>(pan, kb, xr, m, bias, y, n0, n);
+  amx_rows_of<BITS == 8 ? 128 : 0, false, BITS == 4>(pan, kb, xr, m, bias, y, ldy, n0, n);
 }
 #endif
 
-// Panel p (outputs 16p ..) of a Q4 / Q8 packed weight times xr's m rows, into y (m, n).
+// Panel p (outputs 16p ..) of a Q4 / Q8 packed weight times xr's m rows, into y (m, n; rows ldy
+// apart).
 template <typename O>
-void qpanel_of(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, int64_t p,
+void qpanel_of(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n, int64_t p,
                bool vector) {
   const int64_t kb = packed.size(1), bytes = packed.size(2);
   const uint8_t* panel = packed.data_ptr<uint8_t>() + p * kb * bytes;
 #if defined(RS_AMX)
   if (vector && xr.tiles) {
-    if (bytes == Q4_BYTES) amx_panel<4, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-    else if (bytes == FP4_BYTES) amx_panel<4, true>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-    else amx_panel<8, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    if (bytes == Q4_BYTES) amx_panel<4, false>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n);
+    else if (bytes == FP4_BYTES) amx_panel<4, true>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n);
+    else amx_panel<8, false>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n);
     return;
   }
 #endif
 #if defined(RS_INT_DOT)
   if (vector) {
-    if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true, false>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                           : qpanel<4, false, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-    else if (bytes == FP4_BYTES) xr.wide ? qpanel<4, true, true>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                                 : qpanel<4, false, true>(panel, kb, xr, m, bias, y, p * QPANEL, n);
-    else xr.wide ? qpanel<8, true, false>(panel, kb, xr, m, bias, y, p * QPANEL, n)
-                 : qpanel<8, false, false>(panel, kb, xr, m, bias, y, p * QPANEL, n);
+    if (bytes == Q4_BYTES) xr.wide ? qpanel<4, true, false>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n)
+                           : qpanel<4, false, false>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n);
+    else if (bytes == FP4_BYTES) xr.wide ? qpanel<4, true, true>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n)
+                                 : qpanel<4, false, true>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n);
+    else xr.wide ? qpanel<8, true, false>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n)
+                 : qpanel<8, false, false>(panel, kb, xr, m, bias, y, ldy, p * QPANEL, n);
     return;
   }
 #endif
-  qtile_generic(panel, kb, bytes, xr, 0, m, bias, y, n, p * QPANEL, n);
+  qtile_generic(panel, kb, bytes, xr, 0, m, bias, y, ldy, p * QPANEL, n);
 }
 
 template <typename O>
 void qlinear_impl(const at::Tensor& packed, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t n, bool vector) {
   parallel_dynamic((n + QPANEL - 1) / QPANEL, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) qpanel_of(packed, xr, m, bias, y, n, p, vector);
+    for (int64_t p = begin; p < end; ++p) qpanel_of(packed, xr, m, bias, y, n, n, p, vector);
   });
 }
 
@@ -691,6 +694,52 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
   return y;
 }
 
+// The linears of one x side by side (a fused q/k/v or gate/up whose parts a file keeps in
+// different kinds, as a Q4_K_M file keeps v in Q6_K): y (M, sum ns) in x's dtype = x times each
+// part plus its bias, the parts' outputs in order. x is quantized once and every part's panels
+// share one parallel region, written in place: no fork and join per part, no concatenation. The
+// same numbers as a qlinear per part.
+at::Tensor qlinear_parts(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
+                         std::vector<c10::optional<at::Tensor>> biases, int64_t act_bits) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qlinear_parts: 2-d float32 or bfloat16 x, rows contiguous");
+  const size_t parts = packed.size();
+  TORCH_CHECK(parts > 0 && ns.size() == parts && biases.size() == parts, "qlinear_parts: one n and bias (or None) per packed part");
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear_parts: act_bits is 8 or 16, got ", act_bits);
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<int> fmt(parts);
+  std::vector<int64_t> col(parts + 1, 0), start(parts + 1, 0);
+  for (size_t j = 0; j < parts; ++j) {
+    fmt[j] = check_quant(packed[j], ns[j], k);  // (so every part's blocks of 32 are x's: one quantization)
+    if (biases[j].has_value())
+      TORCH_CHECK(biases[j]->scalar_type() == at::kFloat && biases[j]->is_contiguous() && biases[j]->numel() == ns[j],
+                  "qlinear_parts: a part's bias is a contiguous float32 of its n");
+    col[j + 1] = col[j] + ns[j];
+    start[j + 1] = start[j] + (ns[j] + QPANEL - 1) / QPANEL;
+  }
+  const int64_t width = col[parts], kb = fmt[0] >= 0 ? k / QBLOCK : packed[0].size(1);
+  auto y = at::empty({m, width}, x.options());
+  thread_local QuantRows mine;
+  QuantRows& xr = mine;  // (the calling thread's, named so: the workers below have their own)
+  for (int64_t r0 = 0; r0 < m; r0 += QLINEAR_ROWS) {  // passes of rows, as qlinear's
+    const int64_t rows = std::min(QLINEAR_ROWS, m - r0);
+    DISPATCH_FLOAT_BF16(x, "qlinear_parts", [&] {
+      quantize_rows(ptr<scalar>(x) + r0 * x.stride(0), x.stride(0), rows, k, kb, act_bits == 16, xr, tiles_for(rows, false));
+      scalar* yp = ptr<scalar>(y) + r0 * width;
+      parallel_dynamic(start[parts], [&](int64_t begin, int64_t end) {
+        size_t j = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+        for (int64_t q = begin; q < end; ++q) {
+          while (q >= start[j + 1]) ++j;
+          const float* bd = biases[j].has_value() ? biases[j]->data_ptr<float>() : nullptr;
+          if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], xr, rows, bd, yp + col[j], width, ns[j], q - start[j], false);
+          else qpanel_of(packed[j], xr, rows, bd, yp + col[j], width, ns[j], q - start[j], HAS_VEC_QTILE);
+        }
+      });
+    });
+  }
+  return y;
+}
+
 // Several quantized linears in one parallel region: ys[j] (m_j, ns[j]) fp32 = xs[j] times
 // packed[j]^T, each x quantized once, the jobs' panels spread over the threads together (a
 // mixture of experts' chosen experts at decode: one region instead of a call, and a fork and
@@ -721,8 +770,8 @@ std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at:
       while (q >= start[j + 1]) ++j;
       const int64_t p = q - start[j], m = xs[j].size(0), n = ns[j];
       float* y = ys[j].data_ptr<float>();
-      if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], rows[j], m, y, n, p, false);
-      else qpanel_of(packed[j], rows[j], m, nullptr, y, n, p, HAS_VEC_QTILE);
+      if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], rows[j], m, nullptr, y, n, n, p, false);
+      else qpanel_of(packed[j], rows[j], m, nullptr, y, n, n, p, HAS_VEC_QTILE);
     }
   });
   return ys;
