@@ -794,7 +794,8 @@ void dequant_kfamily(const at::Tensor& packed, int f, int64_t k, const int64_t* 
   });
 }
 
-// Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, into fp32 y (m, n).
+// Panel p (outputs 16p ..) of a packed weight of format f times xr's m rows, plus bias, into y
+// (m, n; rows ldy apart): see quant.h.
 template <typename O>
 void kfamily_panel(const at::Tensor& packed, int f, const QuantRows& xr, int64_t m, const float* bias, O* y, int64_t ldy, int64_t n,
                    int64_t p, bool generic) {
