@@ -694,6 +694,22 @@ at::Tensor qlinear(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at:
   return y;
 }
 
+namespace {
+// f(j, p) for panel p of job j, every job's panels numbered one after another (start[j]: job j's
+// first; start.back(): the total), spread over the threads together: one parallel region for
+// several linears (qlinear_parts, qlinear_many).
+template <typename F>
+void parallel_panels(const std::vector<int64_t>& start, const F& f) {
+  parallel_dynamic(start.back(), [&](int64_t begin, int64_t end) {
+    size_t j = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+    for (int64_t q = begin; q < end; ++q) {
+      while (q >= start[j + 1]) ++j;
+      f(j, q - start[j]);
+    }
+  });
+}
+}  // namespace
+
 // The linears of one x side by side (a fused q/k/v or gate/up whose parts a file keeps in
 // different kinds, as a Q4_K_M file keeps v in Q6_K): y (M, sum ns) in x's dtype = x times each
 // part plus its bias, the parts' outputs in order. x is quantized once and every part's panels
@@ -726,14 +742,10 @@ at::Tensor qlinear_parts(at::Tensor x, std::vector<at::Tensor> packed, std::vect
     DISPATCH_FLOAT_BF16(x, "qlinear_parts", [&] {
       quantize_rows(ptr<scalar>(x) + r0 * x.stride(0), x.stride(0), rows, k, kb, act_bits == 16, xr, tiles_for(rows, false));
       scalar* yp = ptr<scalar>(y) + r0 * width;
-      parallel_dynamic(start[parts], [&](int64_t begin, int64_t end) {
-        size_t j = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
-        for (int64_t q = begin; q < end; ++q) {
-          while (q >= start[j + 1]) ++j;
-          const float* bd = biases[j].has_value() ? biases[j]->data_ptr<float>() : nullptr;
-          if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], xr, rows, bd, yp + col[j], width, ns[j], q - start[j], false);
-          else qpanel_of(packed[j], xr, rows, bd, yp + col[j], width, ns[j], q - start[j], HAS_VEC_QTILE);
-        }
+      parallel_panels(start, [&](size_t j, int64_t p) {
+        const float* bd = biases[j].has_value() ? biases[j]->data_ptr<float>() : nullptr;
+        if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], xr, rows, bd, yp + col[j], width, ns[j], p, false);
+        else qpanel_of(packed[j], xr, rows, bd, yp + col[j], width, ns[j], p, HAS_VEC_QTILE);
       });
     });
   }
@@ -764,15 +776,11 @@ std::vector<at::Tensor> qlinear_many(std::vector<at::Tensor> xs, std::vector<at:
     ys[j] = at::empty({m, ns[j]}, x.options().dtype(at::kFloat));
     start[j + 1] = start[j] + (m ? (ns[j] + QPANEL - 1) / QPANEL : 0);
   }
-  at::parallel_for(0, start[jobs], 1, [&](int64_t begin, int64_t end) {
-    size_t j = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
-    for (int64_t q = begin; q < end; ++q) {
-      while (q >= start[j + 1]) ++j;
-      const int64_t p = q - start[j], m = xs[j].size(0), n = ns[j];
-      float* y = ys[j].data_ptr<float>();
-      if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], rows[j], m, nullptr, y, n, n, p, false);
-      else qpanel_of(packed[j], rows[j], m, nullptr, y, n, n, p, HAS_VEC_QTILE);
-    }
+  parallel_panels(start, [&](size_t j, int64_t p) {
+    const int64_t m = xs[j].size(0), n = ns[j];
+    float* y = ys[j].data_ptr<float>();
+    if (fmt[j] >= 0) kfamily_panel(packed[j], fmt[j], rows[j], m, nullptr, y, n, n, p, false);
+    else qpanel_of(packed[j], rows[j], m, nullptr, y, n, n, p, HAS_VEC_QTILE);
   });
   return ys;
 }
